@@ -1,0 +1,147 @@
+"""ReFusion slot rules (plan, verify, reorder) as pure tensor functions.
+
+ReFusion cuts the response into **slots** (contiguous spans of masked positions, sizes
+4/8/16/32) and decodes in plan-and-infill rounds:
+
+* **plan**: one forward predicts every masked position; each masked slot is scored by
+  the probability of its first token (:func:`score_slots`), and the slots scoring over
+  the slot threshold are chosen, or the single best one if none is
+  (:func:`select_slots`);
+* **infill**: the chosen slots' drafts are verified by a causal pass; each slot keeps
+  the longest draft prefix whose tokens are probable enough (:func:`verify_slot_drafts`)
+  and the rest of the slot is completed in parallel;
+* **reorder**: decoded slots move before the masked ones, each token keeping its true
+  position id, so the causal KV cache of decoded slots is reused
+  (:func:`reorder_for_kv_reuse`).
+
+Threshold comparisons follow the paper's wording ("over tau"): slot scores must be
+strictly greater than ``slot_threshold``; a draft token is accepted when its
+probability is at least ``token_threshold``. The public GSAI-ML/ReFusion code was not
+reachable from here, so these rules are taken from the paper and REFERENCE.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from diffspec.core import PLACEHOLDER_TOKEN_ID
+
+__all__ = [
+    "SlotOrder",
+    "reorder_for_kv_reuse",
+    "score_slots",
+    "select_slots",
+    "verify_slot_drafts",
+]
+
+
+def score_slots(
+    first_logits: torch.Tensor,  # [..., num_slots, vocab]: logits at each slot's first position
+    is_masked: torch.Tensor | None = None,  # [..., num_slots] bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan score of each slot: the max probability at its first position.
+
+    Returns ``(scores [..., num_slots], first_tokens [..., num_slots])``: the softmax
+    probability of the most likely first token, and that token. Slots that are not
+    masked (``is_masked`` False) score -inf so that :func:`select_slots` never picks them.
+    """
+    probs = torch.softmax(first_logits.float(), dim=-1)
+    scores, tokens = probs.max(dim=-1)
+    if is_masked is not None:
+        scores = scores.masked_fill(~is_masked, float("-inf"))
+    return scores, tokens
+
+
+def select_slots(
+    scores: torch.Tensor,  # [..., num_slots], -inf for slots that cannot be chosen
+    slot_threshold: float,
+) -> torch.Tensor:  # [..., num_slots] bool
+    """Choose the slots to infill: every score > ``slot_threshold``, else the top-1.
+
+    The fallback picks the highest score (the lowest index on ties) and only among
+    finite scores, so a row with no selectable slot selects nothing.
+    """
+    selected = scores > slot_threshold
+    best = scores.argmax(dim=-1, keepdim=True)  # first maximal index on ties
+    top1 = torch.zeros_like(selected).scatter_(-1, best, True)
+    top1 &= torch.isfinite(scores)
+    none_passed = ~selected.any(dim=-1, keepdim=True)
+    return selected | (top1 & none_passed)
+
+
+def verify_slot_drafts(
+    draft_token_ids: torch.Tensor,  # [num_slots, slot_len] int64, PLACEHOLDER_TOKEN_ID padded
+    token_probs: torch.Tensor,  # [num_slots, slot_len]: causal-pass probability of each draft
+    token_threshold: float,
+) -> torch.Tensor:  # [num_slots] int64
+    """Number of accepted draft tokens per slot: the longest prefix with prob >= threshold.
+
+    ``token_probs[s, i]`` is the probability the causal verify pass gives draft token
+    i of slot s, given the context and drafts 0 .. i-1 of that slot. Acceptance stops
+    at the first token under ``token_threshold`` or at the first placeholder (-1). The
+    decoder then completes the slot from that point on (ReFusion's parallel suffix
+    completion); a slot with 0 accepted still progresses through that completion.
+    """
+    if draft_token_ids.shape != token_probs.shape:
+        raise ValueError(
+            f"draft_token_ids {tuple(draft_token_ids.shape)} and token_probs "
+            f"{tuple(token_probs.shape)} must have the same shape"
+        )
+    ok = (token_probs >= token_threshold) & (draft_token_ids != PLACEHOLDER_TOKEN_ID)
+    return ok.long().cumprod(dim=-1).sum(dim=-1)
+
+
+class SlotOrder(NamedTuple):
+    """Token permutation for KV reuse: ``tokens[perm]`` reorders, ``reordered[inverse]`` undoes."""
+
+    perm: torch.Tensor  # [num_tokens]: original index of each reordered token
+    inverse: torch.Tensor  # [num_tokens]: reordered index of each original token
+    position_ids: torch.Tensor  # [num_tokens]: true position of each reordered token
+
+
+def reorder_for_kv_reuse(
+    decode_step: Sequence[int] | torch.Tensor,  # [num_slots]: decode round, -1 if still masked
+    slot_sizes: int | Sequence[int] | torch.Tensor,  # int, or [num_slots]
+    start_position: int = 0,
+) -> SlotOrder:
+    """Token order that puts decoded slots before masked ones, with true position ids kept.
+
+    Slots are laid out contiguously in their original order (slot sizes given by
+    ``slot_sizes``; the first token of slot 0 has position ``start_position``). The new
+    order holds the decoded slots first, sorted by the round they were decoded in (the
+    order their KV entered the cache; original order breaks ties), then the masked
+    slots in original order. Tokens never move inside a slot. ``position_ids`` are the
+    original positions of the reordered tokens, so attention still sees the true layout.
+    """
+    step = torch.as_tensor(decode_step, dtype=torch.long)
+    if step.dim() != 1:
+        raise ValueError(f"decode_step must be 1-D, got {tuple(step.shape)}")
+    num_slots = step.shape[0]
+    if isinstance(slot_sizes, int):
+        sizes = torch.full((num_slots,), slot_sizes, dtype=torch.long, device=step.device)
+    else:
+        sizes = torch.as_tensor(slot_sizes, dtype=torch.long, device=step.device)
+    if sizes.shape != step.shape:
+        raise ValueError(
+            f"slot_sizes {tuple(sizes.shape)} must match decode_step {tuple(step.shape)}"
+        )
+    if num_slots and int(sizes.min()) < 1:
+        raise ValueError(f"slot sizes must be >= 1, got {sizes.tolist()}")
+
+    # Masked slots sort after every decoded one; stable sort keeps original order on ties.
+    masked_key = int(step.max()) + 1 if num_slots else 0
+    key = torch.where(step < 0, torch.full_like(step, masked_key), step)
+    slot_order = torch.sort(key, stable=True).indices  # [num_slots]
+    sorted_sizes = sizes[slot_order]
+    src_starts = (torch.cumsum(sizes, dim=0) - sizes)[slot_order]  # where each slot came from
+    dst_starts = torch.cumsum(sorted_sizes, dim=0) - sorted_sizes  # where it goes
+    within = torch.arange(int(sizes.sum()), device=step.device) - torch.repeat_interleave(
+        dst_starts, sorted_sizes
+    )
+    perm = torch.repeat_interleave(src_starts, sorted_sizes) + within  # [num_tokens]
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return SlotOrder(perm=perm, inverse=inverse, position_ids=perm + start_position)

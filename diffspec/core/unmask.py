@@ -1,0 +1,114 @@
+"""Confidence-threshold parallel unmasking (Fast-dLLM; NLD diffusion mode), pure tensor rules.
+
+One step of block diffusion decoding: the diffusion view predicts every position of the
+block; among the still-masked positions, those whose predicted token is confident
+enough are committed, and always at least the most confident one, so that every step
+makes progress. ``threshold >= 1.0`` therefore commits exactly one token per step (the
+most confident), the one-token-per-step reference.
+
+Comparison rule: a position passes when its confidence is *strictly greater* than the
+threshold, as in Fast-dLLM v2 (``unmask_idx = x1_p > threshold`` plus the row argmax)
+and NLD's linear self-spec. Fast-dLLM v1 (``llada/generate.py: get_transfer_index``)
+drops a candidate only when ``confidence < threshold``, i.e. it keeps ``>=``; the two
+differ only on exact ties with the threshold, and strict ``>`` is what makes
+``threshold = 1.0`` one token per step even when a probability rounds to exactly 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["confidence_unmask", "num_transfer_tokens", "shift_logits"]
+
+
+def shift_logits(
+    logits: torch.Tensor,  # [batch, block, vocab]
+    prev_logits: torch.Tensor | None = None,  # [batch, 1, vocab]
+) -> torch.Tensor:  # [batch, block, vocab]
+    """Align next-token logits with the positions they predict (Dream / Fast-dLLM v2 / Orthrus).
+
+    A causal-style head at position j predicts the token at j+1. After the shift, entry
+    j holds the logits *for* position j: ``out[:, j] = logits[:, j-1]`` for j >= 1. The
+    block's first position has no predictor inside the block; it gets ``prev_logits``
+    (the last logit before the block, as NLD's Dream-style path does) or, when that is
+    not given, a copy of ``logits[:, 0]`` (Fast-dLLM v2 and Orthrus:
+    ``cat(logits[:, :1], logits[:, :-1])``), which is harmless because the first
+    position (the anchor) is never masked. LLaDA-style heads (LLaDA, NLD by default)
+    are unshifted and must not go through this.
+    """
+    first = logits[:, :1] if prev_logits is None else prev_logits
+    return torch.cat([first, logits[:, :-1]], dim=1)
+
+
+def confidence_unmask(
+    logits: torch.Tensor,  # [batch, block, vocab], aligned: entry j predicts canvas[:, j]
+    canvas: torch.Tensor,  # [batch, block] int64, mask_token_id where still masked
+    mask_token_id: int,
+    threshold: float,
+    *,
+    min_tokens: int = 1,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Fast-dLLM unmasking step: ``(new_canvas [batch, block], unmasked [batch, block])``.
+
+    Per row: predict x0 at every position (argmax, or a sample from
+    ``softmax(logits / temperature)`` when ``temperature > 0``) with confidence = the
+    probability of x0 under that same distribution. Among masked positions, commit
+    every one with confidence > ``threshold`` and, in any case, the ``min_tokens`` most
+    confident ones (fewer if fewer are masked). Ties in confidence go to the lower index.
+    Positions that are not masked never change; a row with nothing masked is returned
+    as is. ``unmasked`` marks the positions committed by this step.
+    """
+    if logits.dim() != 3 or canvas.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [batch, block, vocab] and canvas [batch, block]; "
+            f"got {tuple(logits.shape)} and {tuple(canvas.shape)}"
+        )
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+    is_masked = canvas == mask_token_id  # [batch, block]
+    scores = logits.float()
+    if temperature > 0:
+        probs = torch.softmax(scores / temperature, dim=-1)
+        flat = probs.reshape(-1, probs.shape[-1])
+        x0 = torch.multinomial(flat, 1, generator=generator).view(canvas.shape)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+        x0 = probs.argmax(dim=-1)  # first maximal index on ties
+    confidence = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)  # [batch, block]
+    confidence = confidence.masked_fill(~is_masked, float("-inf"))
+
+    # Rank positions by confidence, stable so that ties keep index order.
+    order = torch.sort(confidence, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )
+    quota = is_masked.sum(dim=-1, keepdim=True).clamp(max=min_tokens)  # [batch, 1]
+    selected = is_masked & ((confidence > threshold) | (rank < quota))
+
+    new_canvas = torch.where(selected, x0.to(canvas.dtype), canvas)
+    return new_canvas, selected
+
+
+def num_transfer_tokens(
+    mask_count: int | torch.Tensor,  # scalar or [batch]
+    steps: int,
+) -> torch.Tensor:  # [steps] or [batch, steps] int64
+    """LLaDA's fixed schedule: split ``mask_count`` masked tokens evenly over ``steps`` steps.
+
+    Each step unmasks ``mask_count // steps`` tokens; the first ``mask_count % steps``
+    steps take one more (Fast-dLLM / LLaDA ``get_num_transfer_tokens``).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    count = torch.as_tensor(mask_count, dtype=torch.long)
+    if count.numel() and int(count.min()) < 0:
+        raise ValueError(f"mask_count must be >= 0, got {count.tolist()}")
+    step = torch.arange(steps, device=count.device)
+    base = torch.div(count, steps, rounding_mode="floor")[..., None]
+    extra = (step < (count % steps)[..., None]).long()
+    return base + extra

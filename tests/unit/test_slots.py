@@ -1,0 +1,172 @@
+"""ReFusion slot rules (plan, verify, reorder) on hand-built probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec.core.slots import reorder_for_kv_reuse, score_slots, select_slots, verify_slot_drafts
+
+VOCAB = 6
+
+
+def first_logits(probs: list[tuple[int, float]]) -> torch.Tensor:
+    """[num_slots, VOCAB] logits putting probability p on token t, the rest spread evenly."""
+    out = torch.empty(len(probs), VOCAB)
+    for s, (token, p) in enumerate(probs):
+        row = torch.full((VOCAB,), (1.0 - p) / (VOCAB - 1))
+        row[token] = p
+        out[s] = row.log()
+    return out
+
+
+# ---------------------------------------------------------------- plan: score and select
+
+
+def test_score_is_max_probability_at_first_position() -> None:
+    scores, tokens = score_slots(first_logits([(2, 0.9), (4, 0.5), (1, 0.3)]))
+    torch.testing.assert_close(scores, torch.tensor([0.9, 0.5, 0.3]))
+    assert tokens.tolist() == [2, 4, 1]
+
+
+def test_score_decoded_slots_are_neg_inf() -> None:
+    scores, _ = score_slots(
+        first_logits([(2, 0.9), (4, 0.5)]), is_masked=torch.tensor([False, True])
+    )
+    assert torch.isneginf(scores[0]) and scores[1] > 0
+
+
+def test_score_batched() -> None:
+    logits = torch.stack([first_logits([(1, 0.8), (2, 0.4)]), first_logits([(3, 0.6), (0, 0.95)])])
+    scores, tokens = score_slots(logits)
+    assert scores.shape == (2, 2)
+    assert tokens.tolist() == [[1, 2], [3, 0]]
+
+
+def test_select_all_over_threshold() -> None:
+    scores = torch.tensor([0.95, 0.2, 0.91, 0.5])
+    assert select_slots(scores, 0.9).tolist() == [True, False, True, False]
+
+
+def test_select_all_when_threshold_is_low() -> None:
+    scores = torch.tensor([0.95, 0.2, 0.91, 0.5])
+    assert select_slots(scores, 0.0).all()
+
+
+def test_select_none_passes_falls_back_to_top1() -> None:
+    scores = torch.tensor([0.3, 0.7, 0.5])
+    assert select_slots(scores, 0.9).tolist() == [False, True, False]
+
+
+def test_select_threshold_one_forces_top1() -> None:
+    scores = torch.tensor([0.99, 1.0, 0.5])
+    assert select_slots(scores, 1.0).tolist() == [False, True, False]
+
+
+def test_select_equal_to_threshold_does_not_pass() -> None:
+    scores = torch.tensor([0.9, 0.8])
+    assert select_slots(scores, 0.9).tolist() == [True, False]  # only via the top-1 fallback
+    assert select_slots(torch.tensor([0.9, 0.95]), 0.9).tolist() == [False, True]
+
+
+def test_select_top1_tie_goes_to_lower_index() -> None:
+    assert select_slots(torch.tensor([0.4, 0.6, 0.6]), 0.9).tolist() == [False, True, False]
+
+
+def test_select_skips_decoded_slots() -> None:
+    scores = torch.tensor([float("-inf"), 0.2, float("-inf")])
+    assert select_slots(scores, 0.9).tolist() == [False, True, False]
+    assert not select_slots(torch.full((3,), float("-inf")), 0.9).any()
+
+
+def test_select_batched_rows_independent() -> None:
+    scores = torch.tensor([[0.95, 0.2], [0.3, 0.4], [float("-inf"), float("-inf")]])
+    assert select_slots(scores, 0.9).tolist() == [[True, False], [False, True], [False, False]]
+
+
+# ---------------------------------------------------------------- infill: verify drafts
+
+
+def test_verify_accepts_longest_prefix_over_threshold() -> None:
+    drafts = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    probs = torch.tensor(
+        [
+            [0.9, 0.8, 0.7, 0.6],  # all pass
+            [0.9, 0.3, 0.9, 0.9],  # stops at the first failure, later passes do not count
+            [0.1, 0.9, 0.9, 0.9],  # first token fails
+        ]
+    )
+    assert verify_slot_drafts(drafts, probs, 0.4).tolist() == [4, 1, 0]
+
+
+def test_verify_threshold_is_inclusive() -> None:
+    drafts = torch.tensor([[1, 2, 3]])
+    probs = torch.tensor([[0.4, 0.4, 0.39]])
+    assert verify_slot_drafts(drafts, probs, 0.4).tolist() == [2]
+
+
+def test_verify_stops_at_placeholder() -> None:
+    drafts = torch.tensor([[1, 2, -1, -1], [-1, -1, -1, -1]])
+    probs = torch.ones(2, 4)
+    assert verify_slot_drafts(drafts, probs, 0.4).tolist() == [2, 0]
+
+
+def test_verify_threshold_zero_accepts_everything_and_one_almost_nothing() -> None:
+    drafts = torch.tensor([[1, 2, 3]])
+    probs = torch.tensor([[0.2, 0.99, 0.5]])
+    assert verify_slot_drafts(drafts, probs, 0.0).tolist() == [3]
+    assert verify_slot_drafts(drafts, probs, 1.0).tolist() == [0]
+
+
+def test_verify_empty_and_shape_mismatch() -> None:
+    empty = verify_slot_drafts(torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4), 0.5)
+    assert empty.shape == (0,)
+    with pytest.raises(ValueError):
+        verify_slot_drafts(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4), 0.5)
+
+
+# ---------------------------------------------------------------- reorder for KV reuse
+
+
+def test_reorder_decoded_slots_first_in_decode_order() -> None:
+    # 4 slots of 2 tokens; slot 2 decoded in round 0, slot 0 in round 1; 1 and 3 masked.
+    order = reorder_for_kv_reuse([1, -1, 0, -1], 2)
+    assert order.perm.tolist() == [4, 5, 0, 1, 2, 3, 6, 7]
+    assert order.position_ids.tolist() == [4, 5, 0, 1, 2, 3, 6, 7]
+
+
+def test_reorder_round_trip_restores_original_order() -> None:
+    tokens = torch.arange(100, 110)
+    order = reorder_for_kv_reuse([-1, 2, 0, -1, 2], [1, 3, 2, 2, 2], start_position=7)
+    reordered = tokens[order.perm]
+    assert torch.equal(reordered[order.inverse], tokens)
+    assert torch.equal(order.perm[order.inverse], torch.arange(10))
+    assert torch.equal(order.inverse[order.perm], torch.arange(10))
+
+
+def test_reorder_keeps_true_position_ids() -> None:
+    positions = torch.arange(10) + 7
+    order = reorder_for_kv_reuse([-1, 2, 0, -1, 2], [1, 3, 2, 2, 2], start_position=7)
+    assert torch.equal(order.position_ids, positions[order.perm])
+    # Slot 2 (round 0) first, then slots 1 and 4 (round 2, original order), then 0 and 3.
+    assert order.position_ids.tolist() == [11, 12, 8, 9, 10, 15, 16, 7, 13, 14]
+
+
+def test_reorder_tokens_never_move_inside_a_slot() -> None:
+    order = reorder_for_kv_reuse([3, -1, 1], 4)
+    chunks = order.perm.view(3, 4)
+    assert ((chunks[:, 1:] - chunks[:, :-1]) == 1).all()
+
+
+def test_reorder_all_masked_or_all_decoded_in_order_is_identity() -> None:
+    assert reorder_for_kv_reuse([-1, -1, -1], 2).perm.tolist() == list(range(6))
+    assert reorder_for_kv_reuse([0, 1, 2], 2).perm.tolist() == list(range(6))
+
+
+def test_reorder_empty_and_invalid() -> None:
+    order = reorder_for_kv_reuse([], 4)
+    assert order.perm.numel() == 0 and order.inverse.numel() == 0
+    with pytest.raises(ValueError):
+        reorder_for_kv_reuse([0, 1], [2])
+    with pytest.raises(ValueError):
+        reorder_for_kv_reuse([0, 1], [2, 0])
