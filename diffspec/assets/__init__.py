@@ -1,0 +1,12 @@
+"""Files shipped inside the package (no torch import here).
+
+``synth-qwen3/``: the small bundled model the demo runs: a 2-layer Qwen3 trained on the
+synthetic language of :mod:`diffspec.testing.synthetic` (see its ``TRAINING.md``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent
+SYNTH_QWEN3_DIR = ASSETS_DIR / "synth-qwen3"

@@ -1,0 +1,367 @@
+"""The reference decoder: engine-free, one request at a time, clarity first.
+
+This is the oracle every engine path is checked against. It runs a transformers causal LM
+with its ``DynamicCache`` and the core rules (:mod:`diffspec.core.sampling`,
+:mod:`diffspec.core.accept`):
+
+* :func:`ar_generate`: plain autoregressive decoding, one token per forward;
+* :func:`speculative_generate`: draft -> verify -> accept -> commit, with any
+  :class:`Drafter` (here :class:`NgramDrafter`, prompt lookup).
+
+KV convention (see :mod:`diffspec.core`): the **anchor** is the last committed token and is
+*not* in the KV cache. The cache holds the KV of ``token_ids[:-1]``; a step feeds
+``[anchor, d_1 .. d_n]``, and the commit rolls the cache back to the new committed length
+minus one with ``DynamicCache.crop`` (moving the length, never copying).
+
+Sampling: greedy requests take the argmax. Seeded sampled requests use coupled sampling: the
+token at absolute sequence index ``i`` (prompt tokens are ``0 .. len(prompt) - 1``) is
+``coupled_sample(processed_logits, position_gumbel_noise(seed, [i]))``, so AR and
+speculative runs agree token for token. Unseeded sampled requests draw from a
+``torch.Generator`` (not reproducible; rejection sampling in speculative decoding).
+
+Counting forwards (``RequestOutput.num_forwards``): the prefill of the prompt is **not**
+counted; every model call after it counts one. An AR step is one forward; a speculative
+step is one verify forward plus ``drafter.forwards_per_propose`` (1 for a neural drafter,
+so a draft + verify cycle counts two; 0 for an n-gram lookup, which is not a forward).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from diffspec.core.accept import (
+    AcceptOutput,
+    coupled_accept,
+    greedy_accept,
+    rejection_sample_accept,
+    truncate_at_stop,
+)
+from diffspec.core.sampling import (
+    SamplingParams,
+    coupled_sample,
+    position_gumbel_noise,
+    probs_from_logits,
+    process_logits,
+    sample_from_probs,
+)
+
+__all__ = [
+    "Drafter",
+    "NgramDrafter",
+    "Request",
+    "RequestOutput",
+    "ar_generate",
+    "speculative_generate",
+]
+
+AcceptMode = Literal["auto", "greedy", "coupled", "rejection"]
+
+
+@dataclass
+class Request:
+    """One generation request. ``stop_token_ids`` usually holds the EOS ids; stop strings are
+    matched on the decoded output (``skip_special_tokens=True``) and need a tokenizer."""
+
+    prompt_token_ids: list[int]  # [prompt_len]
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop_strings = tuple(self.stop_strings)
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if any(t < 0 for t in self.prompt_token_ids):
+            raise ValueError("prompt_token_ids must be >= 0")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling)}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings must be non-empty strings")
+
+    def check_fits(self, max_len: int, vocab_size: int) -> None:
+        """Raise ``ValueError`` unless prompt + max_tokens fits the model's context."""
+        total = len(self.prompt_token_ids) + self.max_tokens
+        if total > max_len:
+            raise ValueError(
+                f"prompt ({len(self.prompt_token_ids)} tokens) + max_tokens ({self.max_tokens}) "
+                f"= {total} exceeds the model's context length (max_position_embeddings = "
+                f"{max_len})"
+            )
+        if max(self.prompt_token_ids) >= vocab_size:
+            raise ValueError(f"prompt_token_ids must be < vocab_size ({vocab_size})")
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced, and how many forwards it took."""
+
+    token_ids: list[int] = field(default_factory=list)  # [num_generated], stop token included
+    finish_reason: Literal["stop", "length"] | None = None
+    num_forwards: int = 0  # model calls after the prefill (see the module docstring)
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
+    num_draft_tokens: int = 0  # drafts proposed and verified, in all
+    num_accepted_tokens: int = 0  # drafts the accept rule passed, before stop / length cuts
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per forward (generated tokens / forwards after prefill)."""
+        return len(self.token_ids) / max(1, self.num_forwards)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Mean tokens emitted per step (accepted drafts + the recovered / bonus token)."""
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+    @property
+    def acceptance_histogram(self) -> list[int]:
+        """``hist[k]`` = number of steps that emitted ``k`` tokens."""
+        counts = Counter(self.accept_lengths)
+        return [counts.get(k, 0) for k in range(max(counts, default=0) + 1)]
+
+
+class Drafter(Protocol):
+    """Proposes up to ``num_tokens`` draft tokens after ``token_ids`` (prompt + generated).
+
+    Returns the draft ids and, optionally, their draft probabilities ``[n, vocab]`` (``None``
+    means point-mass drafts). ``forwards_per_propose`` is the number of neural forwards one
+    call costs (0 for a lookup)."""
+
+    forwards_per_propose: int
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], Tensor | None]:
+        ...
+
+
+@dataclass
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the last ``n`` tokens
+    (``n = n_max`` down to ``n_min``) and propose the tokens that followed it."""
+
+    n_max: int = 3
+    n_min: int = 1
+    forwards_per_propose: int = field(default=0, init=False, repr=False)  # a lookup
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={self.n_min} n_max={self.n_max}")
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], Tensor | None]:
+        if num_tokens <= 0:
+            return [], None
+        length = len(token_ids)
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            suffix = token_ids[length - n :]
+            for start in range(length - n - 1, -1, -1):  # most recent earlier occurrence
+                if token_ids[start : start + n] == suffix:
+                    return token_ids[start + n : start + n + num_tokens], None
+        return [], None
+
+
+# ------------------------------------------------------------------------ shared machinery
+
+
+@dataclass
+class _Run:
+    """One request in flight: committed tokens, the KV cache of all but the anchor."""
+
+    request: Request
+    token_ids: list[int]  # [prompt_len + num_generated]; token_ids[-1] is the anchor
+    cache: object  # DynamicCache holding the KV of token_ids[:-1]
+    output: RequestOutput
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - len(self.output.token_ids)
+
+
+@torch.inference_mode()
+def _forward(model, cache, token_ids: list[int]) -> Tensor:  # -> [len(token_ids), vocab]
+    """One causal forward of ``token_ids`` on top of ``cache`` (which it extends)."""
+    start = cache.get_seq_length()
+    input_ids = torch.tensor([token_ids], device=model.device)  # [1, S]
+    position_ids = torch.arange(start, start + len(token_ids), device=model.device)[None]
+    out = model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
+                use_cache=True)
+    return out.logits[0].float()
+
+
+def _rollback(cache, length: int) -> None:
+    """Roll the KV cache back to ``length`` tokens by moving its length (no copy)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)  # transformers >= 5: a negative count removes that many tokens
+
+
+def _start(model, request: Request) -> _Run:
+    """Validate ``request`` against the model and prefill all prompt tokens but the anchor."""
+    from transformers import DynamicCache
+
+    request.check_fits(model.config.max_position_embeddings, model.config.vocab_size)
+    cache = DynamicCache(config=model.config)
+    if len(request.prompt_token_ids) > 1:
+        _forward(model, cache, request.prompt_token_ids[:-1])  # prefill: not counted
+    return _Run(request, list(request.prompt_token_ids), cache, RequestOutput())
+
+
+def _hits_stop_string(run: _Run, tokenizer, new_tokens: list[int]) -> int | None:
+    """How many of ``new_tokens`` to keep if one completes a stop string, else ``None``."""
+    if not run.request.stop_strings:
+        return None
+    if tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer (pass tokenizer=...)")
+    for i in range(len(new_tokens)):
+        ids = run.output.token_ids + new_tokens[: i + 1]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if any(s in text for s in run.request.stop_strings):
+            return i + 1
+    return None
+
+
+def _commit(run: _Run, emitted: list[int], tokenizer) -> None:
+    """Append the emitted tokens, cut at max_tokens, a stop token or a stop string."""
+    emitted = emitted[: run.remaining]
+    keep = truncate_at_stop(emitted, run.request.stop_token_ids)
+    stopped = any(t in run.request.stop_token_ids for t in emitted[:keep])
+    by_string = _hits_stop_string(run, tokenizer, emitted[:keep])
+    if by_string is not None:
+        keep, stopped = by_string, True
+    emitted = emitted[:keep]
+    run.token_ids += emitted
+    run.output.token_ids += emitted
+    run.output.accept_lengths.append(len(emitted))
+    if stopped:
+        run.output.finish_reason = "stop"
+    elif run.remaining == 0:
+        run.output.finish_reason = "length"
+
+
+def _sample(logits: Tensor, params: SamplingParams, position: int, generator) -> int:
+    """The AR rule for one position: ``logits`` [vocab] predicts sequence index ``position``."""
+    if params.is_greedy:
+        return int(logits.argmax())
+    processed = process_logits(logits[None], params.temperature, params.top_k, params.top_p)
+    if params.seed is None:
+        return int(sample_from_probs(torch.softmax(processed, -1), generator)[0])
+    noise = position_gumbel_noise(params.seed, [position], logits.shape[-1])  # [1, vocab]
+    return int(coupled_sample(processed, noise)[0])
+
+
+# ------------------------------------------------------------------------------ decoders
+
+
+def ar_generate(model, requests: list[Request], tokenizer=None) -> list[RequestOutput]:
+    """Plain autoregressive decoding, one token per forward (the oracle)."""
+    outputs = []
+    for request in requests:
+        run = _start(model, request)
+        while run.output.finish_reason is None:
+            logits = _forward(model, run.cache, run.token_ids[-1:])  # [1, vocab]
+            run.output.num_forwards += 1
+            token = _sample(logits[0], request.sampling, len(run.token_ids), None)
+            _commit(run, [token], tokenizer)
+        outputs.append(run.output)
+    return outputs
+
+
+def _accept_mode(request: Request, accept: AcceptMode) -> str:
+    params = request.sampling
+    if accept == "auto":
+        if params.is_greedy:
+            return "greedy"
+        return "coupled" if params.seed is not None else "rejection"
+    if accept == "greedy" and not params.is_greedy:
+        raise ValueError("accept='greedy' needs a greedy request (temperature 0)")
+    if accept == "coupled" and params.seed is None and not params.is_greedy:
+        raise ValueError("accept='coupled' needs a seeded request (SamplingParams.seed)")
+    if accept not in ("greedy", "coupled", "rejection"):
+        raise ValueError(f"accept must be auto, greedy, coupled or rejection, got {accept!r}")
+    return accept
+
+
+def _accept(
+    mode: str,
+    params: SamplingParams,
+    drafts: list[int],  # [n]
+    draft_probs: Tensor | None,  # [n, vocab] or None
+    logits: Tensor,  # [n + 1, vocab] raw target logits of [anchor, d_1 .. d_n]
+    first_position: int,  # sequence index that logits[0] predicts
+    generator: torch.Generator | None,
+) -> AcceptOutput:
+    draft_ids = torch.tensor([drafts], dtype=torch.long, device=logits.device)  # [1, n]
+    if mode == "greedy":
+        return greedy_accept(draft_ids, logits[None])
+    if mode == "coupled":
+        processed = process_logits(logits, params.temperature, params.top_k, params.top_p)
+        positions = range(first_position, first_position + len(drafts) + 1)
+        noise = position_gumbel_noise(params.seed, list(positions), logits.shape[-1])
+        return coupled_accept(draft_ids, processed[None], noise[None].to(logits.device))
+    q = None if draft_probs is None else draft_probs[None].to(logits.device)  # [1, n, vocab]
+    return rejection_sample_accept(draft_ids, q, probs_from_logits(logits, params)[None],
+                                   generators=generator)
+
+
+def speculative_generate(
+    model,
+    drafter: Drafter,
+    requests: list[Request],
+    num_draft_tokens: int,
+    accept: AcceptMode = "auto",
+    tokenizer=None,
+) -> list[RequestOutput]:
+    """Speculative decoding: draft -> verify -> accept -> commit, until a stop.
+
+    ``accept="auto"`` uses greedy acceptance for greedy requests, coupled acceptance for
+    seeded sampled requests (equal to :func:`ar_generate` token for token) and rejection
+    sampling for unseeded ones; ``"rejection"`` forces rejection sampling (seeded from the
+    request's seed when it has one: equal to AR in distribution, not token for token).
+    """
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    max_len = model.config.max_position_embeddings
+    forwards_per_propose = getattr(drafter, "forwards_per_propose", 0)
+    outputs = []
+    for request in requests:
+        mode = _accept_mode(request, accept)
+        generator = None
+        if mode == "rejection" and request.sampling.seed is not None:
+            generator = torch.Generator(device=model.device).manual_seed(request.sampling.seed)
+        run = _start(model, request)
+        while run.output.finish_reason is None:
+            committed = len(run.token_ids)  # the anchor is token committed - 1
+            # Never draft past max_tokens (accepted + 1 <= remaining) or the context.
+            n = min(num_draft_tokens, run.remaining - 1, max_len - committed)
+
+            # draft
+            drafts, draft_probs = drafter.propose(run.token_ids, n) if n > 0 else ([], None)
+            drafts = list(drafts[:n])
+            draft_probs = None if draft_probs is None else draft_probs[: len(drafts)]
+            run.output.num_forwards += forwards_per_propose if n > 0 else 0
+
+            # verify: one causal forward over [anchor, d_1 .. d_n]
+            logits = _forward(model, run.cache, [run.token_ids[-1], *drafts])  # [n + 1, vocab]
+            run.output.num_forwards += 1
+
+            # accept
+            result = _accept(mode, request.sampling, drafts, draft_probs, logits,
+                             committed, generator)
+            emitted = result.tokens(0)
+            run.output.num_draft_tokens += len(drafts)
+            run.output.num_accepted_tokens += int(result.num_accepted[0])
+
+            # commit: the last emitted token becomes the anchor, outside the cache
+            _commit(run, emitted, tokenizer)
+            _rollback(run.cache, len(run.token_ids) - 1)
+        outputs.append(run.output)
+    return outputs

@@ -1,0 +1,53 @@
+"""The ``diffspec`` command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diffspec.cli import NOT_BUILT_METHODS, main
+
+
+def test_help_lists_methods_and_imports_no_torch():
+    code = ("import sys, diffspec.cli; assert 'torch' not in sys.modules; "
+            "diffspec.cli.main(['generate', '--help'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for method in ("ar", "ngram", *NOT_BUILT_METHODS):
+        assert method in result.stdout
+    assert "not built yet" in result.stdout
+
+
+def test_demo_runs_and_is_lossless(capsys):
+    assert main(["demo", "--num-prompts", "2", "--max-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "== AR" in out and " NO" not in out
+    assert "lossless check: speculative == AR" in out
+
+
+def test_generate_runs(capsys):
+    assert main(["generate", "--prompt", "hello world", "--chat", "--max-tokens", "8",
+                 "--temperature", "0.8", "--seed", "1"]) == 0
+    assert "TPF" in capsys.readouterr().err
+
+
+BAD_GENERATE = {
+    # name: (extra args, message on stderr)
+    "negative_temperature": (["--temperature", "-1"], "temperature must be"),
+    "bad_top_p": (["--top-p", "0"], "top_p must be"),
+    "not_built_method": (["--method", "orthrus"], "not built yet"),
+    "unknown_model_path": (["--model", "/nonexistent/model"], "not a local checkpoint"),
+    "prompt_too_long": (["--max-tokens", "100000"], "exceeds the model's context length"),
+    "zero_max_tokens": (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_GENERATE))
+def test_generate_bad_params_exit_2(name, capsys):
+    extra, message = BAD_GENERATE[name]
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hello", *extra])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
