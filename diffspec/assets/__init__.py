@@ -10,3 +10,4 @@ from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent
 SYNTH_QWEN3_DIR = ASSETS_DIR / "synth-qwen3"
+SYNTH_REFUSION_DIR = ASSETS_DIR / "synth-refusion"

@@ -8,16 +8,19 @@ ReFusion cuts the response into **slots** (contiguous spans of masked positions,
   the slot threshold are chosen, or the single best one if none is
   (:func:`select_slots`);
 * **infill**: the chosen slots' drafts are verified by a causal pass; each slot keeps
-  the longest draft prefix whose tokens are probable enough (:func:`verify_slot_drafts`)
-  and the rest of the slot is completed in parallel;
+  its first token (the plan's own choice) and the longest run of drafts after it whose
+  probabilities are over the token threshold (:func:`verify_slot_drafts`); the rest of
+  the slot is completed in parallel (draft pass, verify pass, repeat), and an accepted
+  stop token ends its slot (:func:`first_stop_in_slots`);
 * **reorder**: decoded slots move before the masked ones, each token keeping its true
   position id, so the causal KV cache of decoded slots is reused
   (:func:`reorder_for_kv_reuse`).
 
-Threshold comparisons follow the paper's wording ("over tau"): slot scores must be
-strictly greater than ``slot_threshold``; a draft token is accepted when its
-probability is at least ``token_threshold``. The public GSAI-ML/ReFusion code was not
-reachable from here, so these rules are taken from the paper and REFERENCE.md.
+The rules follow the published code (``ML-GSAI/ReFusion``, ``generate.py``,
+``generate_refusion``): both thresholds are strict (``score > slot_threshold``,
+``prob > token_threshold``), the top-1 slot is the fallback when no score passes, and
+the token at the first open position of a slot is always kept ("keep at least one
+token"), which guarantees that every verify pass makes progress.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from diffspec.core import PLACEHOLDER_TOKEN_ID
 
 __all__ = [
     "SlotOrder",
+    "first_stop_in_slots",
     "reorder_for_kv_reuse",
     "score_slots",
     "select_slots",
@@ -76,22 +80,51 @@ def verify_slot_drafts(
     draft_token_ids: torch.Tensor,  # [num_slots, slot_len] int64, PLACEHOLDER_TOKEN_ID padded
     token_probs: torch.Tensor,  # [num_slots, slot_len]: causal-pass probability of each draft
     token_threshold: float,
+    num_accepted: torch.Tensor | None = None,  # [num_slots]: accepted before this pass (0)
 ) -> torch.Tensor:  # [num_slots] int64
-    """Number of accepted draft tokens per slot: the longest prefix with prob >= threshold.
+    """New number of accepted tokens per slot after one causal verify pass.
 
-    ``token_probs[s, i]`` is the probability the causal verify pass gives draft token
-    i of slot s, given the context and drafts 0 .. i-1 of that slot. Acceptance stops
-    at the first token under ``token_threshold`` or at the first placeholder (-1). The
-    decoder then completes the slot from that point on (ReFusion's parallel suffix
-    completion); a slot with 0 accepted still progresses through that completion.
+    ``token_probs[s, i]`` is the probability the verify pass gives token i of slot s,
+    given the context and tokens 0 .. i-1 of that slot. A slot keeps its first
+    ``num_accepted`` tokens (0 at the plan's global verification), then the token at the
+    first open position, unconditionally: it is the model's own choice there (the plan's
+    for a slot's first token, the draft pass's later), so every pass makes progress;
+    then the longest run of drafts after it with probability strictly over
+    ``token_threshold``. ``token_probs`` at positions ``<= num_accepted`` are ignored.
+    Acceptance stops at the first placeholder (-1).
     """
     if draft_token_ids.shape != token_probs.shape:
         raise ValueError(
             f"draft_token_ids {tuple(draft_token_ids.shape)} and token_probs "
             f"{tuple(token_probs.shape)} must have the same shape"
         )
-    ok = (token_probs >= token_threshold) & (draft_token_ids != PLACEHOLDER_TOKEN_ID)
+    index = torch.arange(draft_token_ids.shape[-1], device=draft_token_ids.device)
+    if num_accepted is None:
+        num_accepted = torch.zeros(draft_token_ids.shape[:-1], dtype=torch.long,
+                                   device=draft_token_ids.device)
+    kept = index <= num_accepted[..., None]  # accepted before + the forced token
+    ok = (kept | (token_probs > token_threshold)) & (draft_token_ids != PLACEHOLDER_TOKEN_ID)
     return ok.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def first_stop_in_slots(
+    token_ids: torch.Tensor,  # [num_slots, slot_len] int64
+    num_accepted: torch.Tensor,  # [num_slots]: accepted prefix length of each slot
+    stop_token_ids: Sequence[int],
+) -> torch.Tensor:  # [num_slots] int64
+    """Index of the first accepted stop token in each slot, ``-1`` where there is none.
+
+    An accepted stop token ends its slot (the tokens after it are dropped) and ends the
+    generation after it: the decoder commits the slots up to the first one with a stop
+    and removes the masked slots that lie after it.
+    """
+    if not stop_token_ids:
+        return torch.full_like(num_accepted, -1)
+    stops = torch.as_tensor(list(stop_token_ids), dtype=token_ids.dtype, device=token_ids.device)
+    index = torch.arange(token_ids.shape[-1], device=token_ids.device)
+    hit = torch.isin(token_ids, stops) & (index < num_accepted[..., None])
+    first = hit.long().argmax(dim=-1)  # first True, 0 when none
+    return torch.where(hit.any(dim=-1), first, torch.full_like(first, -1))
 
 
 class SlotOrder(NamedTuple):

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffspec.core.slots import reorder_for_kv_reuse, score_slots, select_slots, verify_slot_drafts
+from diffspec.core.slots import (
+    first_stop_in_slots,
+    reorder_for_kv_reuse,
+    score_slots,
+    select_slots,
+    verify_slot_drafts,
+)
 
 VOCAB = 6
 
@@ -85,24 +91,36 @@ def test_select_batched_rows_independent() -> None:
 
 
 # ---------------------------------------------------------------- infill: verify drafts
+# Rules of ML-GSAI/ReFusion generate.py: the first open token is always kept, then the
+# longest run with prob strictly over the threshold.
 
 
-def test_verify_accepts_longest_prefix_over_threshold() -> None:
-    drafts = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+def test_verify_keeps_first_token_then_longest_run_over_threshold() -> None:
+    drafts = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     probs = torch.tensor(
         [
             [0.9, 0.8, 0.7, 0.6],  # all pass
             [0.9, 0.3, 0.9, 0.9],  # stops at the first failure, later passes do not count
-            [0.1, 0.9, 0.9, 0.9],  # first token fails
+            [0.1, 0.9, 0.9, 0.9],  # first token is the plan's choice: kept whatever its prob
+            [0.9, 0.1, 0.1, 0.1],  # only the first token
         ]
     )
-    assert verify_slot_drafts(drafts, probs, 0.4).tolist() == [4, 1, 0]
+    assert verify_slot_drafts(drafts, probs, 0.4).tolist() == [4, 1, 4, 1]
 
 
-def test_verify_threshold_is_inclusive() -> None:
+def test_verify_threshold_is_strict() -> None:
     drafts = torch.tensor([[1, 2, 3]])
-    probs = torch.tensor([[0.4, 0.4, 0.39]])
+    probs = torch.tensor([[0.0, 0.41, 0.4]])
     assert verify_slot_drafts(drafts, probs, 0.4).tolist() == [2]
+
+
+def test_verify_continues_after_accepted_prefix() -> None:
+    drafts = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])
+    probs = torch.tensor([[0.0, 0.0, 0.0, 0.9, 0.1]] * 3)  # ignored at positions <= accepted
+    accepted = torch.tensor([2, 1, 5])
+    # row 0: keeps 2, forced 3rd token, 4th passes (0.9), 5th fails -> 4
+    # row 1: keeps 1, forced 2nd, 3rd fails -> 2;  row 2: already complete -> 5
+    assert verify_slot_drafts(drafts, probs, 0.5, accepted).tolist() == [4, 2, 5]
 
 
 def test_verify_stops_at_placeholder() -> None:
@@ -111,11 +129,12 @@ def test_verify_stops_at_placeholder() -> None:
     assert verify_slot_drafts(drafts, probs, 0.4).tolist() == [2, 0]
 
 
-def test_verify_threshold_zero_accepts_everything_and_one_almost_nothing() -> None:
+def test_verify_threshold_zero_accepts_everything_and_one_only_the_forced_token() -> None:
     drafts = torch.tensor([[1, 2, 3]])
-    probs = torch.tensor([[0.2, 0.99, 0.5]])
+    probs = torch.tensor([[0.2, 0.01, 0.5]])
     assert verify_slot_drafts(drafts, probs, 0.0).tolist() == [3]
-    assert verify_slot_drafts(drafts, probs, 1.0).tolist() == [0]
+    assert verify_slot_drafts(drafts, torch.ones(1, 3), 1.0).tolist() == [1]
+    assert verify_slot_drafts(drafts, torch.ones(1, 3), 1.0, torch.tensor([1])).tolist() == [2]
 
 
 def test_verify_empty_and_shape_mismatch() -> None:
@@ -123,6 +142,22 @@ def test_verify_empty_and_shape_mismatch() -> None:
     assert empty.shape == (0,)
     with pytest.raises(ValueError):
         verify_slot_drafts(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4), 0.5)
+
+
+# ---------------------------------------------------------------- stop tokens in slots
+
+
+def test_first_stop_only_among_accepted_tokens() -> None:
+    tokens = torch.tensor([[4, 9, 5, 9], [9, 4, 4, 4], [4, 4, 4, 9], [4, 4, 4, 4]])
+    accepted = torch.tensor([4, 4, 3, 4])
+    # row 2's stop is not accepted yet; row 3 has none
+    assert first_stop_in_slots(tokens, accepted, [9]).tolist() == [1, 0, -1, -1]
+
+
+def test_first_stop_any_of_several_ids_and_none_given() -> None:
+    tokens = torch.tensor([[4, 7, 9, 4]])
+    assert first_stop_in_slots(tokens, torch.tensor([4]), [9, 7]).tolist() == [1]
+    assert first_stop_in_slots(tokens, torch.tensor([4]), []).tolist() == [-1]
 
 
 # ---------------------------------------------------------------- reorder for KV reuse
