@@ -16,8 +16,11 @@ from typing import Any
 BUILT_METHODS = {
     "ar": "plain autoregressive decoding, one token per forward",
     "ngram": "speculative decoding with prompt lookup (n-gram) drafts, lossless",
+    "orthrus": "Orthrus checkpoint: diffusion-view drafts verified by the AR view, lossless",
+    "linear_self_spec": "NLD checkpoint: bidirectional (LoRA) drafts, causal verify, lossless",
 }
-NOT_BUILT_METHODS = ("orthrus", "linear_self_spec", "tidar", "fast_dllm", "refusion")
+SELF_SPEC_METHODS = ("orthrus", "linear_self_spec")  # need a checkpoint with diffusion weights
+NOT_BUILT_METHODS = ("tidar", "fast_dllm", "refusion")
 
 _METHODS_HELP = "decoding methods:\n" + "".join(
     f"  {name:<17} {text}\n" for name, text in BUILT_METHODS.items()
@@ -57,6 +60,53 @@ def _load(path: str | Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _load_self_spec(method: str, path: str | Path,
+                    num_draft_tokens: int) -> tuple[Any, Any, Any, tuple[int, ...]]:
+    """Load an Orthrus / NLD checkpoint for ``method``: (AR-view model, tokenizer, drafter,
+    EOS ids). Raises a clear error when the checkpoint cannot serve the method or was
+    trained for fewer than ``num_draft_tokens`` drafts per step."""
+    if not (Path(path) / "config.json").is_file():
+        raise _CliError(f"model path {str(path)!r} is not a local checkpoint folder "
+                        "(no config.json there)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from diffspec.core.checkpoint import (
+        CheckpointError,
+        inspect_checkpoint,
+        require_method,
+        validate_block_size,
+    )
+
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # config-class warnings for model types it does not know
+    try:
+        info = inspect_checkpoint(path)
+        require_method(info, method)
+        validate_block_size(info, num_draft_tokens)
+        if method == "orthrus":
+            from diffspec.model_executors.orthrus import load_orthrus
+            from diffspec.spec_workers.orthrus import OrthrusDrafter
+
+            model = load_orthrus(info.path, dtype=torch.float32)
+            drafter: Any = OrthrusDrafter(model)
+        else:
+            from diffspec.model_executors.nld import load_nld
+            from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter
+
+            model = load_nld(info.path, dtype=torch.float32)
+            drafter = LinearSelfSpecDrafter(model)
+        tokenizer = AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False)
+    except CheckpointError as e:
+        raise _CliError(str(e)) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.lm, tokenizer, drafter, model.eos_token_ids
+
+
 def _stop_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     """EOS ids from the generation config (a list or an int) and the tokenizer."""
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -77,16 +127,17 @@ def _sampling(args: argparse.Namespace) -> Any:
 
 
 def _run(method: str, model: Any, requests: list[Any], num_draft_tokens: int,
-         tokenizer: Any) -> tuple[list[Any], float]:
-    """Decode ``requests`` with ``method``; return the outputs and the wall time (s)."""
+         tokenizer: Any, drafter: Any = None) -> tuple[list[Any], float]:
+    """Decode ``requests`` with ``method`` (``drafter`` defaults to n-gram lookup); return
+    the outputs and the wall time (s)."""
     from diffspec.core.reference import NgramDrafter, ar_generate, speculative_generate
 
     start = time.perf_counter()
     if method == "ar":
         outputs = ar_generate(model, requests, tokenizer=tokenizer)
     else:
-        outputs = speculative_generate(model, NgramDrafter(), requests, num_draft_tokens,
-                                       tokenizer=tokenizer)
+        outputs = speculative_generate(model, drafter or NgramDrafter(), requests,
+                                       num_draft_tokens, tokenizer=tokenizer)
     return outputs, time.perf_counter() - start
 
 
@@ -102,7 +153,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.num_draft_tokens < 1:
         raise _CliError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     sampling = _sampling(args)
-    model, tokenizer = _load(args.model)
+    drafter, extra_stops = None, ()
+    if args.method in SELF_SPEC_METHODS:
+        model, tokenizer, drafter, extra_stops = _load_self_spec(args.method, args.model,
+                                                                 args.num_draft_tokens)
+    else:
+        model, tokenizer = _load(args.model)
 
     from diffspec.core.reference import Request
 
@@ -115,17 +171,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     try:
         request = Request(prompt_ids, max_tokens=args.max_tokens, sampling=sampling,
-                          stop_token_ids=_stop_token_ids(model, tokenizer),
+                          stop_token_ids=tuple(dict.fromkeys(
+                              _stop_token_ids(model, tokenizer) + tuple(extra_stops))),
                           stop_strings=tuple(args.stop))
         request.check_fits(model.config.max_position_embeddings, model.config.vocab_size)
     except ValueError as e:
         raise _CliError(str(e)) from None
 
-    [out], seconds = _run(args.method, model, [request], args.num_draft_tokens, tokenizer)
+    [out], seconds = _run(args.method, model, [request], args.num_draft_tokens, tokenizer,
+                          drafter)
     print(tokenizer.decode(out.token_ids, skip_special_tokens=False))
     print(f"[{args.method}] {len(out.token_ids)} tokens, {out.num_forwards} forwards, "
           f"TPF {out.tpf:.2f}, mean acceptance length {out.mean_accept_length:.2f}, "
-          f"finish_reason={out.finish_reason}, {len(out.token_ids) / seconds:.1f} tokens/s",
+          f"finish_reason={out.finish_reason}, {len(out.token_ids) / seconds:.1f} tokens/s, "
+          f"acceptance histogram (steps emitting k tokens, k=0..) {out.acceptance_histogram}",
           file=sys.stderr)
     return 0
 

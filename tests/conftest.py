@@ -13,6 +13,14 @@ import pytest
 _TIERS = ("unit", "engine", "gpu")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The test models are tiny: one intra-op thread is faster than two fighting over small
+    # matmuls (and far faster on a loaded machine). Engines run in their own processes.
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = None
     for item in items:

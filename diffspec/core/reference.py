@@ -6,7 +6,14 @@ with its ``DynamicCache`` and the core rules (:mod:`diffspec.core.sampling`,
 
 * :func:`ar_generate`: plain autoregressive decoding, one token per forward;
 * :func:`speculative_generate`: draft -> verify -> accept -> commit, with any
-  :class:`Drafter` (here :class:`NgramDrafter`, prompt lookup).
+  :class:`Drafter` (here :class:`NgramDrafter`, prompt lookup; the self-speculative
+  drafters live in :mod:`diffspec.spec_workers`).
+
+Drafters get what self-drafting needs: the request's KV cache (committed tokens except the
+anchor: a drafter may run a block on top of it but must leave it at that length), its
+:class:`~diffspec.core.sampling.SamplingParams` and, when the step verifies by rejection
+sampling, its ``torch.Generator``. :func:`sample_drafts` is the one rule that turns draft
+logits into draft tokens (and draft probabilities) for every neural drafter.
 
 KV convention (see :mod:`diffspec.core`): the **anchor** is the last committed token and is
 *not* in the KV cache. The cache holds the KV of ``token_ids[:-1]``; a step feeds
@@ -27,6 +34,7 @@ so a draft + verify cycle counts two; 0 for an n-gram lookup, which is not a for
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -51,11 +59,15 @@ from diffspec.core.sampling import (
 )
 
 __all__ = [
+    "BlockDrafter",
+    "DraftModel",
     "Drafter",
     "NgramDrafter",
     "Request",
     "RequestOutput",
     "ar_generate",
+    "rollback_kv",
+    "sample_drafts",
     "speculative_generate",
 ]
 
@@ -136,11 +148,27 @@ class Drafter(Protocol):
 
     Returns the draft ids and, optionally, their draft probabilities ``[n, vocab]`` (``None``
     means point-mass drafts). ``forwards_per_propose`` is the number of neural forwards one
-    call costs (0 for a lookup)."""
+    call costs (0 for a lookup). Keyword arguments (a drafter may ignore them):
+
+    * ``cache``: the request's ``DynamicCache``, holding the KV of ``token_ids[:-1]`` (the
+      anchor ``token_ids[-1]`` is not in it); it must be left at that length;
+    * ``sampling``: the request's :class:`SamplingParams`;
+    * ``generator``: the ``torch.Generator`` of rejection sampling (``None`` otherwise).
+
+    A drafter trained for a bounded block may set ``max_draft_tokens``;
+    :func:`speculative_generate` then refuses a larger ``num_draft_tokens``."""
 
     forwards_per_propose: int
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], Tensor | None]:
+    def propose(
+        self,
+        token_ids: list[int],
+        num_tokens: int,
+        *,
+        cache=None,
+        sampling: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[list[int], Tensor | None]:
         ...
 
 
@@ -157,7 +185,8 @@ class NgramDrafter:
         if not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got n_min={self.n_min} n_max={self.n_max}")
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], Tensor | None]:
+    def propose(self, token_ids: list[int], num_tokens: int,
+                **_: object) -> tuple[list[int], Tensor | None]:
         if num_tokens <= 0:
             return [], None
         length = len(token_ids)
@@ -167,6 +196,97 @@ class NgramDrafter:
                 if token_ids[start : start + n] == suffix:
                     return token_ids[start + n : start + n + num_tokens], None
         return [], None
+
+
+def sample_drafts(
+    logits: Tensor,  # [n, vocab] draft logits; row i predicts sequence index first_position + i
+    sampling: SamplingParams,
+    first_position: int,
+    generator: torch.Generator | None = None,
+    *,
+    point_mass: bool = False,
+) -> tuple[list[int], Tensor | None]:  # draft ids [n], draft probs [n, vocab] or None
+    """Draft tokens from draft logits, under the request's sampling parameters.
+
+    * greedy: the argmax (point-mass drafts);
+    * seeded, verified by coupled acceptance (``generator is None``): the coupled sample
+      with the verifier's own noise, ``position_gumbel_noise(seed, [position])``, so a draft
+      is accepted whenever the drafter's processed logits and the target's agree on the
+      perturbed argmax; the output stays exactly seeded AR (point-mass drafts);
+    * otherwise (unseeded, or rejection sampling with a generator): ``d ~ q`` with
+      ``q = probs_from_logits(logits)``, drawn from ``generator``, and ``q`` is returned so
+      that rejection sampling accepts with ``min(1, p / q)``.
+
+    ``point_mass=True`` (sample-and-match) draws sampled drafts ``d ~ q`` independently of
+    the verifier's noise (from ``generator``, or for seeded requests from a generator keyed
+    on ``(seed, first_position)``) and returns no ``q``: the verifier then accepts ``d`` when
+    the AR sample equals it (coupled acceptance), or with probability ``p(d)`` (point-mass
+    rejection sampling, the same thing in distribution).
+    """
+    if logits.shape[0] == 0:
+        return [], None
+    if sampling.is_greedy:
+        return logits.argmax(dim=-1).tolist(), None
+    processed = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    coupled = sampling.seed is not None and generator is None
+    if coupled and not point_mass:
+        positions = list(range(first_position, first_position + logits.shape[0]))
+        noise = position_gumbel_noise(sampling.seed, positions, logits.shape[-1])
+        return coupled_sample(processed, noise).tolist(), None
+    q = torch.softmax(processed, dim=-1)  # [n, vocab]
+    if coupled:  # sample-and-match on a seeded request: its own reproducible draws
+        generator = torch.Generator(device=q.device).manual_seed(
+            (sampling.seed * 1_000_003 + first_position) % 2**63)
+    drafts = sample_from_probs(q, generator).tolist()
+    return drafts, None if point_mass else q
+
+
+class DraftModel(Protocol):
+    """A self-speculative model: one block-view forward gives the logits of its drafts."""
+
+    block_size: int  # K: the anchor + at most K - 1 drafts per block
+
+    def draft_logits(self, anchor: int, cache, num_drafts: int) -> Tensor:  # [n, vocab]
+        ...
+
+
+class BlockDrafter:
+    """Drafts with one forward of a :class:`DraftModel` on the request's KV cache, then
+    :func:`sample_drafts`. The Orthrus and NLD drafters (:mod:`diffspec.spec_workers`) are
+    this with their model; ``point_mass`` selects sample-and-match drafting."""
+
+    forwards_per_propose = 1
+    point_mass = False
+
+    def __init__(self, model: DraftModel) -> None:
+        self.model = model
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.model.block_size - 1
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        token_ids: list[int],  # [committed]; token_ids[-1] is the anchor
+        num_tokens: int,
+        *,
+        cache=None,  # DynamicCache with the KV of token_ids[:-1]
+        sampling: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[list[int], Tensor | None]:  # drafts [n], draft probs [n, vocab] or None
+        if num_tokens <= 0:
+            return [], None
+        name = type(self).__name__
+        if cache is None:
+            raise ValueError(f"{name} drafts on the request's KV cache; pass cache=")
+        if cache.get_seq_length() != len(token_ids) - 1:
+            raise ValueError(f"{name}: the KV cache holds {cache.get_seq_length()} tokens, "
+                             f"expected {len(token_ids) - 1} (every committed token but the "
+                             f"anchor)")
+        logits = self.model.draft_logits(token_ids[-1], cache, num_tokens)  # [n, vocab]
+        return sample_drafts(logits, sampling or SamplingParams(), len(token_ids), generator,
+                             point_mass=self.point_mass)
 
 
 # ------------------------------------------------------------------------ shared machinery
@@ -197,7 +317,7 @@ def _forward(model, cache, token_ids: list[int]) -> Tensor:  # -> [len(token_ids
     return out.logits[0].float()
 
 
-def _rollback(cache, length: int) -> None:
+def rollback_kv(cache, length: int) -> None:
     """Roll the KV cache back to ``length`` tokens by moving its length (no copy)."""
     extra = cache.get_seq_length() - length
     if extra > 0:
@@ -275,6 +395,13 @@ def ar_generate(model, requests: list[Request], tokenizer=None) -> list[RequestO
     return outputs
 
 
+def _takes_context(drafter: Drafter) -> bool:
+    """Whether ``drafter.propose`` accepts the keyword arguments (older two-argument drafters
+    keep working)."""
+    params = inspect.signature(drafter.propose).parameters.values()
+    return any(p.kind == p.VAR_KEYWORD or p.name == "cache" for p in params)
+
+
 def _accept_mode(request: Request, accept: AcceptMode) -> str:
     params = request.sampling
     if accept == "auto":
@@ -329,8 +456,13 @@ def speculative_generate(
     """
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+    limit = getattr(drafter, "max_draft_tokens", None)
+    if limit is not None and num_draft_tokens > limit:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds what the drafter was "
+                         f"trained for: at most {limit} drafts per step (block_size - 1)")
     max_len = model.config.max_position_embeddings
     forwards_per_propose = getattr(drafter, "forwards_per_propose", 0)
+    with_context = _takes_context(drafter)
     outputs = []
     for request in requests:
         mode = _accept_mode(request, accept)
@@ -344,7 +476,14 @@ def speculative_generate(
             n = min(num_draft_tokens, run.remaining - 1, max_len - committed)
 
             # draft
-            drafts, draft_probs = drafter.propose(run.token_ids, n) if n > 0 else ([], None)
+            context = dict(cache=run.cache, sampling=request.sampling, generator=generator)
+            drafts, draft_probs = (
+                drafter.propose(run.token_ids, n, **(context if with_context else {}))
+                if n > 0 else ([], None)
+            )
+            if run.cache.get_seq_length() != committed - 1:
+                raise RuntimeError("the drafter left the KV cache at another length; it must roll "
+                                   "back whatever it appends")
             drafts = list(drafts[:n])
             draft_probs = None if draft_probs is None else draft_probs[: len(drafts)]
             run.output.num_forwards += forwards_per_propose if n > 0 else 0
@@ -362,6 +501,6 @@ def speculative_generate(
 
             # commit: the last emitted token becomes the anchor, outside the cache
             _commit(run, emitted, tokenizer)
-            _rollback(run.cache, len(run.token_ids) - 1)
+            rollback_kv(run.cache, len(run.token_ids) - 1)
         outputs.append(run.output)
     return outputs

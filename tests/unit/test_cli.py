@@ -37,11 +37,13 @@ BAD_GENERATE = {
     # name: (extra args, message on stderr)
     "negative_temperature": (["--temperature", "-1"], "temperature must be"),
     "bad_top_p": (["--top-p", "0"], "top_p must be"),
-    "not_built_method": (["--method", "orthrus"], "not built yet"),
+    "orthrus_on_a_base_model": (["--method", "orthrus"], "no diffusion weights"),
     "unknown_model_path": (["--model", "/nonexistent/model"], "not a local checkpoint"),
     "prompt_too_long": (["--max-tokens", "100000"], "exceeds the model's context length"),
     "zero_max_tokens": (["--max-tokens", "0"], "--max-tokens must be >= 1"),
 }
+if NOT_BUILT_METHODS:
+    BAD_GENERATE["not_built_method"] = (["--method", NOT_BUILT_METHODS[0]], "not built yet")
 
 
 @pytest.mark.parametrize("name", list(BAD_GENERATE))
