@@ -231,7 +231,7 @@ def sample_drafts(
     coupled = sampling.seed is not None and generator is None
     if coupled and not point_mass:
         positions = list(range(first_position, first_position + logits.shape[0]))
-        noise = position_gumbel_noise(sampling.seed, positions, logits.shape[-1])
+        noise = position_gumbel_noise(sampling.seed, positions, logits.shape[-1]).to(logits.device)
         return coupled_sample(processed, noise).tolist(), None
     q = torch.softmax(processed, dim=-1)  # [n, vocab]
     if coupled:  # sample-and-match on a seeded request: its own reproducible draws
@@ -374,7 +374,7 @@ def _sample(logits: Tensor, params: SamplingParams, position: int, generator) ->
     processed = process_logits(logits[None], params.temperature, params.top_k, params.top_p)
     if params.seed is None:
         return int(sample_from_probs(torch.softmax(processed, -1), generator)[0])
-    noise = position_gumbel_noise(params.seed, [position], logits.shape[-1])  # [1, vocab]
+    noise = position_gumbel_noise(params.seed, [position], logits.shape[-1]).to(logits.device)
     return int(coupled_sample(processed, noise)[0])
 
 
