@@ -2,6 +2,9 @@
 
 ``synth-qwen3/``: the small bundled model the demo runs: a 2-layer Qwen3 trained on the
 synthetic language of :mod:`diffspec.testing.synthetic` (see its ``TRAINING.md``).
+``synth-orthrus/``: synth-qwen3 plus Orthrus diffusion heads distilled by ``diffspec.train``.
+``synth-refusion/``: synth-qwen3 fine-tuned with the ReFusion objective.
+Each folder's ``TRAINING.md`` gives the exact command that reproduces it.
 """
 
 from __future__ import annotations
@@ -11,3 +14,4 @@ from pathlib import Path
 ASSETS_DIR = Path(__file__).resolve().parent
 SYNTH_QWEN3_DIR = ASSETS_DIR / "synth-qwen3"
 SYNTH_REFUSION_DIR = ASSETS_DIR / "synth-refusion"
+SYNTH_ORTHRUS_DIR = ASSETS_DIR / "synth-orthrus"

@@ -253,6 +253,7 @@ def save_orthrus(
     path.mkdir(parents=True, exist_ok=True)
     lm = model.lm
     config = lm.config.to_dict()
+    config.pop("_name_or_path", None)  # machine-local path of the source; not part of the layout
     eos = list(model.eos_token_ids)
     config.update(architectures=[architecture], model_type=model_type,
                   block_size=model.block_size, mask_token_id=model.mask_token_id,
@@ -262,6 +263,7 @@ def save_orthrus(
     if lm.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "model.safetensors").chmod(0o644)  # safetensors writes 0600; checkpoints get shared
     lm.generation_config.save_pretrained(str(path))
     if model.source is not None:
         for name in _TOKENIZER_FILES:

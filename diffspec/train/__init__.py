@@ -1,0 +1,277 @@
+"""Training the drafters: Orthrus diffusion heads and the NLD linear self-speculation LoRA.
+
+Both trainers distill the model's own AR view into its diffusion view (the AR weights stay
+frozen, the teacher is the model itself):
+
+* :mod:`diffspec.train.orthrus`: only the ``*_diff`` attention projections train;
+  loss = forward KL(AR || diffusion) (+ optional CE) on random anchor blocks;
+* :mod:`diffspec.train.nld_lora`: only a LoRA on ``o_proj`` (active in the draft pass)
+  trains; loss = LK or KL + CE on each block's accepted prefix plus one.
+
+Shared pieces: :mod:`diffspec.train.data` (rows, anchors), :mod:`diffspec.train.losses`
+(pure loss functions) and, here, :class:`TrainConfig` and :func:`fit`, the optimization
+loop (AdamW, warmup + cosine schedule, gradient clipping, seeded), which runs as a plain
+single process or under ``accelerate launch`` (DDP / FSDP) unchanged. CLI:
+``python -m diffspec.train {orthrus,nld-lora} --help``; see ``diffspec/train/README.md``.
+
+Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "FitResult",
+    "TrainConfig",
+    "cosine_lr_scale",
+    "fit",
+    "measure_on_synthetic",
+    "measure_speculation",
+    "synthetic_eval_prompts",
+]
+
+
+@dataclass
+class TrainConfig:
+    """Optimization settings shared by both trainers (one place, validated once)."""
+
+    steps: int = 300
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    batch_size: int = 8
+    seq_len: int = 192
+    seed: int = 0
+    num_threads: int | None = 1  # torch threads (CPU); None leaves torch's default
+    log_every: int = 25
+    extra: dict[str, Any] = field(default_factory=dict)  # method settings, for the record
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, "
+                             f"{self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.max_grad_norm < 0:
+            raise ValueError("warmup_steps and max_grad_norm must be >= 0")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cosine_lr_scale(step: int, cfg: TrainConfig) -> float:
+    """LR multiplier at ``step``: linear warmup to 1, then cosine down to ``min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit` returns: per-step metrics and the (unwrapped) trained module."""
+
+    history: list[dict[str, float]]  # one dict per step: loss terms, lr
+    wall_time_s: float
+    cpu_time_s: float  # this process's CPU time (on a shared machine, less than wall x threads)
+    module: Any  # the module passed in, unwrapped from DDP / FSDP
+    accelerator: Any = None  # the accelerate.Accelerator, when one was used
+    is_main_process: bool = True
+    wrapped: Any = None  # the module as prepared by accelerate (DDP / FSDP wrapper)
+
+    @property
+    def distributed(self) -> bool:
+        return self.accelerator is not None and self.accelerator.num_processes > 1
+
+    def trained_state(self, keep: Callable[[str], bool]) -> dict[str, Any] | None:
+        """Whole tensors of the parameters whose name passes ``keep`` (names relative to the
+        module given to :func:`fit`). In a multi-process run every process must call this
+        (FSDP gathers the shards); the main process gets the tensors, the others ``None``."""
+        if not self.distributed:
+            return {n: p.detach() for n, p in self.module.named_parameters() if keep(n)}
+        state = self.accelerator.get_state_dict(self.wrapped)
+        if not self.is_main_process:
+            return None
+        return {n: t for n, t in state.items() if keep(n)}
+
+
+def fit(
+    module,  # torch.nn.Module whose forward(batch [B, L]) returns a dict with "loss"
+    batches: Iterable,  # a DataLoader of [B, L] int64 rows (at least cfg.steps batches)
+    cfg: TrainConfig,
+    *,
+    use_accelerate: bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> FitResult:
+    """Train the parameters of ``module`` that require grad for ``cfg.steps`` steps.
+
+    AdamW over the trainable parameters only, LR from :func:`cosine_lr_scale`, gradient
+    clipping at ``cfg.max_grad_norm``. With ``accelerate`` installed (default when it is
+    importable) the module, optimizer and data loader go through
+    ``Accelerator.prepare``, so the same call runs as one plain process or under
+    ``accelerate launch`` (DDP, FSDP); the seed makes a single-process run deterministic.
+    """
+    import torch
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    previous_threads = torch.get_num_threads()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    try:
+        return _fit(module, batches, cfg, _make_accelerator(use_accelerate), log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _make_accelerator(use_accelerate: bool | None):
+    if use_accelerate is False:
+        return None
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        if use_accelerate:
+            raise
+        return None
+    return Accelerator()
+
+
+def _fit(module, batches, cfg: TrainConfig, accelerator, log) -> FitResult:
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the module has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_lr_scale(s, cfg))
+    if accelerator is not None:  # the scheduler stays unprepared: one step per optimizer step
+        module, optimizer, batches = accelerator.prepare(module, optimizer, batches)
+    is_main = accelerator is None or accelerator.is_main_process
+    if accelerator is not None and is_main:
+        log(f"accelerate: {accelerator.distributed_type.value}, "
+            f"{accelerator.num_processes} process(es), device {accelerator.device}")
+    module.train()
+    history: list[dict[str, float]] = []
+    start, start_cpu = time.perf_counter(), time.process_time()
+    batch_iter = iter(batches)
+    for step in range(cfg.steps):
+        batch = next(batch_iter)
+        out = module(batch)
+        optimizer.zero_grad(set_to_none=True)
+        _backward(out["loss"], module, params, accelerator, cfg.max_grad_norm)
+        record = {k: float(v.detach()) for k, v in out.items()}
+        record["lr"] = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        history.append(record)
+        if is_main and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            terms = "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "lr")
+            log(f"step {step:5d}  {terms}  lr {record['lr']:.2e}")
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    unwrapped = accelerator.unwrap_model(module) if accelerator is not None else module
+    return FitResult(history, wall, cpu, unwrapped, accelerator, is_main, module)
+
+
+def _backward(loss, module, params: list, accelerator, max_grad_norm: float) -> None:
+    """Back-propagate ``loss`` and clip the gradient norm (0 = no clipping)."""
+    import torch
+
+    if accelerator is None:
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        return
+    accelerator.backward(loss)
+    if max_grad_norm:
+        accelerator.clip_grad_norm_(module.parameters(), max_grad_norm)
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def measure_speculation(
+    lm,  # the AR model (verifier), e.g. OrthrusModel.lm
+    drafter,  # a diffspec.core.reference.Drafter, e.g. OrthrusDrafter(model)
+    prompts: list[list[int]],
+    num_draft_tokens: int,
+    *,
+    max_tokens: int = 64,
+    stop_token_ids: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
+    """Greedy speculative decoding of ``prompts`` with the reference decoder, and the same
+    requests with plain AR: TPF (generated tokens / forwards, a draft + verify cycle
+    counting two), mean tokens emitted per cycle, mean accepted drafts per cycle, and
+    whether every output equals AR token for token."""
+    import torch
+
+    from diffspec.core.reference import Request, ar_generate, speculative_generate
+
+    if stop_token_ids is None:
+        eos = getattr(lm.generation_config, "eos_token_id", None)
+        stop_token_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos else [])
+    requests = [Request(p, max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+                for p in prompts]
+    with torch.inference_mode():
+        spec = speculative_generate(lm, drafter, requests, num_draft_tokens)
+        ar = ar_generate(lm, requests)
+    tokens = sum(len(o.token_ids) for o in spec)
+    forwards = sum(o.num_forwards for o in spec)
+    cycles = sum(len(o.accept_lengths) for o in spec)
+    return {
+        "tpf": round(tokens / max(1, forwards), 3),
+        "mean_accept_length": round(tokens / max(1, cycles), 3),
+        "mean_accepted_drafts": round(sum(o.num_accepted_tokens for o in spec) / max(1, cycles),
+                                      3),
+        "tokens": tokens,
+        "forwards": forwards,
+        "equal_ar": all(a.token_ids == s.token_ids for a, s in zip(ar, spec, strict=True)),
+    }
+
+
+def synthetic_eval_prompts(
+    tokenizer,
+    *,
+    num: int = 16,
+    seed: int = 1234,
+    doc_seed: int = 4321,
+    prefix_tokens: int = 24,
+    text: Callable[[str], str] = lambda s: s,
+) -> dict[str, list[list[int]]]:
+    """Two prompt sets of the synthetic language: ``sample_prompts(num, seed)`` and the first
+    ``prefix_tokens`` tokens of held-out documents (``sample_documents(.., doc_seed)``, a
+    stream the trainers never draw from). ``text`` maps the text into a tokenizer's terms."""
+    from diffspec.testing.synthetic import sample_documents, sample_prompts
+
+    def ids(s: str) -> list[int]:
+        return list(tokenizer(text(s), add_special_tokens=False)["input_ids"])
+
+    docs = [d for d in map(ids, sample_documents(8 * num, doc_seed)) if len(d) > prefix_tokens + 16]
+    return {
+        f"sample_prompts({num}, seed={seed})": [ids(p) for p in sample_prompts(num, seed)],
+        f"heldout_documents(seed={doc_seed})[:{prefix_tokens}]":
+            [d[:prefix_tokens] for d in docs[:num]],
+    }
+
+
+def measure_on_synthetic(
+    lm, drafter, num_draft_tokens: int, tokenizer=None, **prompt_kwargs: Any
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure_speculation` on both :func:`synthetic_eval_prompts` sets (default
+    tokenizer: the synthetic language's)."""
+    if tokenizer is None:
+        from diffspec.testing.synthetic import build_tokenizer
+
+        tokenizer = build_tokenizer()
+    return {name: measure_speculation(lm, drafter, prompts, num_draft_tokens)
+            for name, prompts in synthetic_eval_prompts(tokenizer, **prompt_kwargs).items()}

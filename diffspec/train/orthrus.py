@@ -1,0 +1,328 @@
+"""Orthrus head distillation: train the ``*_diff`` attention projections, nothing else.
+
+The AR model is frozen and is its own teacher. One training step on a batch of clean rows
+``x [B, L]`` (:class:`BlockDistiller`, shared with :mod:`diffspec.train.nld_lora`):
+
+1. **AR view**, no grad: one causal forward over ``x`` gives the teacher's next-token
+   logits at every position and the AR KV cache of the whole row;
+2. **anchors**: ``n`` random positions per row in ``1 .. L-K`` (as the official trainer
+   samples them); each gives a block ``[x_a, <mask> x (K-1)]`` at positions ``a .. a+K-1``;
+3. **diffusion view**: every block of the batch in one
+   :func:`~diffspec.model_executors.views.block_view_logits` call over the AR cache, with
+   the block rows of :func:`~diffspec.core.masks.orthrus_dual_pass_mask` (a block sees the
+   clean tokens strictly before its anchor, and itself bidirectionally);
+4. **loss**: Orthrus drafts from *shifted* logits, so block position ``j`` (0 .. K-2)
+   predicts token ``a+j+1`` and is matched to the AR logits at position ``a+j``:
+   forward KL(teacher || student), plus optionally ``ce_weight`` x CE on the true token
+   ``x[a+j+1]`` (off by default, as in the official KL recipe; CE pulls the drafts toward
+   the data rather than toward what the AR model would emit, which is what acceptance
+   rewards).
+
+Only :meth:`OrthrusModel.diffusion_parameters` get gradients; the AR weights stay
+bit-identical. This follows the public training code read for it (``ekonst41/orthrus-
+training`` ``src/train/qwen3/model.py`` and ``src/train/qwen3/loss.py``: warm start
+``*_diff`` from the AR projections, freeze everything else, AR pass with cache, dual-pass
+block mask, full-vocabulary forward KL at ``positions[:, :, :-1]``), written anew on top of
+diffspec's block view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from diffspec.model_executors.views import block_view_logits
+from diffspec.train import FitResult, TrainConfig, fit
+from diffspec.train.data import anchor_blocks, make_dataloader, sample_anchors, training_rows
+from diffspec.train.losses import Divergence, DraftLoss, accepted_prefix_weights, draft_loss
+
+__all__ = [
+    "BlockDistiller",
+    "OrthrusTrainResult",
+    "freeze_all_but",
+    "train_orthrus",
+]
+
+Weighting = Literal["all", "accepted_prefix"]
+ViewFactory = Callable[[], contextlib.AbstractContextManager]
+
+
+class BlockDistiller(nn.Module):
+    """Forward = one distillation step on clean rows; returns the loss terms (a dict of
+    scalar tensors, ``"loss"`` to back-propagate).
+
+    ``teacher_view`` / ``draft_view`` are context-manager factories that put ``lm`` in its
+    AR view and its draft view (Orthrus: nothing / ``diffusion_view``; NLD: LoRA off / on).
+    ``shifted``: draft position j predicts token j+1 (Orthrus) or token j (NLD, unshifted).
+    ``weighting``: every block position, or each block's accepted prefix plus one.
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        *,
+        block_size: int,
+        mask_token_id: int,
+        num_anchors: int,
+        draft_view: ViewFactory,
+        teacher_view: ViewFactory = contextlib.nullcontext,
+        shifted: bool = True,
+        weighting: Weighting = "all",
+        divergence: Divergence = "kl",
+        divergence_weight: float = 1.0,
+        ce_weight: float = 0.0,
+        ce_on_data: bool = True,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if block_size < 2 or num_anchors < 1:
+            raise ValueError(f"need block_size >= 2 and num_anchors >= 1, got {block_size}, "
+                             f"{num_anchors}")
+        self.lm = lm
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.num_anchors = num_anchors
+        self.draft_view, self.teacher_view = draft_view, teacher_view
+        self.shifted, self.weighting = shifted, weighting
+        self.loss_kwargs = {"divergence": divergence, "divergence_weight": divergence_weight,
+                            "ce_weight": ce_weight, "temperature": temperature}
+        self.ce_on_data = ce_on_data
+        # Under `accelerate launch` every process draws its own anchors.
+        self.generator = torch.Generator().manual_seed(seed + int(os.environ.get("RANK", "0")))
+
+    def forward(self, input_ids: Tensor) -> dict[str, Tensor]:  # input_ids: [B, L]
+        batch, seq_len = input_ids.shape
+        anchors = torch.stack([
+            sample_anchors(seq_len, self.block_size, self.num_anchors, self.generator)
+            for _ in range(batch)
+        ]).to(input_ids.device)  # [B, n]
+        teacher_logits, cache = self._teacher(input_ids)  # [B, L, V]
+        blocks = anchor_blocks(input_ids, anchors, self.block_size, self.mask_token_id)
+        with self.draft_view():
+            logits = block_view_logits(self.lm, blocks.input_ids, blocks.position_ids, cache,
+                                       blocks.attention_mask)  # [B, n*K, V]
+        student = self._draft_rows(logits.view(batch, anchors.shape[1], self.block_size, -1))
+
+        # Draft k (0 .. K-2) of the block at a predicts token a+k+1: teacher logits at a+k.
+        offsets = torch.arange(self.block_size - 1, device=input_ids.device)
+        positions = anchors[:, :, None] + offsets  # [B, n, K-1]
+        teacher = _gather_positions(teacher_logits, positions)  # [B, n, K-1, V]
+        targets = input_ids.gather(1, (positions + 1).flatten(1)) if self.ce_on_data else None
+        return self._loss(student, teacher, targets).as_tensors()
+
+    def _loss(
+        self,
+        student: Tensor,  # [B, n, K-1, V] draft logits
+        teacher: Tensor,  # [B, n, K-1, V] AR logits for the same tokens
+        targets: Tensor | None,  # [B, n*(K-1)] true next tokens, or None (teacher argmax)
+    ) -> DraftLoss:
+        weights = None
+        if self.weighting == "accepted_prefix":
+            weights = accepted_prefix_weights(student.detach().argmax(-1), teacher.argmax(-1))
+            weights = weights.flatten()
+        vocab = student.shape[-1]
+        target_ids = None if targets is None else targets.flatten()
+        return draft_loss(student.reshape(-1, vocab), teacher.reshape(-1, vocab),
+                          weights=weights, target_ids=target_ids, **self.loss_kwargs)
+
+    @torch.no_grad()
+    def _teacher(self, input_ids: Tensor) -> tuple[Tensor, Any]:
+        """AR view over the clean rows: logits [B, L, V] and the AR KV cache."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.lm.config)
+        with self.teacher_view():
+            out = self.lm(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        return out.logits.float(), cache
+
+    def _draft_rows(self, logits: Tensor) -> Tensor:  # [B, n, K, V] -> [B, n, K-1, V]
+        """The K-1 block rows that hold drafts: all but the last when shifted, all but the
+        anchor's own row when not."""
+        return logits[:, :, :-1] if self.shifted else logits[:, :, 1:]
+
+
+def _gather_positions(logits: Tensor, positions: Tensor) -> Tensor:
+    """``logits [B, L, V]`` at ``positions [B, ...]`` -> ``[B, ..., V]``."""
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    flat = positions.reshape(batch, -1)  # [B, P]
+    picked = logits.gather(1, flat[:, :, None].expand(-1, -1, vocab))  # [B, P, V]
+    return picked.view(*positions.shape, vocab)
+
+
+def freeze_all_but(module: nn.Module, trainable: list[nn.Parameter]) -> None:
+    """``requires_grad`` on exactly the parameters in ``trainable``."""
+    keep = {id(p) for p in trainable}
+    for p in module.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+# ------------------------------------------------------------------------------ trainer
+
+
+@dataclass
+class OrthrusTrainResult:
+    """A finished run: the trained model (in memory), where it was saved, the record."""
+
+    model: Any  # diffspec.model_executors.orthrus.OrthrusModel
+    out_dir: Path | None
+    record: dict[str, Any]
+    fit: FitResult
+
+
+def train_orthrus(
+    base: str | Path,
+    out_dir: str | Path | None,
+    cfg: TrainConfig,
+    *,
+    data: list[str] | tuple[str, ...] = ("synthetic",),
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    num_anchors: int = 8,
+    ce_weight: float = 0.0,
+    temperature: float = 1.0,
+    command: str | None = None,
+) -> OrthrusTrainResult:
+    """Distill Orthrus diffusion heads onto ``base`` and save the checkpoint to ``out_dir``.
+
+    ``base`` is a Qwen3 checkpoint (the ``*_diff`` weights start as copies of its AR
+    projections) or an Orthrus checkpoint (training continues from its ``*_diff`` weights;
+    its ``block_size`` and mask token are kept). ``data`` is ``["synthetic"]`` or text /
+    JSONL files and folders, tokenized with the base's tokenizer.
+    """
+    from diffspec.core.checkpoint import resolve_checkpoint
+
+    given, base = str(base), resolve_checkpoint(base)  # a folder, or a hub id in the cache
+    torch.manual_seed(cfg.seed)
+    model = _load_start(base, block_size, mask_token_id)
+    freeze_all_but(model.lm, model.diffusion_parameters())
+    rows = training_rows(base, data, cfg.seq_len, seed=cfg.seed,
+                         eos_token_ids=model.eos_token_ids)
+    distiller = BlockDistiller(
+        model.lm, block_size=model.block_size, mask_token_id=model.mask_token_id,
+        num_anchors=num_anchors, draft_view=model.diffusion_view, shifted=True,
+        divergence="kl", ce_weight=ce_weight, temperature=temperature, seed=cfg.seed,
+    )
+    cfg.extra.update(method="orthrus", base=given, base_name=base.name,
+                     data=list(data), block_size=model.block_size, num_anchors=num_anchors,
+                     ce_weight=ce_weight, temperature=temperature)
+    result = fit(distiller, make_dataloader(rows, cfg.batch_size), cfg)
+    model.lm.eval()
+    record = training_record(cfg, result, model.diffusion_parameters(), command)
+    trained = result.trained_state(lambda name: "_diff." in name)  # every process calls it
+    out = None
+    if out_dir is not None and result.is_main_process:
+        from diffspec.model_executors.orthrus import save_orthrus
+
+        if result.distributed:  # the in-memory model is sharded: rebuild it whole
+            model = _load_start(base, block_size, mask_token_id)
+            model.lm.load_state_dict({k.removeprefix("lm."): v for k, v in trained.items()},
+                                     strict=False)
+        out = save_orthrus(model, out_dir)
+        (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return OrthrusTrainResult(model, out, record, result)
+
+
+def _load_start(base: str | Path, block_size: int, mask_token_id: int | None):
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.model_executors.orthrus import load_orthrus, orthrus_from_base
+
+    if inspect_checkpoint(base).family == "orthrus":
+        return load_orthrus(base)
+    return orthrus_from_base(base, block_size=block_size, mask_token_id=mask_token_id)
+
+
+def training_record(
+    cfg: TrainConfig, result: FitResult, trained: list[nn.Parameter], command: str | None
+) -> dict[str, Any]:
+    """What a checkpoint's ``training.json`` records: settings, loss curve summary, time."""
+    losses = [h["loss"] for h in result.history]
+    tail = losses[-20:]
+    every = max(1, len(losses) // 20)
+    return {
+        "command": command,
+        "config": cfg.as_dict(),
+        "trainable_parameters": sum(p.numel() for p in trained),
+        "first_loss": round(losses[0], 4),
+        "final_loss_mean_last_20": round(sum(tail) / len(tail), 4),
+        "loss_curve": [[i, round(losses[i], 4)] for i in range(0, len(losses), every)],
+        "final_metrics": {k: round(v, 4) for k, v in result.history[-1].items()},
+        "wall_time_s": round(result.wall_time_s, 1),
+        "cpu_time_s": round(result.cpu_time_s, 1),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def measure_orthrus(model) -> dict[str, dict[str, Any]]:
+    """TPF / acceptance of :class:`~diffspec.spec_workers.orthrus.OrthrusDrafter` drafting
+    ``block_size - 1`` tokens, greedy, on the synthetic prompt sets (synthetic-language
+    models only; see :func:`diffspec.train.measure_on_synthetic`)."""
+    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.train import measure_on_synthetic
+
+    return measure_on_synthetic(model.lm, OrthrusDrafter(model), model.block_size - 1)
+
+
+def write_training_md(out_dir: str | Path, record: dict[str, Any], title: str) -> Path:
+    """``TRAINING.md``: the command, settings, loss curve summary, time and measured TPF."""
+    cfg, extra = record["config"], record["config"]["extra"]
+    rows = {
+        "base": f"`{Path(extra['base']).name}` (AR weights unchanged, bit for bit)",
+        "data": f"{', '.join(extra['data'])} (rows of {cfg['seq_len']} tokens, "
+                f"{cfg['batch_size']} rows per step)",
+        "block size / anchors per row": f"{extra['block_size']} / {extra['num_anchors']}",
+        "loss": f"forward KL(AR view &#124;&#124; diffusion view), T={extra['temperature']}, "
+                f"CE weight {extra['ce_weight']}",
+        "trainable parameters": f"{record['trainable_parameters']:,} (`*_diff` only)",
+        "seed / steps": f"{cfg['seed']} / {cfg['steps']}",
+        "optimizer": f"AdamW lr {cfg['lr']} (warmup {cfg['warmup_steps']}, cosine to "
+                     f"{cfg['min_lr_ratio']}x), betas {tuple(cfg['betas'])}, weight decay "
+                     f"{cfg['weight_decay']}, clip {cfg['max_grad_norm']}",
+        "loss: first step / mean of last 20":
+            f"{record['first_loss']} / {record['final_loss_mean_last_20']}",
+        "training time": f"{record['wall_time_s']} s wall, {record['cpu_time_s']} s CPU "
+                         f"(1 thread; a shared machine, so wall > CPU)",
+        "torch": record["torch"],
+    }
+    curve = ", ".join(f"{s}: {v}" for s, v in record["loss_curve"])
+    lines = [f"# {title}", "", "Trained on CPU, deterministically (seeded, 1 thread), by:", "",
+             f"    {record['command']}", "", "| field | value |", "|---|---|",
+             *(f"| {k} | {v} |" for k, v in rows.items()), "",
+             f"Loss curve (step: loss): {curve}", ""]
+    if record.get("measured"):
+        lines += _measured_section(record["measured"], extra["block_size"] - 1)
+    lines.append("Full record: `training.json`.")
+    path = Path(out_dir) / "TRAINING.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _measured_section(measured: dict[str, dict[str, Any]], num_drafts: int) -> list[str]:
+    lines = [
+        "## Measured", "",
+        (f"Reference decoder (`speculative_generate` + `OrthrusDrafter`), greedy, {num_drafts} "
+         "drafts per step, 64 new tokens per prompt, stop on `<|endoftext|>` / `<|im_end|>`. "
+         "TPF = generated tokens / forwards (draft + verify = 2); acceptance length = tokens "
+         "emitted per draft + verify step (accepted drafts + 1); `equal_ar`: every output "
+         "equals plain AR decoding."), "",
+        "| prompts | drafter | TPF | acceptance length | accepted drafts / step | equal_ar |",
+        "|---|---|---|---|---|---|",
+    ]
+    for when, sets in measured.items():
+        for name, m in sets.items():
+            lines.append(f"| `{name}` | {when} | {m['tpf']} | {m['mean_accept_length']} | "
+                         f"{m['mean_accepted_drafts']} | {m['equal_ar']} |")
+    return [*lines, ""]

@@ -1,0 +1,357 @@
+"""The drafter trainers: pure losses, data layout, Orthrus head distillation, the NLD draft
+LoRA, determinism, and the shipped synth-orthrus checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffspec.assets import ASSETS_DIR, SYNTH_QWEN3_DIR
+from diffspec.core.masks import orthrus_dual_pass_mask
+from diffspec.train import TrainConfig, cosine_lr_scale
+from diffspec.train.data import (
+    anchor_blocks,
+    pack_rows,
+    read_documents,
+    sample_anchors,
+    tokenize_documents,
+)
+from diffspec.train.losses import (
+    accepted_prefix_weights,
+    draft_loss,
+    forward_kl,
+    lk_loss,
+    token_cross_entropy,
+)
+
+from diffspec.assets import SYNTH_ORTHRUS_DIR  # noqa: E402
+
+
+# --------------------------------------------------------------------------------- losses
+
+
+def test_forward_kl_is_zero_when_equal_and_matches_the_formula():
+    teacher = torch.randn(5, 11)
+    assert forward_kl(teacher.clone(), teacher).abs() < 1e-6
+    student = torch.randn(5, 11)
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    expected = (p * (p.log() - q.log())).sum(-1).mean()
+    assert torch.allclose(forward_kl(student, teacher), expected, atol=1e-6)
+    assert forward_kl(student, teacher) > 0
+
+
+def test_lk_loss_is_minus_log_overlap():
+    teacher, student = torch.randn(4, 7), torch.randn(4, 7)
+    assert lk_loss(teacher.clone(), teacher).abs() < 1e-6
+    overlap = torch.minimum(teacher.softmax(-1), student.softmax(-1)).sum(-1)
+    assert torch.allclose(lk_loss(student, teacher), -overlap.log().mean(), atol=1e-6)
+
+
+def test_weights_select_positions():
+    student, teacher = torch.randn(4, 9), torch.randn(4, 9)
+    targets = torch.tensor([1, 2, 3, 4])
+    w = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    keep = torch.tensor([0, 2])
+    assert torch.allclose(forward_kl(student, teacher, w), forward_kl(student[keep], teacher[keep]))
+    assert torch.allclose(token_cross_entropy(student, targets, w),
+                          F.cross_entropy(student[keep], targets[keep]))
+
+
+def test_draft_loss_gradient_reaches_the_student_only():
+    student = torch.randn(6, 10, requires_grad=True)
+    teacher = torch.randn(6, 10, requires_grad=True)
+    for divergence in ("kl", "lk"):
+        loss = draft_loss(student, teacher, divergence=divergence, ce_weight=0.5)
+        loss.total.backward()
+    assert student.grad is not None and student.grad.abs().sum() > 0
+    assert teacher.grad is None
+
+
+ACCEPTED_PREFIX_CASES = {
+    # name: (draft, target, weights): accepted prefix + the first rejected position
+    "perfect_match": ([5, 6, 7, 8], [5, 6, 7, 8], [1, 1, 1, 1]),
+    "first_mismatch": ([9, 6, 7, 8], [5, 6, 7, 8], [1, 0, 0, 0]),
+    "early_mismatch": ([5, 6, 0, 8], [5, 6, 7, 8], [1, 1, 1, 0]),
+    "last_mismatch": ([5, 6, 7, 0], [5, 6, 7, 8], [1, 1, 1, 1]),
+    "match_after_mismatch_ignored": ([5, 0, 7, 8], [5, 6, 7, 8], [1, 1, 0, 0]),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED_PREFIX_CASES))
+def test_accepted_prefix_weights(name):
+    draft, target, expected = ACCEPTED_PREFIX_CASES[name]
+    got = accepted_prefix_weights(torch.tensor(draft), torch.tensor(target))
+    assert got.tolist() == expected
+
+
+def test_accepted_prefix_weights_per_block():
+    draft = torch.tensor([[[1, 2, 3], [1, 9, 3]], [[0, 2, 3], [1, 2, 3]]])  # [B=2, n=2, K-1=3]
+    target = torch.tensor([[[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 2, 3]]])
+    got = accepted_prefix_weights(draft, target)
+    assert got.tolist() == [[[1, 1, 1], [1, 1, 0]], [[1, 0, 0], [1, 1, 1]]]
+
+
+def test_cosine_schedule():
+    cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert cosine_lr_scale(0, cfg) == pytest.approx(0.1)
+    assert cosine_lr_scale(9, cfg) == pytest.approx(1.0)
+    assert cosine_lr_scale(10, cfg) == pytest.approx(1.0)
+    assert cosine_lr_scale(100, cfg) == pytest.approx(0.1)
+    assert 0.1 < cosine_lr_scale(55, cfg) < 1.0
+
+
+# ----------------------------------------------------------------------------------- data
+
+
+def test_pack_rows_concatenates_and_cuts():
+    rows = list(pack_rows([[1, 2, 3], [4, 5], [6, 7, 8, 9]], seq_len=4))
+    assert rows == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def test_sample_anchors_are_distinct_sorted_and_in_range():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a = sample_anchors(40, 8, 10, gen)
+        assert a.tolist() == sorted(set(a.tolist()))
+        assert int(a.min()) >= 1 and int(a.max()) <= 40 - 8
+    assert len(sample_anchors(12, 8, 10, gen)) == 4  # only 1..4 fit
+
+
+def test_read_documents_text_and_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world")
+    (tmp_path / "b.jsonl").write_text('{"text": "x y"}\n\n{"token_ids": [3, 4]}\n')
+    docs = list(read_documents([tmp_path]))
+    assert docs == ["hello world", "x y", [3, 4]]
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [len(w) for w in text.split()]}
+
+    got = list(tokenize_documents(docs, Tok(), eos_token_id=0))
+    assert got == [[5, 5, 0], [1, 1, 0], [3, 4, 0]]
+
+
+def test_anchor_blocks_layout_matches_the_dual_pass_mask():
+    x = torch.arange(100, 120)[None].repeat(2, 1)  # [B=2, L=20]
+    anchors = torch.tensor([[1, 9], [4, 12]])
+    blocks = anchor_blocks(x, anchors, block_size=4, mask_token_id=7)
+    assert blocks.input_ids[0].tolist() == [101, 7, 7, 7, 109, 7, 7, 7]
+    assert blocks.position_ids[1].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    full, _ = orthrus_dual_pass_mask(20, anchors[1], 4)
+    assert torch.equal(blocks.attention_mask[1], full[20:])
+    row = blocks.attention_mask[0, 5]  # a mask of the block at anchor 9
+    assert row[:9].all() and not row[9:20].any() and row[24:28].all() and not row[20:24].any()
+
+
+# ------------------------------------------------------------------------------- Orthrus
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    from diffspec.testing.checkpoints import write_qwen3
+
+    return write_qwen3(tmp_path_factory.mktemp("qwen3") / "base")
+
+
+@pytest.fixture(scope="module")
+def token_data(tmp_path_factory) -> str:
+    """Pre-tokenized JSONL: repeating patterns, so a drafter has something to learn."""
+    gen = torch.Generator().manual_seed(0)
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    rows = []
+    for _ in range(64):
+        pattern = (torch.randint(20, 200, (6,), generator=gen)).tolist()
+        rows.append(json.dumps({"token_ids": pattern * 8}))
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def _tiny_cfg(steps: int = 8, seed: int = 0) -> TrainConfig:
+    return TrainConfig(steps=steps, lr=5e-3, warmup_steps=2, batch_size=2, seq_len=40,
+                       seed=seed, log_every=100)
+
+
+def _orthrus_distiller(model, seed=0):
+    from diffspec.train.orthrus import BlockDistiller
+
+    return BlockDistiller(model.lm, block_size=model.block_size,
+                          mask_token_id=model.mask_token_id, num_anchors=3,
+                          draft_view=model.diffusion_view, seed=seed)
+
+
+def test_orthrus_gradient_reaches_only_diff_params(tiny_qwen3):
+    from diffspec.model_executors.orthrus import orthrus_from_base
+    from diffspec.train.orthrus import freeze_all_but
+
+    model = orthrus_from_base(tiny_qwen3, block_size=8, mask_token_id=7)
+    freeze_all_but(model.lm, model.diffusion_parameters())
+    out = _orthrus_distiller(model)(torch.randint(10, 200, (2, 40)))
+    out["loss"].backward()
+    for name, p in model.lm.named_parameters():
+        if "_diff." in name:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+
+
+@pytest.fixture(scope="module")
+def trained_orthrus(tiny_qwen3, token_data, tmp_path_factory):
+    from diffspec.model_executors.orthrus import orthrus_from_base
+    from diffspec.train.orthrus import train_orthrus
+
+    out = tmp_path_factory.mktemp("orthrus") / "trained"
+    before = orthrus_from_base(tiny_qwen3, block_size=8, mask_token_id=7)
+    result = train_orthrus(tiny_qwen3, out, _tiny_cfg(steps=12), data=[token_data],
+                           block_size=8, mask_token_id=7, num_anchors=3)
+    return before, result
+
+
+def test_orthrus_training_reduces_the_loss_and_changes_only_diff_weights(
+    trained_orthrus, token_data
+):
+    before, result = trained_orthrus
+    lines = Path(token_data).read_text().splitlines()[:4]
+    batch = torch.tensor([json.loads(line)["token_ids"][:40] for line in lines])  # [4, 40]
+    with torch.no_grad():
+        loss_before = _orthrus_distiller(before, seed=5)(batch)["loss"]
+        loss_after = _orthrus_distiller(result.model, seed=5)(batch)["loss"]
+    assert loss_after < loss_before
+    old, new = before.lm.state_dict(), result.model.lm.state_dict()
+    for name in old:
+        if "_diff." in name:
+            continue
+        assert torch.equal(old[name], new[name]), f"AR weight {name} changed"
+    assert any(not torch.equal(old[n], new[n]) for n in old if "_diff." in n)
+
+
+def test_orthrus_save_load_round_trip(trained_orthrus, tiny_qwen3):
+    from safetensors.torch import load_file
+
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    _, result = trained_orthrus
+    loaded = load_orthrus(result.out_dir)
+    assert loaded.block_size == 8 and loaded.mask_token_id == 7
+    trained = result.model.lm.state_dict()
+    for name, tensor in loaded.lm.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    base = load_file(str(tiny_qwen3 / "model.safetensors"))
+    saved = load_file(str(result.out_dir / "model.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in base.items())  # AR bit-identical
+    assert (result.out_dir / "training.json").is_file()
+
+
+def test_orthrus_training_is_deterministic(tiny_qwen3, token_data):
+    from diffspec.train.orthrus import train_orthrus
+
+    runs = [train_orthrus(tiny_qwen3, None, _tiny_cfg(steps=3, seed=s), data=[token_data],
+                          block_size=8, mask_token_id=7, num_anchors=3)
+            for s in (1, 1, 2)]
+    weights = [r.model.diffusion_parameters() for r in runs]
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[1], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(weights[0], weights[2], strict=True))
+
+
+# ---------------------------------------------------------------------------- NLD LoRA
+
+
+def test_nld_lora_trainer_writes_a_peft_folder_that_load_nld_reads(tmp_path, token_data):
+    from safetensors.torch import load_file
+
+    from diffspec.model_executors.nld import load_nld
+    from diffspec.testing.checkpoints import write_nld
+    from diffspec.train.nld_lora import lora_parameters, train_nld_lora
+
+    base = write_nld(tmp_path / "nld", block_size=8, with_lora=False)
+    before = load_nld(base, lora=False).lm.state_dict()
+    result = train_nld_lora(base, tmp_path / "out", _tiny_cfg(steps=6), data=[token_data],
+                            rank=4, alpha=16, num_anchors=3)
+    lora = tmp_path / "out" / "linear_spec_lora"
+    config = json.loads((lora / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["target_modules"] == ["o_proj"]
+    assert config["r"] == 4 and config["lora_alpha"] == 16
+    names = load_file(str(lora / "adapter_model.safetensors"))
+    assert names and all(k.startswith("base_model.model.encoder.layers.") for k in names)
+
+    loaded = load_nld(tmp_path / "out")
+    assert loaded.has_lora
+    trained = dict(zip([n for n, _ in result.model.lm.named_parameters() if ".lora_" in n],
+                       lora_parameters(result.model), strict=True))
+    for name, p in loaded.lm.named_parameters():
+        if ".lora_" in name:
+            assert torch.equal(p, trained[name]), name
+    assert any(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)  # it trained
+    after = result.model.lm.state_dict()
+    for name, tensor in before.items():  # the backbone did not change
+        assert torch.equal(after[name.replace("self_attn.o_proj.", "self_attn.o_proj.base_layer.")
+                                 if name not in after else name], tensor), name
+    assert load_file(str(base / "model.safetensors")).keys() == load_file(
+        str(tmp_path / "out" / "model.safetensors")).keys()
+
+
+def test_nld_lora_drafts_change_only_inside_the_draft_view(tmp_path, token_data):
+    from diffspec.model_executors.nld import load_nld
+    from diffspec.testing.checkpoints import write_nld
+    from diffspec.train.nld_lora import train_nld_lora
+
+    base = write_nld(tmp_path / "nld", block_size=8, with_lora=False)
+    plain = load_nld(base, lora=False)
+    result = train_nld_lora(base, None, _tiny_cfg(steps=4), data=[token_data], rank=4,
+                            alpha=16, num_anchors=3)
+    ids = torch.randint(20, 200, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(result.model.lm(input_ids=ids).logits, plain.lm(input_ids=ids).logits)
+
+
+@pytest.mark.slow
+def test_orthrus_trains_under_two_processes(tiny_qwen3, token_data, tmp_path):
+    """DDP on CPU (gloo), through accelerate: both processes train, the main one gathers
+    the trained tensors and writes a checkpoint that loads."""
+    import os
+    import subprocess
+    import sys
+
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "-m", "diffspec.train", "orthrus", "--base", str(tiny_qwen3), "--out", str(out),
+           "--data", token_data, "--block-size", "8", "--mask-token-id", "7",
+           "--num-anchors", "3", "--batch-size", "2", "--seq-len", "40", "--steps", "3"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "MULTI_CPU, 2 process(es)" in run.stderr
+    model = load_orthrus(out)
+    attn = model.lm.model.layers[0].self_attn
+    assert not torch.equal(attn.q_proj.weight, attn.q_proj_diff.weight)  # it trained
+
+
+# --------------------------------------------------------------------- shipped checkpoint
+
+
+@pytest.mark.skipif(not SYNTH_ORTHRUS_DIR.is_dir(), reason="synth-orthrus not built yet")
+def test_shipped_synth_orthrus_drafts_are_accepted_and_lossless():
+    from safetensors.torch import load_file
+
+    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+    from diffspec.train import measure_speculation
+
+    model = load_orthrus(SYNTH_ORTHRUS_DIR)
+    base = load_file(str(SYNTH_QWEN3_DIR / "model.safetensors"))
+    shipped = load_file(str(SYNTH_ORTHRUS_DIR / "model.safetensors"))
+    assert all(torch.equal(shipped[k], v) for k, v in base.items())  # AR weights bit-identical
+    tok = build_tokenizer()
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in sample_prompts(6, 99)]
+    report = measure_speculation(model.lm, OrthrusDrafter(model), prompts,
+                                 model.block_size - 1, max_tokens=40)
+    assert report["equal_ar"]
+    assert report["mean_accept_length"] > 1.5, report
+    assert math.isfinite(report["tpf"])
