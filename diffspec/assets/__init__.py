@@ -4,6 +4,7 @@
 synthetic language of :mod:`diffspec.testing.synthetic` (see its ``TRAINING.md``).
 ``synth-orthrus/``: synth-qwen3 plus Orthrus diffusion heads distilled by ``diffspec.train``.
 ``synth-refusion/``: synth-qwen3 fine-tuned with the ReFusion objective.
+``synth-tidar/``: synth-qwen3 trained with the TiDAR recipe (causal + fully-masked copy).
 Each folder's ``TRAINING.md`` gives the exact command that reproduces it.
 """
 
@@ -15,3 +16,4 @@ ASSETS_DIR = Path(__file__).resolve().parent
 SYNTH_QWEN3_DIR = ASSETS_DIR / "synth-qwen3"
 SYNTH_REFUSION_DIR = ASSETS_DIR / "synth-refusion"
 SYNTH_ORTHRUS_DIR = ASSETS_DIR / "synth-orthrus"
+SYNTH_TIDAR_DIR = ASSETS_DIR / "synth-tidar"

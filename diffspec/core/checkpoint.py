@@ -12,7 +12,9 @@ Families (see REFERENCE.md, "Checkpoint formats"):
 * ``nld``: Nemotron-Labs-Diffusion (``encoder.*`` + ``diffusion_head.weight``,
   optional PEFT adapter in ``linear_spec_lora/``).
 * ``llada`` / ``dream`` / ``fast_dllm_v2``: diffusion LMs for Fast-dLLM.
-* ``refusion``: a stock Qwen3 causal model whose config carries ``mask_token_id``.
+* ``tidar``: a stock causal LM (Qwen family) trained with the TiDAR recipe, whose config
+  carries both ``block_size`` and ``mask_token_id`` (``dlm_type: "dream"`` = shifted drafts).
+* ``refusion``: a stock Qwen3 causal model whose config carries ``mask_token_id`` only.
 * ``qwen3``: plain Qwen3; ``None``: a plain AR model of another architecture.
 """
 
@@ -52,8 +54,8 @@ FAST_DLLM_V2_MASK_TOKEN = "|<MASK>|"
 METHODS: dict[str, tuple[str, ...]] = {
     "orthrus": ("orthrus",),
     "linear_self_spec": ("nld",),
-    "quadratic_self_spec": ("nld",),
-    "tidar": ("nld",),
+    "quadratic_self_spec": ("nld", "tidar"),
+    "tidar": ("tidar", "nld"),
     "fast_dllm": ("llada", "dream", "fast_dllm_v2"),
     "refusion": ("refusion",),
 }
@@ -167,7 +169,7 @@ def require_method(info: CheckpointInfo, method: str) -> None:
             f"method {method!r} needs a checkpoint of family {wanted}; checkpoint {name} is family "
             f"{info.family!r} (architecture {info.architecture!r}, model_type {info.model_type!r})"
         )
-    if method in ("linear_self_spec", "quadratic_self_spec", "tidar"):
+    if method in ("linear_self_spec", "quadratic_self_spec", "tidar") and info.family == "nld":
         missing = [
             w
             for w in ("encoder.embed_tokens.weight", "diffusion_head.weight")
@@ -199,11 +201,12 @@ def max_block_tokens(info: CheckpointInfo) -> int | None:
     """The most tokens a step may ask of this checkpoint, or ``None`` for no trained limit.
 
     Orthrus and NLD draft ``block_size - 1`` tokens (the block's first slot is the anchor);
-    Fast-dLLM v2 decodes blocks of at most ``bd_size``.
+    a TiDAR checkpoint drafts ``block_size`` tokens when its drafts are shifted, else
+    ``block_size - 1``; Fast-dLLM v2 decodes blocks of at most ``bd_size``.
     """
     if info.block_size is None:
         return None
-    if info.family in ("orthrus", "nld"):
+    if info.family in ("orthrus", "nld") or (info.family == "tidar" and not info.logits_shift):
         return info.block_size - 1
     return info.block_size
 
@@ -216,7 +219,7 @@ def validate_block_size(info: CheckpointInfo, requested: int) -> None:
     limit = max_block_tokens(info)
     if limit is None or requested <= limit:
         return
-    if info.family in ("orthrus", "nld"):
+    if info.family in ("orthrus", "nld", "tidar"):
         raise CheckpointError(
             f"checkpoint {info.path} was trained with block_size={info.block_size}, "
             f"so it drafts at most "
@@ -299,13 +302,16 @@ def _family(
         return "dream"
     if architecture == "Fast_dLLM_QwenForCausalLM" or mt == "fast_dllm_qwen":
         return "fast_dllm_v2"
+    causal_qwen = architecture in ("Qwen3ForCausalLM", "Qwen2ForCausalLM") or mt in ("qwen3", "qwen2")
+    if causal_qwen and config.get("mask_token_id") is not None and config.get("block_size"):
+        return "tidar"
     if architecture == "Qwen3ForCausalLM" or mt == "qwen3":
         return "refusion" if config.get("mask_token_id") is not None else "qwen3"
     return None
 
 
 def _logits_shift(family: str | None, config: dict[str, Any]) -> bool:
-    if family == "nld":
+    if family in ("nld", "tidar"):
         return config.get("dlm_type") == "dream"
     return family in _SHIFTED_FAMILIES
 

@@ -324,7 +324,7 @@ def rollback_kv(cache, length: int) -> None:
         cache.crop(-extra)  # transformers >= 5: a negative count removes that many tokens
 
 
-def _start(model, request: Request) -> _Run:
+def start_request(model, request: Request) -> _Run:
     """Validate ``request`` against the model and prefill all prompt tokens but the anchor."""
     from transformers import DynamicCache
 
@@ -349,7 +349,7 @@ def _hits_stop_string(run: _Run, tokenizer, new_tokens: list[int]) -> int | None
     return None
 
 
-def _commit(run: _Run, emitted: list[int], tokenizer) -> None:
+def commit_tokens(run: _Run, emitted: list[int], tokenizer) -> None:
     """Append the emitted tokens, cut at max_tokens, a stop token or a stop string."""
     emitted = emitted[: run.remaining]
     keep = truncate_at_stop(emitted, run.request.stop_token_ids)
@@ -385,12 +385,12 @@ def ar_generate(model, requests: list[Request], tokenizer=None) -> list[RequestO
     """Plain autoregressive decoding, one token per forward (the oracle)."""
     outputs = []
     for request in requests:
-        run = _start(model, request)
+        run = start_request(model, request)
         while run.output.finish_reason is None:
             logits = _forward(model, run.cache, run.token_ids[-1:])  # [1, vocab]
             run.output.num_forwards += 1
             token = _sample(logits[0], request.sampling, len(run.token_ids), None)
-            _commit(run, [token], tokenizer)
+            commit_tokens(run, [token], tokenizer)
         outputs.append(run.output)
     return outputs
 
@@ -402,7 +402,7 @@ def _takes_context(drafter: Drafter) -> bool:
     return any(p.kind == p.VAR_KEYWORD or p.name == "cache" for p in params)
 
 
-def _accept_mode(request: Request, accept: AcceptMode) -> str:
+def accept_mode(request: Request, accept: AcceptMode) -> str:
     params = request.sampling
     if accept == "auto":
         if params.is_greedy:
@@ -417,7 +417,7 @@ def _accept_mode(request: Request, accept: AcceptMode) -> str:
     return accept
 
 
-def _accept(
+def accept_drafts(
     mode: str,
     params: SamplingParams,
     drafts: list[int],  # [n]
@@ -465,11 +465,11 @@ def speculative_generate(
     with_context = _takes_context(drafter)
     outputs = []
     for request in requests:
-        mode = _accept_mode(request, accept)
+        mode = accept_mode(request, accept)
         generator = None
         if mode == "rejection" and request.sampling.seed is not None:
             generator = torch.Generator(device=model.device).manual_seed(request.sampling.seed)
-        run = _start(model, request)
+        run = start_request(model, request)
         while run.output.finish_reason is None:
             committed = len(run.token_ids)  # the anchor is token committed - 1
             # Never draft past max_tokens (accepted + 1 <= remaining) or the context.
@@ -493,14 +493,14 @@ def speculative_generate(
             run.output.num_forwards += 1
 
             # accept
-            result = _accept(mode, request.sampling, drafts, draft_probs, logits,
+            result = accept_drafts(mode, request.sampling, drafts, draft_probs, logits,
                              committed, generator)
             emitted = result.tokens(0)
             run.output.num_draft_tokens += len(drafts)
             run.output.num_accepted_tokens += int(result.num_accepted[0])
 
             # commit: the last emitted token becomes the anchor, outside the cache
-            _commit(run, emitted, tokenizer)
+            commit_tokens(run, emitted, tokenizer)
             rollback_kv(run.cache, len(run.token_ids) - 1)
         outputs.append(run.output)
     return outputs

@@ -482,3 +482,20 @@ def test_nld_weights_and_lora_load_into_the_real_module_tree(ckpt_root: Path) ->
     with torch.no_grad():
         adapted = peft_model.base_model.model.encoder.layers[0].self_attn.o_proj(x)
     assert not torch.allclose(base, adapted)
+
+
+def test_tidar_checkpoint_is_its_own_family() -> None:
+    """A causal Qwen3 whose config names block_size and mask_token_id is a TiDAR-recipe
+    checkpoint (not ReFusion); dlm_type "dream" means shifted drafts, K per step."""
+    from diffspec.assets import SYNTH_TIDAR_DIR, SYNTH_REFUSION_DIR
+
+    info = inspect_checkpoint(SYNTH_TIDAR_DIR)
+    assert info.family == "tidar" and info.logits_shift is True
+    require_method(info, "tidar")
+    require_method(info, "quadratic_self_spec")
+    assert max_block_tokens(info) == info.block_size
+    with pytest.raises(CheckpointError, match="block_size"):
+        validate_block_size(info, info.block_size + 1)
+    with pytest.raises(CheckpointError, match="family"):
+        require_method(info, "refusion")
+    assert inspect_checkpoint(SYNTH_REFUSION_DIR).family == "refusion"
