@@ -11,6 +11,8 @@ import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 BUILT_METHODS = {
@@ -18,9 +20,10 @@ BUILT_METHODS = {
     "ngram": "speculative decoding with prompt lookup (n-gram) drafts, lossless",
     "orthrus": "Orthrus checkpoint: diffusion-view drafts verified by the AR view, lossless",
     "linear_self_spec": "NLD checkpoint: bidirectional (LoRA) drafts, causal verify, lossless",
+    "tidar": "TiDAR / NLD checkpoint: draft + verify in one forward (quadratic), lossless",
+    "refusion": "ReFusion checkpoint: slot plan-and-infill (greedy; not lossless)",
 }
-SELF_SPEC_METHODS = ("orthrus", "linear_self_spec")  # need a checkpoint with diffusion weights
-NOT_BUILT_METHODS = ("tidar", "fast_dllm", "refusion")
+NOT_BUILT_METHODS: tuple[str, ...] = ("fast_dllm",)
 
 _METHODS_HELP = "decoding methods:\n" + "".join(
     f"  {name:<17} {text}\n" for name, text in BUILT_METHODS.items()
@@ -28,43 +31,41 @@ _METHODS_HELP = "decoding methods:\n" + "".join(
 
 _FORWARDS_HELP = (
     "Forwards count every model call after the prompt prefill (the prefill is not counted);\n"
-    "an n-gram lookup is not a forward. TPF = generated tokens / forwards."
+    "an n-gram lookup is not a forward; a draft + verify cycle is two. TPF = generated tokens\n"
+    "/ forwards."
 )
 
 
 def bundled_model_path() -> Path:
-    """The small bundled checkpoint (a tiny Qwen3 trained on the synthetic language)."""
-    from diffspec.assets import SYNTH_QWEN3_DIR
+    """The small bundled checkpoint: a tiny Qwen3 trained on the synthetic language, with
+    Orthrus diffusion heads distilled onto it (AR weights identical to synth-qwen3)."""
+    from diffspec.assets import SYNTH_ORTHRUS_DIR
 
-    return SYNTH_QWEN3_DIR
+    return SYNTH_ORTHRUS_DIR
 
 
 class _CliError(Exception):
     """A user error: printed as ``diffspec: error: ...`` with exit code 2."""
 
 
-def _load(path: str | Path) -> tuple[Any, Any]:
-    """Load a local HF checkpoint (fp32, eval mode) and its tokenizer; never the network."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise _CliError(f"model path {str(path)!r} is not a local checkpoint folder "
-                        "(no config.json there)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+@dataclass
+class _Decoder:
+    """A loaded checkpoint ready to decode with one method."""
 
-    hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return model, tokenizer
+    method: str
+    model: Any  # the transformers AR view (context length, vocabulary, generation config)
+    tokenizer: Any
+    decode: Callable[[list[Any]], list[Any]]  # requests -> RequestOutputs
+    stop_token_ids: tuple[int, ...]
 
 
-def _load_self_spec(method: str, path: str | Path,
-                    num_draft_tokens: int) -> tuple[Any, Any, Any, tuple[int, ...]]:
-    """Load an Orthrus / NLD checkpoint for ``method``: (AR-view model, tokenizer, drafter,
-    EOS ids). Raises a clear error when the checkpoint cannot serve the method or was
-    trained for fewer than ``num_draft_tokens`` drafts per step."""
+def _load_decoder(method: str, path: str | Path, num_draft_tokens: int) -> _Decoder:
+    """Load ``path`` for ``method``, with clear errors when the checkpoint cannot serve it
+    (no diffusion weights, block too large, ...); never touches the network."""
+    if method in NOT_BUILT_METHODS:
+        raise _CliError(f"method {method!r} is not built yet (built: {', '.join(BUILT_METHODS)})")
+    if num_draft_tokens < 1:
+        raise _CliError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
     if not (Path(path) / "config.json").is_file():
         raise _CliError(f"model path {str(path)!r} is not a local checkpoint folder "
                         "(no config.json there)")
@@ -73,6 +74,7 @@ def _load_self_spec(method: str, path: str | Path,
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from diffspec.core import reference
     from diffspec.core.checkpoint import (
         CheckpointError,
         inspect_checkpoint,
@@ -83,28 +85,81 @@ def _load_self_spec(method: str, path: str | Path,
     hf_logging.disable_progress_bar()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # config-class warnings for model types it does not know
+    k = num_draft_tokens
     try:
         info = inspect_checkpoint(path)
-        require_method(info, method)
-        validate_block_size(info, num_draft_tokens)
-        if method == "orthrus":
-            from diffspec.model_executors.orthrus import load_orthrus
-            from diffspec.spec_workers.orthrus import OrthrusDrafter
-
-            model = load_orthrus(info.path, dtype=torch.float32)
-            drafter: Any = OrthrusDrafter(model)
-        else:
-            from diffspec.model_executors.nld import load_nld
-            from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter
-
-            model = load_nld(info.path, dtype=torch.float32)
-            drafter = LinearSelfSpecDrafter(model)
         tokenizer = AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False)
-    except CheckpointError as e:
+        if method in ("ar", "ngram"):
+            model = _load_ar_view(info, torch.float32)
+            drafter = reference.NgramDrafter()
+            if method == "ar":
+                decode = lambda reqs: reference.ar_generate(model, reqs, tokenizer)  # noqa: E731
+            else:
+                decode = lambda reqs: reference.speculative_generate(  # noqa: E731
+                    model, drafter, reqs, k, tokenizer=tokenizer)
+            eos: tuple[int, ...] = info.eos_token_ids
+        elif method in ("orthrus", "linear_self_spec"):
+            require_method(info, method)
+            validate_block_size(info, k)
+            if method == "orthrus":
+                from diffspec.model_executors.orthrus import load_orthrus
+                from diffspec.spec_workers.orthrus import OrthrusDrafter
+
+                wrapped: Any = load_orthrus(info.path, dtype=torch.float32)
+                drafter = OrthrusDrafter(wrapped)
+            else:
+                from diffspec.model_executors.nld import load_nld
+                from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter
+
+                wrapped = load_nld(info.path, dtype=torch.float32)
+                drafter = LinearSelfSpecDrafter(wrapped)
+            model, eos = wrapped.lm, wrapped.eos_token_ids
+            decode = lambda reqs: reference.speculative_generate(  # noqa: E731
+                model, drafter, reqs, k, tokenizer=tokenizer)
+        elif method == "tidar":
+            from diffspec.spec_workers.tidar import load_quadratic, tidar_generate
+
+            require_method(info, "tidar")
+            quadratic = load_quadratic(info.path, dtype=torch.float32)
+            if k > quadratic.max_draft_tokens:
+                raise CheckpointError(f"checkpoint {info.path} drafts at most "
+                                      f"{quadratic.max_draft_tokens} tokens per step "
+                                      f"(block_size={quadratic.block_size}); {k} requested")
+            model, eos = quadratic.lm, quadratic.eos_token_ids
+            decode = lambda reqs: tidar_generate(quadratic, reqs, k, tokenizer=tokenizer)  # noqa: E731
+        else:  # refusion
+            from diffspec.spec_workers.refusion import (
+                ReFusionConfig,
+                load_refusion,
+                refusion_generate,
+            )
+
+            model, info = load_refusion(info.path, dtype=torch.float32)
+            config = ReFusionConfig(slot_size=k, num_blocks=1)
+            mask_id = int(info.mask_token_id)
+            decode = lambda reqs: refusion_generate(model, reqs, config, mask_id)  # noqa: E731
+            eos = info.eos_token_ids
+    except (CheckpointError, ValueError) as e:
         raise _CliError(str(e)) from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model.lm, tokenizer, drafter, model.eos_token_ids
+    stops = tuple(dict.fromkeys([*eos, *_stop_token_ids(model, tokenizer)]))
+    return _Decoder(method, model, tokenizer, decode, stops)
+
+
+def _load_ar_view(info: Any, dtype: Any) -> Any:
+    """The plain causal LM of any checkpoint diffspec reads (Orthrus: its AR view)."""
+    if info.family == "orthrus":
+        from diffspec.model_executors.orthrus import load_orthrus
+
+        return load_orthrus(info.path, dtype=dtype).lm
+    if info.family == "nld":
+        from diffspec.model_executors.nld import load_nld
+
+        return load_nld(info.path, dtype=dtype, lora=False).lm
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype).eval()
 
 
 def _stop_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -126,18 +181,13 @@ def _sampling(args: argparse.Namespace) -> Any:
         raise _CliError(str(e)) from None
 
 
-def _run(method: str, model: Any, requests: list[Any], num_draft_tokens: int,
-         tokenizer: Any, drafter: Any = None) -> tuple[list[Any], float]:
-    """Decode ``requests`` with ``method`` (``drafter`` defaults to n-gram lookup); return
-    the outputs and the wall time (s)."""
-    from diffspec.core.reference import NgramDrafter, ar_generate, speculative_generate
-
+def _timed(decoder: _Decoder, requests: list[Any]) -> tuple[list[Any], float]:
+    """Decode ``requests``; return the outputs and the wall time (s)."""
     start = time.perf_counter()
-    if method == "ar":
-        outputs = ar_generate(model, requests, tokenizer=tokenizer)
-    else:
-        outputs = speculative_generate(model, drafter or NgramDrafter(), requests,
-                                       num_draft_tokens, tokenizer=tokenizer)
+    try:
+        outputs = decoder.decode(requests)
+    except ValueError as e:  # e.g. sampling or stop strings a method cannot honour
+        raise _CliError(f"{decoder.method}: {e}") from None
     return outputs, time.perf_counter() - start
 
 
@@ -145,20 +195,11 @@ def _run(method: str, model: Any, requests: list[Any], num_draft_tokens: int,
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.method in NOT_BUILT_METHODS:
-        raise _CliError(f"method {args.method!r} is not built yet "
-                        f"(built: {', '.join(BUILT_METHODS)})")
     if args.max_tokens < 1:
         raise _CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.num_draft_tokens < 1:
-        raise _CliError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     sampling = _sampling(args)
-    drafter, extra_stops = None, ()
-    if args.method in SELF_SPEC_METHODS:
-        model, tokenizer, drafter, extra_stops = _load_self_spec(args.method, args.model,
-                                                                 args.num_draft_tokens)
-    else:
-        model, tokenizer = _load(args.model)
+    decoder = _load_decoder(args.method, args.model, args.num_draft_tokens)
+    model, tokenizer = decoder.model, decoder.tokenizer
 
     from diffspec.core.reference import Request
 
@@ -171,15 +212,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     try:
         request = Request(prompt_ids, max_tokens=args.max_tokens, sampling=sampling,
-                          stop_token_ids=tuple(dict.fromkeys(
-                              _stop_token_ids(model, tokenizer) + tuple(extra_stops))),
-                          stop_strings=tuple(args.stop))
+                          stop_token_ids=decoder.stop_token_ids, stop_strings=tuple(args.stop))
         request.check_fits(model.config.max_position_embeddings, model.config.vocab_size)
     except ValueError as e:
         raise _CliError(str(e)) from None
 
-    [out], seconds = _run(args.method, model, [request], args.num_draft_tokens, tokenizer,
-                          drafter)
+    [out], seconds = _timed(decoder, [request])
     print(tokenizer.decode(out.token_ids, skip_special_tokens=False))
     print(f"[{args.method}] {len(out.token_ids)} tokens, {out.num_forwards} forwards, "
           f"TPF {out.tpf:.2f}, mean acceptance length {out.mean_accept_length:.2f}, "
@@ -189,46 +227,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_METHODS = ("ar", "ngram", "orthrus")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from diffspec.core.reference import Request
     from diffspec.core.sampling import SamplingParams
     from diffspec.testing.synthetic import sample_prompts
 
-    model, tokenizer = _load(args.model)
-    stops = _stop_token_ids(model, tokenizer)
+    decoders = [_load_decoder(m, args.model, args.num_draft_tokens) for m in DEMO_METHODS]
+    tokenizer, stops = decoders[0].tokenizer, decoders[0].stop_token_ids
     prompts = sample_prompts(args.num_prompts, args.seed)
     settings = [
         ("greedy", SamplingParams()),
         (f"T=1 seed={args.seed}", SamplingParams(temperature=1.0, seed=args.seed)),
     ]
 
-    header = (f"{'sampling':<12} {'prompt':<26} {'method':<6} {'tokens':>6} {'fwd':>4} "
+    header = (f"{'sampling':<12} {'prompt':<26} {'method':<8} {'tokens':>6} {'fwd':>4} "
               f"{'TPF':>5} {'acc.len':>7} {'tok/s':>7}  == AR")
-    print(f"model: {args.model}\nspeculative: ngram drafter, {args.num_draft_tokens} draft tokens"
-          f" per step\n{_FORWARDS_HELP}\n\n{header}\n{'-' * len(header)}")
+    print(f"model: {args.model}\nspeculative: {args.num_draft_tokens} draft tokens per step "
+          f"(orthrus: one diffusion-view pass drafts them; ngram: prompt lookup)\n"
+          f"{_FORWARDS_HELP}\n\n{header}\n{'-' * len(header)}")
     all_equal, first_text = True, None
     for name, sampling in settings:
         requests = [Request(tokenizer(p)["input_ids"], max_tokens=args.max_tokens,
                             sampling=sampling, stop_token_ids=stops) for p in prompts]
-        ar, ar_s = _run("ar", model, requests, args.num_draft_tokens, tokenizer)
-        spec, spec_s = _run("ngram", model, requests, args.num_draft_tokens, tokenizer)
-        for prompt, a, s in zip(prompts, ar, spec):
-            equal = a.token_ids == s.token_ids
-            all_equal &= equal
+        runs = {d.method: _timed(d, requests) for d in decoders}
+        ar = runs["ar"][0]
+        for i, prompt in enumerate(prompts):
             short = prompt if len(prompt) <= 24 else prompt[:21] + "..."
-            for method, out, secs in (("ar", a, ar_s), ("ngram", s, spec_s)):
-                tps = sum(len(o.token_ids) for o in (ar if method == "ar" else spec)) / secs
-                print(f"{name:<12} {short:<26} {method:<6} {len(out.token_ids):>6} "
+            for method, (outs, secs) in runs.items():
+                out, equal = outs[i], outs[i].token_ids == ar[i].token_ids
+                all_equal &= equal
+                tps = sum(len(o.token_ids) for o in outs) / secs
+                print(f"{name:<12} {short:<26} {method:<8} {len(out.token_ids):>6} "
                       f"{out.num_forwards:>4} {out.tpf:>5.2f} {out.mean_accept_length:>7.2f} "
                       f"{tps:>7.0f}  {'yes' if equal else 'NO'}")
         if first_text is None:
-            first_text = (prompts[0], tokenizer.decode(spec[0].token_ids))
-    print("\n(tok/s is per method over all prompts of a setting)")
+            first_text = (prompts[0], tokenizer.decode(runs["orthrus"][0][0].token_ids))
+    print("\n(tok/s is per method over all prompts of a setting, reference decoder on CPU)")
     print(f"\nprompt:     {first_text[0]}\ncompletion: {first_text[1]}")
     if not all_equal:
         print("\nLOSSLESS CHECK FAILED: speculative output differs from AR", file=sys.stderr)
         return 1
-    print("\nlossless check: speculative == AR for every prompt")
+    print("\nlossless check: speculative == AR for every prompt and method")
     return 0
 
 
@@ -251,16 +293,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="AR vs speculative decoding on the bundled model (default command)",
-        description="Decode a few prompts of the synthetic language with plain AR and with "
-        "n-gram speculative decoding (greedy, then seeded sampling), print a table and check "
-        "that speculative output equals AR token for token (exit code 1 if not).",
+        description="Decode a few prompts of the synthetic language with plain AR, n-gram "
+        "speculation and Orthrus (diffusion-view drafts, AR-view verify) on the bundled "
+        "model (greedy, then seeded sampling), print a table and check that speculative "
+        "output equals AR token for token (exit code 1 if not).",
         epilog=_FORWARDS_HELP,
     )
-    model_help = "local checkpoint folder (default: the bundled synth-qwen3)"
+    model_help = "local checkpoint folder (default: the bundled synth-orthrus)"
     demo.add_argument("--model", default=str(bundled_model_path()), help=model_help)
     demo.add_argument("--num-prompts", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--num-draft-tokens", type=int, default=8)
+    demo.add_argument("--num-draft-tokens", type=int, default=31,
+                      help="drafts per step (default 31: the Orthrus block of 32)")
     demo.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     demo.set_defaults(func=cmd_demo)
 
@@ -276,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--method", default="ngram", choices=[*BUILT_METHODS, *NOT_BUILT_METHODS],
                      help="decoding method (default: ngram); see the list below")
-    gen.add_argument("--num-draft-tokens", type=int, default=8, help="drafts per step (K)")
+    gen.add_argument("--num-draft-tokens", type=int, default=8,
+                     help="drafts per step (K); refusion: the slot size")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=-1, help="-1 = off")

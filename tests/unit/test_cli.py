@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from diffspec.assets import SYNTH_QWEN3_DIR, SYNTH_REFUSION_DIR, SYNTH_TIDAR_DIR
 from diffspec.cli import NOT_BUILT_METHODS, main
 
 
@@ -37,7 +38,14 @@ BAD_GENERATE = {
     # name: (extra args, message on stderr)
     "negative_temperature": (["--temperature", "-1"], "temperature must be"),
     "bad_top_p": (["--top-p", "0"], "top_p must be"),
-    "orthrus_on_a_base_model": (["--method", "orthrus"], "no diffusion weights"),
+    "orthrus_on_a_base_model": (["--method", "orthrus", "--model", str(SYNTH_QWEN3_DIR)],
+                                "no diffusion weights"),
+    "orthrus_block_too_large": (["--method", "orthrus", "--num-draft-tokens", "32"],
+                                "block_size=32"),
+    "tidar_block_too_large": (["--method", "tidar", "--model", str(SYNTH_TIDAR_DIR),
+                               "--num-draft-tokens", "9"], "drafts at most 8"),
+    "refusion_is_greedy_only": (["--method", "refusion", "--model", str(SYNTH_REFUSION_DIR),
+                                 "--temperature", "0.7"], "refusion"),
     "unknown_model_path": (["--model", "/nonexistent/model"], "not a local checkpoint"),
     "prompt_too_long": (["--max-tokens", "100000"], "exceeds the model's context length"),
     "zero_max_tokens": (["--max-tokens", "0"], "--max-tokens must be >= 1"),
@@ -53,3 +61,19 @@ def test_generate_bad_params_exit_2(name, capsys):
         main(["generate", "--prompt", "hello", *extra])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("method", "model", "k"),
+    [
+        ("orthrus", None, 31),
+        ("tidar", SYNTH_TIDAR_DIR, 8),
+        ("refusion", SYNTH_REFUSION_DIR, 8),
+    ],
+)
+def test_generate_each_built_method(method, model, k, capsys):
+    args = ["generate", "--prompt", "hello world", "--method", method, "--max-tokens", "16",
+            "--num-draft-tokens", str(k)]
+    assert main(args + (["--model", str(model)] if model else [])) == 0
+    err = capsys.readouterr().err
+    assert f"[{method}]" in err and "TPF" in err
