@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from diffspec.cli import bundled_model_path
+from diffspec.assets import SYNTH_QWEN3_DIR
 from diffspec.core.reference import (
     NgramDrafter,
     Request,
@@ -30,7 +30,7 @@ GREEDY = SamplingParams()
 def synth():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = bundled_model_path()
+    path = SYNTH_QWEN3_DIR
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = tuple(model.generation_config.eos_token_id)

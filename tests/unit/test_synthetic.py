@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from diffspec.cli import bundled_model_path
+from diffspec.assets import SYNTH_QWEN3_DIR
 from diffspec.testing import synthetic
 from diffspec.testing.synthetic import (
     ENDOFTEXT,
@@ -90,7 +90,7 @@ def test_training_is_deterministic(tmp_path):
 def test_bundled_checkpoint():
     from transformers import AutoConfig, AutoTokenizer
 
-    path = bundled_model_path()
+    path = SYNTH_QWEN3_DIR
     config = AutoConfig.from_pretrained(str(path))
     assert config.architectures == ["Qwen3ForCausalLM"]
     assert config.head_dim >= 32  # vLLM's CPU attention rejects 16
