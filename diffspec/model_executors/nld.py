@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
 from diffspec.model_executors.views import anchor_block, block_view_logits
+from diffspec.model_executors.loading import from_pretrained_strict
 
 __all__ = ["NLDModel", "load_nld"]
 
@@ -130,8 +131,8 @@ def load_nld(path: str | Path, dtype: torch.dtype = torch.float32, lora: bool = 
     hf_logging.set_verbosity_error()  # rope_parameters' llama_4_scaling_beta is "unrecognized"
     try:
         config = _ministral3_config(info.config)
-        lm = Ministral3ForCausalLM.from_pretrained(str(info.path), config=config, dtype=dtype,
-                                                   key_mapping=_KEY_MAPPING)
+        lm = from_pretrained_strict(Ministral3ForCausalLM, info.path, config=config,
+                                    dtype=dtype, key_mapping=_KEY_MAPPING)
     finally:
         hf_logging.set_verbosity(verbosity)
     lm.eval()

@@ -35,6 +35,7 @@ from diffspec.core.checkpoint import (
     inspect_checkpoint,
     require_method,
 )
+from diffspec.model_executors.loading import from_pretrained_strict
 from diffspec.model_executors.views import anchor_block, block_view_logits
 
 __all__ = [
@@ -172,7 +173,7 @@ def load_orthrus(path: str | Path, dtype: torch.dtype = torch.float32) -> Orthru
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the *_diff tensors are "unexpected" to Qwen3: expected
     try:
-        lm = Qwen3ForCausalLM.from_pretrained(str(info.path), config=config, dtype=dtype)
+        lm = from_pretrained_strict(Qwen3ForCausalLM, info.path, config=config, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
     _attach_diffusion_modules(lm)

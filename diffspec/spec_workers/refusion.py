@@ -138,8 +138,9 @@ def load_refusion(path: str | Path, dtype: torch.dtype = torch.float32):
 
     info: CheckpointInfo = inspect_checkpoint(path)
     require_method(info, "refusion")
-    model = Qwen3ForCausalLM.from_pretrained(str(info.path), dtype=dtype)
-    return model.eval(), info
+    from diffspec.model_executors.loading import from_pretrained_strict
+
+    return from_pretrained_strict(Qwen3ForCausalLM, info.path, dtype=dtype), info
 
 
 def refusion_generate(

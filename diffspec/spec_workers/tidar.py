@@ -120,6 +120,7 @@ def load_quadratic(path: str | Path, dtype: torch.dtype = torch.float32) -> Quad
     ``mask_token_id``) or an NLD checkpoint (its plain backbone) for quadratic decoding."""
     from transformers import AutoModelForCausalLM
 
+    from diffspec.model_executors.loading import from_pretrained_strict
     from diffspec.model_executors.nld import load_nld
 
     info = inspect_checkpoint(path)
@@ -139,7 +140,7 @@ def load_quadratic(path: str | Path, dtype: torch.dtype = torch.float32) -> Quad
     if info.vocab_size is not None and not 0 <= int(info.config["mask_token_id"]) < info.vocab_size:
         raise CheckpointError(f"checkpoint {info.path} has mask_token_id="
                               f"{info.config['mask_token_id']} outside its vocabulary")
-    lm = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype).eval()
+    lm = from_pretrained_strict(AutoModelForCausalLM, info.path, dtype=dtype)
     return QuadraticModel(lm, int(info.config["block_size"]), int(info.config["mask_token_id"]),
                           info.config.get("dlm_type") == "dream", info.eos_token_ids)
 

@@ -499,3 +499,22 @@ def test_tidar_checkpoint_is_its_own_family() -> None:
     with pytest.raises(CheckpointError, match="family"):
         require_method(info, "refusion")
     assert inspect_checkpoint(SYNTH_REFUSION_DIR).family == "refusion"
+
+
+@pytest.mark.parametrize("layout", ["orthrus", "nld", "refusion"])
+def test_reference_loaders_refuse_a_checkpoint_missing_a_tensor(layout: str, tmp_path: Path) -> None:
+    """transformers would random-initialise a missing tensor; the oracle's loaders refuse."""
+    from safetensors.torch import load_file, save_file
+
+    from diffspec.model_executors.nld import load_nld
+    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.refusion import load_refusion
+
+    path = LAYOUTS[layout](tmp_path / layout)
+    tensors = load_file(str(path / "model.safetensors"))
+    dropped = next(k for k in tensors if "layers.1.mlp.down_proj" in k)
+    del tensors[dropped]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    loader = {"orthrus": load_orthrus, "nld": load_nld, "refusion": load_refusion}[layout]
+    with pytest.raises(CheckpointError, match="lacks 1 tensor"):
+        loader(path)
