@@ -5,6 +5,7 @@ synthetic language of :mod:`diffspec.testing.synthetic` (see its ``TRAINING.md``
 ``synth-orthrus/``: synth-qwen3 plus Orthrus diffusion heads distilled by ``diffspec.train``.
 ``synth-refusion/``: synth-qwen3 fine-tuned with the ReFusion objective.
 ``synth-tidar/``: synth-qwen3 trained with the TiDAR recipe (causal + fully-masked copy).
+``synth-dllm/``: a tiny LLaDA-layout and a tiny Fast-dLLM-v2-layout diffusion LM.
 Each folder's ``TRAINING.md`` gives the exact command that reproduces it.
 """
 
@@ -17,3 +18,4 @@ SYNTH_QWEN3_DIR = ASSETS_DIR / "synth-qwen3"
 SYNTH_REFUSION_DIR = ASSETS_DIR / "synth-refusion"
 SYNTH_ORTHRUS_DIR = ASSETS_DIR / "synth-orthrus"
 SYNTH_TIDAR_DIR = ASSETS_DIR / "synth-tidar"
+SYNTH_DLLM_DIR = ASSETS_DIR / "synth-dllm"  # llada/ and fast_dllm_v2/

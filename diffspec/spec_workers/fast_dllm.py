@@ -1,0 +1,460 @@
+"""Fast-dLLM: block-wise diffusion decoding with a KV cache and confidence-threshold
+parallel unmasking, for LLaDA, Dream, Fast-dLLM v2 and NLD's diffusion mode
+(:mod:`diffspec.model_executors.dllm`).
+
+A request's generation is cut into **blocks** of ``block_size`` slots, decoded one after
+the other. Inside a block each step runs one forward, reads the logits of the block's
+masked slots and commits every one whose confidence is above ``threshold``, and at least
+the most confident one (:func:`diffspec.core.unmask.confidence_unmask`), so
+``threshold = 1.0`` commits exactly one token per step. A block may be cut into
+**sub-blocks** of ``sub_block_size`` slots decoded in order (Fast-dLLM v2: 8 inside 32).
+Decoding is greedy; it is not lossless (the cache is approximate, parallel tokens are
+drawn from per-slot marginals), so the ground truth is :meth:`FastDLLMConfig.reference`:
+no cache, one token per step.
+
+**Layout.** The batch shares one index space; prompts are left-padded so that blocks line
+up across requests, and each slot keeps its true position id.
+
+* Bidirectional families (LLaDA, Dream: Fast-dLLM v1): the canvas is the prompt then
+  ``gen_length`` mask slots; every token sees the whole canvas; blocks start at the prompt
+  end (``llada/generate.py``, ``dream/model/generation_utils_block.py``).
+* Block-causal (Fast-dLLM v2): blocks are aligned at position 0, prompt included
+  (:func:`diffspec.core.masks.block_causal_mask`); the prompt's full blocks are prefilled
+  and the block holding the prompt's tail is the first one decoded (v2 ``generate``).
+* Causal prompt, then block-causal blocks (NLD's diffusion mode): the prompt is prefilled
+  causally and blocks start at the prompt end (``block_causal_mask`` with ``prefix_len``).
+
+**Cache strategies** (what one step recomputes; its *window*):
+
+======== ======================================== ========================================
+cache    LLaDA / Dream                            Fast-dLLM v2, NLD
+======== ======================================== ========================================
+none     the whole canvas, every step             every block up to the current one
+prefix   the block and the masked suffix, over    the block, over the KV of earlier
+         the prefix KV (v1 prefix cache)          blocks: the same math as ``none``
+dual     the block alone, over the prefix KV and  the current sub-block, over the prefix
+         the masked suffix's KV (v1 dual cache)   KV and the block's other slots' KV
+                                                  (v2 ``use_block_cache``)
+======== ======================================== ========================================
+
+The cached KV is written by a *refresh* forward: everything the window attends to, ordered
+so that the window comes last, whose K/V are kept except the window's (rolled back by
+moving the cache length). LLaDA / Dream refresh at each block start (the whole canvas:
+that forward is also the block's first step). Block-causal families keep the KV of
+completed blocks across blocks (written by the forward that *completes* a block, and for
+the prompt by a prefill), and under ``dual`` refresh the block when the window changes or
+(shifted) its first slot is still masked: a shifted window needs that slot's token to
+predict its second slot (v2's rule).
+
+**Shifted families** (Dream, Fast-dLLM v2) read position j's logits at j-1
+(:func:`diffspec.core.unmask.shift_logits`). The first slot of a block is committed alone,
+from the argmax of the previous slot's logits: by the block's first forward (Dream), or by
+the completing forward of the block before it (Fast-dLLM v2: "the first token of the next
+block is the argmax of the last logit").
+
+The mask token is never predicted (its logit is set to -inf before any argmax), so
+every step commits real tokens.
+
+**Stop.** A request finishes when one of its ``stop_token_ids`` is committed with no masked
+slot before it (the rest of that block is not decoded: it would be dropped, and committed
+tokens never change), or when its ``max_tokens`` slots are committed. A block cut by
+``max_tokens`` keeps its size (block-causal) or ends with the canvas (LLaDA / Dream); its
+slots past the limit are never decoded.
+
+**Counting.** Every model call counts one forward for each request that takes part in it
+(has slots to decode, or is prefilled, or has a block completed): unlike
+:mod:`diffspec.core.reference`, the block-causal prompt prefill is counted, and so is
+each completing forward (for unshifted NLD it commits nothing: the KV write is the price
+of its cache). A forward's ``accept_lengths`` entry is the number of tokens it committed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from diffspec.core.checkpoint import CheckpointError, validate_block_size
+from diffspec.core.masks import block_causal_mask, block_diffusion_mask
+from diffspec.core.reference import Request, RequestOutput, rollback_kv
+from diffspec.core.unmask import confidence_unmask, shift_logits
+from diffspec.model_executors.dllm import DiffusionLM
+
+__all__ = ["CACHE_MODES", "Canvas", "FastDLLMConfig", "FastDLLMOutput", "KVState",
+           "decode_block", "fast_dllm_generate"]
+
+CacheMode = Literal["none", "prefix", "dual"]
+CACHE_MODES: tuple[CacheMode, ...] = ("none", "prefix", "dual")
+V2_SUB_BLOCK = 8  # Fast-dLLM v2's small_block_size
+
+
+@dataclass(frozen=True)
+class FastDLLMConfig:
+    """One Fast-dLLM decoding configuration, validated here."""
+
+    cache: CacheMode = "prefix"
+    threshold: float = 0.9  # commit every masked slot with confidence > threshold (+ the top-1)
+    block_size: int | None = None  # None: the checkpoint's bd_size (Fast-dLLM v2), else 32
+    sub_block_size: int | None = None  # None: 8 for Fast-dLLM v2 (if it divides), else block
+    gen_length: int | None = None  # LLaDA/Dream: mask slots after the prompt (None: max_tokens);
+    # block-causal families ignore it (later blocks are invisible)
+
+    def __post_init__(self) -> None:
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
+        for name in ("block_size", "sub_block_size", "gen_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.block_size and self.sub_block_size and self.block_size % self.sub_block_size:
+            raise ValueError(f"sub_block_size {self.sub_block_size} must divide "
+                             f"block_size {self.block_size}")
+
+    @classmethod
+    def reference(cls, **sizes: Any) -> FastDLLMConfig:
+        """The ground truth: no cache, one token per step (``block_size`` etc. as given)."""
+        return cls(cache="none", threshold=1.0, **sizes)
+
+    def sizes(self, lm: DiffusionLM) -> tuple[int, int]:
+        """``(block_size, sub_block_size)`` for ``lm``, defaults resolved and checked."""
+        block = self.block_size or lm.block_size or 32
+        if lm.family == "nld":  # diffusion mode: a block is block_size masks, no anchor
+            if block > lm.block_size:  # type: ignore[operator]
+                raise CheckpointError(f"checkpoint {lm.info.path} was trained with block size "
+                                      f"{lm.block_size}; a block of {block} slots is larger")
+        else:
+            validate_block_size(lm.info, block)
+        sub = self.sub_block_size
+        if sub is None:
+            v2 = lm.family == "fast_dllm_v2" and block % V2_SUB_BLOCK == 0
+            sub = V2_SUB_BLOCK if v2 else block
+        if block % sub:
+            raise ValueError(f"sub_block_size {sub} must divide block_size {block}")
+        return block, sub
+
+
+@dataclass
+class FastDLLMOutput(RequestOutput):
+    """A request's output; ``accept_lengths`` holds the tokens committed by each step."""
+
+    steps_per_block: list[int] = field(default_factory=list)  # forwards per decoded block
+
+    @property
+    def mean_steps_per_block(self) -> float:
+        return sum(self.steps_per_block) / max(1, len(self.steps_per_block))
+
+
+@dataclass
+class Canvas:
+    """The batch's canvas, every request in one index space (see the module docstring),
+    and its bookkeeping."""
+
+    tokens: Tensor  # [batch, T] int64: padding, prompt, generation slots (mask until committed)
+    positions: Tensor  # [batch, T] int64: position id of each slot (index - left padding)
+    valid: Tensor  # [batch, T] bool: the slot belongs to the request (not padding)
+    gen_start: Tensor  # [batch] int64: index of the first generated slot
+    limit: Tensor  # [batch] int64: gen_start + max_tokens; slots from here are never decoded
+    first_block: int  # index where the first decoded block starts
+    causal_len: int  # block-causal forwards from index 0: slots before this are causal (NLD)
+    mask_id: int
+    done: Tensor  # [batch] bool
+    stop_ids: list[Tensor]  # [batch] of [num_stop_ids]
+    outputs: list[FastDLLMOutput]
+
+
+@dataclass
+class KVState:
+    """The KV cache of a batch and which of its key slots are real tokens."""
+
+    cache: Any | None  # DynamicCache; None for cache="none"
+    valid: Tensor  # [batch, cache_len] bool, in cache order
+    base_len: int = 0  # slots kept across blocks (block-causal: prompt and completed blocks)
+    window: tuple[int, int] | None = None  # the window the rest of the cache was refreshed for
+
+
+def fast_dllm_generate(
+    lm: DiffusionLM,
+    requests: Sequence[Request],
+    config: FastDLLMConfig = FastDLLMConfig(),
+) -> list[FastDLLMOutput]:
+    """Decode a batch of requests (greedy) with Fast-dLLM; outputs in request order."""
+    block, sub = config.sizes(lm)
+    batch = _layout(lm, requests, config, block)
+    kv = KVState(lm.new_cache() if config.cache != "none" else None,
+                 torch.zeros(len(requests), 0, dtype=torch.bool))
+    if lm.attention == "block_causal" and batch.first_block > 0:
+        _prefill(lm, batch, kv, block)
+    start = batch.first_block
+    while not bool(batch.done.all()):
+        decode_block(lm, batch, kv, start, block, sub, config)
+        start += block
+    return batch.outputs
+
+
+def decode_block(
+    lm: DiffusionLM, batch: Canvas, kv: KVState, start: int, block: int, sub: int,
+    config: FastDLLMConfig,
+) -> None:
+    """Decode the block ``[start, start + block)`` of every unfinished request, step by step,
+    then (block-causal) complete it: write its KV and seed the next block."""
+    end = min(start + block, batch.tokens.shape[1])  # LLaDA / Dream: the last may be short
+    mask_id = lm.mask_token_id
+    _rollback(kv, kv.base_len)
+    kv.window = None
+    steps = torch.zeros(len(batch.outputs), dtype=torch.long)
+    while True:
+        work = _work(batch, start, end)  # [batch, end - start] masked slots still to decode
+        if not bool(work.any()):
+            break
+        # the sub-block: the first one where some request still has work (all move together)
+        c0 = start + sub * int(work.any(0).nonzero()[0, 0] // sub)
+        c1 = min(c0 + sub, end)
+        todo = work[:, c0 - start : c1 - start]  # [batch, sub]
+        rows = todo.any(-1)  # [batch] requests taking part in this step
+
+        logits = _step_logits(lm, batch, kv, config.cache, start, end, c0, c1, rows, block)
+        logits[..., mask_id] = float("-inf")  # the mask token is never a prediction
+        candidates = torch.where(todo, mask_id, -1)  # only the slots to decode count as masked
+        # a shifted family's block-first slot is committed alone (the top-1 of one candidate)
+        seed = rows & todo[:, 0] & (lm.logits_shift and c0 == start)  # [batch]
+        candidates[seed, 1:] = -1
+        tokens, chosen = confidence_unmask(logits, candidates, mask_id, config.threshold)
+        _commit(batch, c0, tokens, chosen, counted=rows)
+        steps += rows
+        _finish(batch)
+
+    go = ~batch.done  # requests that continue past this block
+    if lm.attention == "block_causal" and bool(go.any()) and _complete(lm, batch, kv, start,
+                                                                       end, go, block):
+        steps += go
+    for r in steps.nonzero()[:, 0].tolist():
+        batch.outputs[r].steps_per_block.append(int(steps[r]))
+
+
+# ---------------------------------------------------------------------------- forwards
+
+
+def _step_logits(
+    lm: DiffusionLM, batch: Canvas, kv: KVState, cache: CacheMode, start: int, end: int,
+    c0: int, c1: int, rows: Tensor, block: int,
+) -> Tensor:  # [batch, c1 - c0, vocab], entry j predicts slot c0 + j
+    """One forward per the cache strategy; the aligned logits of the sub-block ``[c0, c1)``."""
+    size = batch.tokens.shape[1]
+    bidirectional = lm.attention == "bidirectional"
+    if kv.cache is None:  # cache="none": recompute everything visible
+        visible = size if bidirectional else end
+        return _aligned(lm, _forward(lm, batch, kv, torch.arange(visible), block), 0, c0, c1)
+
+    vis0, vis1 = (0, size) if bidirectional else (start, end)  # else over completed blocks
+    if cache == "prefix":
+        w0, w1 = (start, size) if bidirectional else (start, end)
+    else:  # dual
+        w0, w1 = (start, end) if bidirectional else (c0, c1)
+    first_masked = bool((rows & (batch.tokens[:, w0] == lm.mask_token_id)).any())
+    if kv.window != (w0, w1) or (lm.logits_shift and first_masked):  # refresh
+        _rollback(kv, kv.base_len)
+        idx = torch.arange(vis0, vis1)
+        in_window = (idx >= w0) & (idx < w1)
+        order = torch.cat([idx[~in_window], idx[in_window]])  # the window last
+        out = _forward(lm, batch, kv, order, block, keep=True)
+        _rollback(kv, kv.valid.shape[1] - (w1 - w0))
+        kv.window = (w0, w1)
+        natural = torch.empty_like(out)
+        natural[:, order - vis0] = out
+        return _aligned(lm, natural, vis0, c0, c1)
+    out = _forward(lm, batch, kv, torch.arange(w0, w1), block)
+    return _aligned(lm, out, w0, c0, c1)
+
+
+def _aligned(lm: DiffusionLM, logits: Tensor, first: int, c0: int, c1: int) -> Tensor:
+    """Slots ``[c0, c1)`` of ``logits`` (``[batch, n, vocab]`` for slots ``first ..``), shifted
+    for shifted families (each slot reads its predecessor's logits)."""
+    if lm.logits_shift:
+        logits = shift_logits(logits)
+    return logits[:, c0 - first : c1 - first]
+
+
+def _forward(
+    lm: DiffusionLM, batch: Canvas, kv: KVState, order: Tensor, block: int, keep: bool = False,
+) -> Tensor:  # [batch, n, vocab]
+    """Run the slots ``order`` ([n] indices) over the cache, under the family's mask."""
+    n, cache_len = order.numel(), kv.valid.shape[1]
+    if lm.attention == "block_causal" and cache_len == 0 and torch.equal(order, torch.arange(n)):
+        # [n, n] from index 0: prefill, cache="none"
+        structure = block_causal_mask(n, block, prefix_len=min(batch.causal_len, n))
+    else:  # one block (or the bidirectional canvas) over whatever the cache holds
+        structure = block_diffusion_mask(cache_len, n)  # [n, cache_len + n]
+    keys = torch.cat([kv.valid, batch.valid[:, order]], dim=1)  # [batch, cache_len + n]
+    mask = structure & keys[:, None, :]
+    mask[:, :, cache_len:] |= torch.eye(n, dtype=torch.bool)  # a padding slot sees itself
+    logits = lm.forward(batch.tokens[:, order], batch.positions[:, order], mask, kv.cache,
+                        keep_kv=keep)
+    if keep:
+        kv.valid = keys
+    return logits
+
+
+def _prefill(lm: DiffusionLM, batch: Canvas, kv: KVState, block: int) -> None:
+    """Block-causal families: run the prompt slots before the first block (Fast-dLLM v2: the
+    prompts' full blocks; NLD: the causal prompt), KV kept; a prompt that ends on the block
+    boundary gets its first token, the argmax of the last logit (shifted families)."""
+    if kv.cache is None and not lm.logits_shift:
+        return  # nothing to keep, nothing to seed
+    first = batch.first_block
+    logits = _forward(lm, batch, kv, torch.arange(first), block, keep=kv.cache is not None)
+    kv.base_len = kv.valid.shape[1]
+    for r in batch.valid[:, first - 1].nonzero()[:, 0].tolist():
+        batch.outputs[r].num_forwards += 1
+    seeded = (batch.gen_start == first) & ~batch.done & lm.logits_shift
+    _seed(batch, first, logits[:, -1], seeded)
+
+
+def _complete(
+    lm: DiffusionLM, batch: Canvas, kv: KVState, start: int, end: int, go: Tensor, block: int,
+) -> bool:
+    """Block-causal families: run the completed block (its KV kept) and seed slot ``end``
+    (shifted families) for the requests ``go``. False when there is nothing to do (no cache
+    to write, nothing to seed)."""
+    if kv.cache is None and not lm.logits_shift:
+        return False
+    if kv.cache is None:
+        logits = _forward(lm, batch, kv, torch.arange(end), block)
+    else:
+        _rollback(kv, kv.base_len)
+        logits = _forward(lm, batch, kv, torch.arange(start, end), block, keep=True)
+        kv.base_len = kv.valid.shape[1]
+    _seed(batch, end, logits[:, -1], go & lm.logits_shift, counted=go)
+    return True
+
+
+# ---------------------------------------------------------------------------- commit
+
+
+def _seed(batch: Canvas, slot: int, logits: Tensor, rows: Tensor,
+          counted: Tensor | None = None) -> None:
+    """Commit the argmax of ``logits`` ([batch, vocab]) at ``slot`` for ``rows``."""
+    chosen = rows[:, None].clone()
+    scores = logits.index_fill(-1, torch.tensor([batch.mask_id]), float("-inf"))  # never a mask
+    tokens = scores.argmax(-1, keepdim=True)
+    _commit(batch, slot, tokens, chosen, counted=counted)
+    _finish(batch)
+
+
+def _commit(batch: Canvas, c0: int, tokens: Tensor, chosen: Tensor,
+            counted: Tensor | None) -> None:
+    """Write ``tokens`` where ``chosen`` ([batch, n]) into slots ``c0 ..``; count the forward."""
+    n = chosen.shape[1]
+    view = batch.tokens[:, c0 : c0 + n]
+    view.copy_(torch.where(chosen, tokens.to(view.dtype), view))
+    if counted is None:
+        return
+    for r in counted.nonzero()[:, 0].tolist():
+        batch.outputs[r].num_forwards += 1
+        batch.outputs[r].accept_lengths.append(int(chosen[r].sum()))
+
+
+def _finish(batch: Canvas) -> None:
+    """Finish requests that committed a stop token with nothing masked before it, or all
+    ``max_tokens`` slots."""
+    for r in (~batch.done).nonzero()[:, 0].tolist():
+        gen = batch.tokens[r, int(batch.gen_start[r]) : int(batch.limit[r])]
+        masked = gen == batch.mask_id
+        stops = torch.isin(gen, batch.stop_ids[r]) & ~masked
+        out = batch.outputs[r]
+        if bool(stops.any()):
+            i = int(stops.nonzero()[0, 0])
+            if not bool(masked[:i].any()):
+                batch.done[r], out.finish_reason = True, "stop"
+                out.token_ids = gen[: i + 1].tolist()
+        elif not bool(masked.any()):
+            batch.done[r], out.finish_reason = True, "length"
+            out.token_ids = gen.tolist()
+
+
+def _work(batch: Canvas, start: int, end: int) -> Tensor:  # [batch, end - start] bool
+    idx = torch.arange(start, end)[None]
+    masked = batch.tokens[:, start:end] == batch.mask_id
+    return (masked & (idx >= batch.gen_start[:, None]) & (idx < batch.limit[:, None])
+            & ~batch.done[:, None])
+
+
+def _rollback(kv: KVState, length: int) -> None:
+    """Roll the cache back to ``length`` slots by moving its length."""
+    if kv.cache is not None:
+        rollback_kv(kv.cache, length)
+    kv.valid = kv.valid[:, :length]
+
+
+# ---------------------------------------------------------------------------- layout
+
+
+def _layout(lm: DiffusionLM, requests: Sequence[Request], config: FastDLLMConfig,
+            block: int) -> Canvas:
+    """Place every request on the shared canvas (see the module docstring)."""
+    if not requests:
+        raise ValueError("requests must not be empty")
+    vocab = lm.info.vocab_size or lm.mask_token_id + 1
+    for req in requests:
+        if not req.sampling.is_greedy:
+            raise ValueError("the Fast-dLLM reference decoder is greedy (temperature 0)")
+        if req.stop_strings:
+            raise ValueError("stop_strings are not supported by the Fast-dLLM decoder; "
+                             "use stop_token_ids")
+        if max(req.prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must be < vocab_size ({vocab})")
+    lens = [len(r.prompt_token_ids) for r in requests]
+    max_tokens = [r.max_tokens for r in requests]
+    if lm.attention == "block_causal" and not lm.causal_prefix:  # blocks from position 0
+        full = [length // block * block for length in lens]  # prompt slots in full blocks
+        first = max(full)
+        pads = [first - f for f in full]
+        gen_start = [first + length % block for length in lens]
+        size = first + max(math.ceil((g - first + m) / block) * block
+                           for g, m in zip(gen_start, max_tokens))
+        ends = [size] * len(requests)
+    elif lm.attention == "block_causal":  # causal prompt, then whole blocks
+        first = max(lens)
+        pads = [first - length for length in lens]
+        gen_start = [first] * len(requests)
+        size = first + math.ceil(max(max_tokens) / block) * block
+        ends = [size] * len(requests)
+    else:
+        first = max(lens)
+        pads = [first - length for length in lens]
+        gen_start = [first] * len(requests)
+        gen_len = [config.gen_length or m for m in max_tokens]
+        if any(g < m for g, m in zip(gen_len, max_tokens)):
+            raise ValueError(f"gen_length {config.gen_length} is smaller than a request's "
+                             f"max_tokens ({max(max_tokens)})")
+        ends = [first + g for g in gen_len]
+        size = max(ends)
+    for p, e in zip(pads, ends):
+        if e - p > lm.max_positions:
+            raise ValueError(f"prompt + generation slots ({e - p}) exceed the model's "
+                             f"{lm.max_positions} positions")
+
+    idx = torch.arange(size)[None]
+    pad, end = torch.tensor(pads)[:, None], torch.tensor(ends)[:, None]
+    canvas = torch.full((len(requests), size), lm.mask_token_id, dtype=torch.long)
+    canvas[idx < pad] = 0
+    for r, req in enumerate(requests):
+        canvas[r, pads[r] : pads[r] + lens[r]] = torch.tensor(req.prompt_token_ids)
+    return Canvas(
+        tokens=canvas,
+        positions=(idx - pad).clamp(min=0),
+        valid=(idx >= pad) & (idx < end),
+        gen_start=torch.tensor(gen_start),
+        limit=torch.tensor(gen_start) + torch.tensor(max_tokens),
+        first_block=first,
+        causal_len=first if lm.causal_prefix else 0,
+        mask_id=lm.mask_token_id,
+        done=torch.zeros(len(requests), dtype=torch.bool),
+        stop_ids=[torch.tensor(r.stop_token_ids, dtype=torch.long) for r in requests],
+        outputs=[FastDLLMOutput() for _ in requests],
+    )

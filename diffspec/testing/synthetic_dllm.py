@@ -1,0 +1,381 @@
+"""A tiny diffusion LM trained on the synthetic language, in a published checkpoint layout,
+and the measurement of Fast-dLLM decoding on it.
+
+The language is :mod:`diffspec.testing.synthetic` (plain documents only: the LLaDA
+tokenizer has no ``<|im_start|>``). The checkpoint starts as the tiny random checkpoint of
+:func:`~diffspec.testing.checkpoints.write_llada` or
+:func:`~diffspec.testing.checkpoints.write_fast_dllm_v2` (so the layout, config keys and
+tokenizer are the published ones), whose vocabulary is set to the language's words, and
+is then trained from scratch, loaded by :func:`diffspec.model_executors.dllm.load_dllm`:
+
+* ``llada``: masked diffusion (LLaDA pretraining): per row t ~ U(eps, 1), every token
+  masked with probability t, cross-entropy on masked tokens weighted by 1/t, summed over
+  the batch and divided by its token count; in half of the rows a random-length prefix
+  is left clean (the prompt / response shape of LLaDA's SFT), bidirectional attention;
+* ``fast_dllm_v2``: block diffusion (Fast-dLLM v2): t per block, the noisy stream
+  ``x_t`` and the clean stream ``x_0`` in one forward under
+  :func:`~diffspec.core.masks.block_diffusion_training_mask`, shifted targets (the noisy
+  slot i predicts ``x_0[i+1]`` where ``x_t[i+1]`` is masked), mean cross-entropy. (v2's
+  complementary second mask is not used.)
+
+CLI::
+
+    python -m diffspec.testing.synthetic_dllm train --layout llada --out DIR [--steps N]
+    python -m diffspec.testing.synthetic_dllm eval --model DIR [--prompts N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from diffspec.testing.synthetic import ENDOFTEXT, IM_START, ROLE_WORDS, language, sample_documents
+
+__all__ = ["DLLMTrainConfig", "evaluate_fast_dllm", "train_synthetic_dllm"]
+
+LAYOUTS = ("llada", "fast_dllm_v2")
+
+
+@dataclass(frozen=True)
+class DLLMTrainConfig:
+    layout: str = "llada"  # "llada" | "fast_dllm_v2"
+    steps: int = 600
+    seed: int = 0
+    batch_size: int = 16
+    seq_len: int = 128  # multiple of block_size
+    block_size: int = 32  # Fast-dLLM v2 bd_size
+    lr: float = 3e-3
+    warmup: int = 30
+    weight_decay: float = 0.01
+    num_threads: int = 1
+    vocab_size: int = 224  # >= the tokenizer: specials + <unk> + 203 words
+    hidden_size: int = 96
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 3  # head_dim 32
+    num_key_value_heads: int = 1
+    max_position_embeddings: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.seq_len % self.block_size:
+            raise ValueError("seq_len must be a multiple of block_size")
+
+
+def train_synthetic_dllm(
+    out_dir: str | Path,
+    *,
+    layout: str = "llada",
+    steps: int = DLLMTrainConfig.steps,
+    seed: int = DLLMTrainConfig.seed,
+    log_every: int = 50,
+    command: str | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Train the tiny diffusion LM from scratch into ``out_dir`` (deterministic given
+    ``seed``); writes the checkpoint, ``TRAINING.md`` and ``training.json``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from diffspec.model_executors.dllm import load_dllm
+    from diffspec.testing.checkpoints import write_fast_dllm_v2, write_llada
+
+    cfg = DLLMTrainConfig(layout=layout, steps=steps, seed=seed, **overrides)
+    out = Path(out_dir)
+    sizes = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.hidden_size // cfg.num_attention_heads,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+    words = [*ROLE_WORDS, *language().words]
+    if layout == "llada":
+        write_llada(out, seed=cfg.seed, words=words, **sizes)
+        # the writer also records the Qwen-style size keys; LLaDA's config has its own names
+        config = json.loads((out / "config.json").read_text())
+        for key in set(sizes) - {"vocab_size"}:
+            config.pop(key, None)
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    else:
+        write_fast_dllm_v2(out, seed=cfg.seed, words=words, bd_size=cfg.block_size,
+                           mask_in_config=True, **sizes)
+    lm = load_dllm(out)
+    vocab = _vocab(out)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.num_threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        model = lm.model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                weight_decay=cfg.weight_decay)
+        rng = random.Random(cfg.seed)
+        losses: list[float] = []
+        start = time.perf_counter()
+        for step in range(cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = _lr(cfg, step)
+            x0 = _batch(rng, vocab, cfg)  # [batch, seq_len]
+            if layout == "llada":
+                loss = _llada_loss(model, x0, lm.mask_token_id, gen)
+            else:
+                loss = _block_diffusion_loss(model, x0, lm.mask_token_id, cfg.block_size, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            if log_every and (step % log_every == 0 or step == cfg.steps - 1):
+                print(f"step {step:5d}  loss {loss.item():.4f}", file=sys.stderr, flush=True)
+        wall = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(prev_threads)
+
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    tail = losses[-20:]
+    record = {
+        "command": command or f"python -m diffspec.testing.synthetic_dllm train --layout "
+        f"{layout} --out {out_dir} --steps {cfg.steps} --seed {cfg.seed}",
+        "layout": layout,
+        "architecture": lm.info.architecture,
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "final_loss_mean_last_20": round(sum(tail) / len(tail), 4),
+        "wall_time_s": round(wall, 1),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+    }
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "TRAINING.md").write_text(_training_md(record))
+    return record
+
+
+def _vocab(path: Path) -> dict[str, int]:
+    data = json.loads((path / "tokenizer.json").read_text())
+    vocab = dict(data["model"]["vocab"])
+    vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    return vocab
+
+
+def _lr(cfg: DLLMTrainConfig, step: int) -> float:
+    """Linear warmup, cosine decay to 10%."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _batch(rng: random.Random, vocab: dict[str, int], cfg: DLLMTrainConfig):
+    """[batch, seq_len] rows packed from plain documents, each row starting at a document."""
+    import torch
+
+    rows = []
+    for _ in range(cfg.batch_size):
+        row: list[int] = []
+        while len(row) < cfg.seq_len:
+            for doc in sample_documents(8, rng.randrange(2**31)):
+                if not doc.startswith(IM_START):
+                    row += [vocab[w] for w in doc.split()]
+        rows.append(row[: cfg.seq_len])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _llada_loss(model, x0, mask_id: int, gen, eps: float = 1e-3):
+    """LLaDA's masked-diffusion loss (half of the rows keep a clean random-length prefix)."""
+    import torch
+    import torch.nn.functional as F
+
+    from diffspec.core.masks import block_diffusion_mask
+    from diffspec.model_executors.views import block_view_logits
+
+    b, length = x0.shape
+    t = (1 - eps) * torch.rand(b, 1, generator=gen) + eps  # [batch, 1]
+    masked = torch.rand(b, length, generator=gen) < t
+    prefix = torch.randint(0, length, (b, 1), generator=gen)
+    keep = (torch.rand(b, 1, generator=gen) < 0.5) & (torch.arange(length)[None] < prefix)
+    masked &= ~keep
+    xt = torch.where(masked, mask_id, x0)
+    logits = block_view_logits(model, xt, torch.arange(length), None,
+                               block_diffusion_mask(0, length))  # [batch, seq, vocab]
+    ce = F.cross_entropy(logits[masked], x0[masked], reduction="none")
+    return (ce / t.expand(b, length)[masked]).sum() / (b * length)
+
+
+def _block_diffusion_loss(model, x0, mask_id: int, block: int, gen, eps: float = 1e-3):
+    """Fast-dLLM v2's block-diffusion loss over ``[x_t, x_0]`` with shifted targets."""
+    import torch
+    import torch.nn.functional as F
+
+    from diffspec.core.masks import block_diffusion_training_mask
+    from diffspec.model_executors.views import block_view_logits
+
+    b, length = x0.shape
+    t = (1 - eps) * torch.rand(b, length // block, generator=gen) + eps
+    masked = torch.rand(b, length, generator=gen) < t.repeat_interleave(block, dim=1)
+    masked[:, 0] = False  # nothing before it predicts slot 0
+    xt = torch.where(masked, mask_id, x0)
+    mask, positions = block_diffusion_training_mask(length, block)
+    logits = block_view_logits(model, torch.cat([xt, x0], dim=1), positions, None, mask)
+    logits = logits[:, :length]  # the noisy stream
+    target = masked[:, 1:]
+    return F.cross_entropy(logits[:, :-1][target], x0[:, 1:][target])
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def evaluate_fast_dllm(
+    model_dir: str | Path,
+    *,
+    num_prompts: int = 16,
+    seed: int = 1,
+    max_tokens: int = 64,
+    thresholds: tuple[float, ...] = (1.0, 0.9),
+    block_size: int | None = None,
+    sub_block_size: int | None = None,
+) -> list[dict[str, Any]]:
+    """Decode ``num_prompts`` synthetic prompts (one batch) with every cache strategy and
+    threshold; compare each with the reference (no cache, one token per step).
+
+    Per configuration: token agreement with the reference (same token at the same index,
+    over the longer of the two outputs), requests whose output equals the reference,
+    TPF, mean steps per block, and the share of adjacent token pairs that the language
+    allows (a quality check that needs no reference)."""
+    from diffspec.core.reference import Request
+    from diffspec.model_executors.dllm import load_dllm
+    from diffspec.spec_workers.fast_dllm import CACHE_MODES, FastDLLMConfig, fast_dllm_generate
+    from diffspec.testing.synthetic import sample_prompts
+
+    lm = load_dllm(model_dir)
+    vocab = _vocab(Path(model_dir))
+    requests = [Request([vocab[w] for w in p.split()], max_tokens=max_tokens,
+                        stop_token_ids=lm.eos_token_ids)
+                for p in sample_prompts(num_prompts, seed)]
+    sizes = {"block_size": block_size, "sub_block_size": sub_block_size}
+    legal = _legal_pairs(vocab)
+    reference = fast_dllm_generate(lm, requests, FastDLLMConfig.reference(**sizes))
+    rows = []
+    for cache in CACHE_MODES:
+        for threshold in thresholds:
+            begin = time.perf_counter()
+            outs = fast_dllm_generate(lm, requests,
+                                      FastDLLMConfig(cache=cache, threshold=threshold, **sizes))
+            wall = time.perf_counter() - begin
+            match = total = 0
+            for o, r in zip(outs, reference):
+                total += max(len(o.token_ids), len(r.token_ids))
+                match += sum(a == b for a, b in zip(o.token_ids, r.token_ids))
+            tokens = sum(len(o.token_ids) for o in outs)
+            pairs = [(a, b) for req, o in zip(requests, outs)
+                     for a, b in zip([req.prompt_token_ids[-1], *o.token_ids], o.token_ids)]
+            rows.append({
+                "cache": cache, "threshold": threshold,
+                "agreement": round(match / max(1, total), 4),
+                "equal_outputs": sum(o.token_ids == r.token_ids for o, r in zip(outs, reference)),
+                "requests": len(requests),
+                "tokens": tokens,
+                "forwards": sum(o.num_forwards for o in outs),
+                "tpf": round(tokens / max(1, sum(o.num_forwards for o in outs)), 3),
+                "steps_per_block": round(sum(sum(o.steps_per_block) for o in outs)
+                                         / max(1, sum(len(o.steps_per_block) for o in outs)), 2),
+                "legal_pairs": round(sum(p in legal for p in pairs) / max(1, len(pairs)), 4),
+                "stopped": sum(o.finish_reason == "stop" for o in outs),
+                "wall_s": round(wall, 2),
+            })
+    return rows
+
+
+def _legal_pairs(vocab: dict[str, int]) -> set[tuple[int, int]]:
+    """Adjacent token pairs the language produces: inside a phrase, phrase to phrase,
+    phrase end to ``<|endoftext|>`` and back."""
+    phrases = [[vocab[w] for w in p] for p in language().phrases]
+    eot = vocab[ENDOFTEXT]
+    pairs = {(a, b) for p in phrases for a, b in itertools.pairwise(p)}
+    pairs |= {(p[-1], q[0]) for p in phrases for q in phrases}
+    pairs |= {(p[-1], eot) for p in phrases} | {(eot, p[0]) for p in phrases}
+    return pairs
+
+
+def _training_md(r: dict[str, Any]) -> str:
+    c = r["config"]
+    objective = ("masked diffusion, LLaDA loss (1/t weighted)" if r["layout"] == "llada"
+                 else f"block diffusion, bd_size {c['block_size']}, shifted targets")
+    return f"""# {r["layout"]}: a tiny {r["architecture"]} trained on the synthetic language
+
+Trained from scratch on CPU, deterministically (1 thread), by:
+
+    {r["command"]}
+
+| field | value |
+|---|---|
+| layout | `{r["layout"]}` ({r["architecture"]}, written by `diffspec.testing.checkpoints`) |
+| objective | {objective} |
+| seed / steps | {r["seed"]} / {r["steps"]} |
+| mean loss, last 20 steps | {r["final_loss_mean_last_20"]} |
+| wall time | {r["wall_time_s"]} s |
+| parameters | {r["num_parameters"]:,} (fp32) |
+| tokens seen | {r["tokens_seen"]:,} |
+| torch | {r["torch"]} |
+
+The language is defined in `diffspec/testing/synthetic.py` (plain documents only);
+the objective and the measurement in `diffspec/testing/synthetic_dllm.py`. Full record:
+`training.json`. Fast-dLLM figures on the bundled models: `../TRAINING.md`.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffspec.testing.synthetic_dllm",
+                                     description="Train / measure the synthetic diffusion LM.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    train = sub.add_parser("train", help="train the tiny diffusion LM and save it")
+    train.add_argument("--layout", choices=LAYOUTS, default="llada")
+    train.add_argument("--out", required=True)
+    train.add_argument("--steps", type=int, default=DLLMTrainConfig.steps)
+    train.add_argument("--seed", type=int, default=DLLMTrainConfig.seed)
+    ev = sub.add_parser("eval", help="Fast-dLLM agreement / TPF on synthetic prompts")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--prompts", type=int, default=16)
+    ev.add_argument("--max-tokens", type=int, default=64)
+    ev.add_argument("--block-size", type=int, default=None)
+    ev.add_argument("--sub-block-size", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.cmd == "train":
+        cmd = (f"python -m diffspec.testing.synthetic_dllm train --layout {args.layout} "
+               f"--out {args.out} --steps {args.steps} --seed {args.seed}")
+        record = train_synthetic_dllm(args.out, layout=args.layout, steps=args.steps,
+                                      seed=args.seed, command=cmd)
+        print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
+    else:
+        import torch
+
+        torch.set_num_threads(1)
+        rows = evaluate_fast_dllm(args.model, num_prompts=args.prompts,
+                                  max_tokens=args.max_tokens, block_size=args.block_size,
+                                  sub_block_size=args.sub_block_size)
+        keys = list(rows[0])
+        print("| " + " | ".join(keys) + " |")
+        print("|" + "---|" * len(keys))
+        for row in rows:
+            print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
