@@ -1,48 +1,125 @@
-"""Run greedy/seeded generation in a real vLLM and print the result as JSON.
+"""Run generation in a real vLLM and print the result as JSON.
 
 A script, not a test: vLLM's offline engine starts a spawned engine-core process, so
 ``vllm.LLM`` must be created under ``if __name__ == "__main__"``. The engine tests run it
 in a subprocess:
 
-    python tests/engine/vllm_generate.py MODEL_DIR REQUESTS_JSON
+    python tests/engine/vllm_generate.py MODEL_DIR REQUESTS_JSON [JOB_JSON]
 
-REQUESTS_JSON is a list of {"prompt_token_ids": [...], "max_tokens": N}. Prints one JSON
-object after RESULT_PREFIX: {"outputs": [[token ids], ...], "plugin_registered": bool, "vllm_version": str}.
+REQUESTS_JSON is a list of requests: {"prompt_token_ids": [...], "max_tokens": N} plus
+optional SamplingParams fields ("temperature", "seed", "top_k", "top_p", "ignore_eos",
+"stop_token_ids"); temperature defaults to 0 (greedy).
+
+JOB_JSON (optional) is {"runs": [{"name": str, "model": path, "llm": {LLM kwargs},
+"batches": {batch name: [requests]}}], "config_errors": {name: {"model": path,
+"speculative_config": {...}}}}. Each run starts one engine (one after the other, in this
+process) on its model (default MODEL_DIR) with the default kwargs below updated by "llm"
+(e.g. "speculative_config", "block_size"), then generates its batches one after the other
+(default: one batch "default" of REQUESTS_JSON). Each config_errors entry only builds the
+engine config and records the error it raises. Without JOB_JSON there is one plain run.
+
+Prints one JSON object after RESULT_PREFIX: {"runs": {run: {batch: {"outputs": [[token
+ids]], "finish_reasons": [...], "spec_steps": [[accepted drafts per verify step] | null]}},
+"metrics": {run: {batch: {counter: value after the batch}}}, "config_errors": {name:
+message | null}, "plugin_registered": bool, "vllm_version": str}; the top level also
+repeats "outputs" and "finish_reasons" of the first batch of the first run.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 RESULT_PREFIX = "DIFFSPEC_RESULT "  # vLLM logs to stdout too; the result line has this prefix
+
+DEFAULT_LLM_KWARGS = {"dtype": "float32", "max_model_len": 512, "seed": 0, "enforce_eager": True}
+SAMPLING_KEYS = ("temperature", "seed", "top_k", "top_p", "ignore_eos", "stop_token_ids")
+
+
+def _run(model: str, llm_kwargs: dict, batches: dict[str, list[dict]]) -> tuple[dict, dict]:
+    """Start one engine, generate each batch in turn; (outputs per batch, counters after
+    each batch: spec decode and prefix cache)."""
+    from vllm import LLM
+
+    llm = LLM(model=model, **{**DEFAULT_LLM_KWARGS, **llm_kwargs})
+    outputs, metrics = {}, {}
+    for name, requests in batches.items():
+        outputs[name] = _generate(llm, requests)
+        if not llm_kwargs.get("disable_log_stats", True):
+            metrics[name] = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")
+                             and m.name.startswith(("vllm:spec_decode", "vllm:prefix_cache"))}
+    del llm
+    gc.collect()
+    return outputs, metrics
+
+
+def _generate(llm, requests: list[dict]) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    params = [
+        SamplingParams(max_tokens=r["max_tokens"],
+                       **{"temperature": 0.0, **{k: r[k] for k in SAMPLING_KEYS if k in r}})
+        for r in requests
+    ]
+    results = llm.generate(prompts, params, use_tqdm=False)
+    completions = [r.outputs[0] for r in results]
+    spec = [getattr(c, "spec_decode_metrics", None) for c in completions]
+    return {
+        "outputs": [list(c.token_ids) for c in completions],
+        "finish_reasons": [c.finish_reason for c in completions],
+        "spec_steps": [None if s is None else list(s.per_step_accepted) for s in spec],
+    }
+
+
+def _config_error(model: str, speculative_config: dict) -> str | None:
+    """The error building the engine config raises (``None`` if it builds)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = {k: v for k, v in DEFAULT_LLM_KWARGS.items() if k != "seed"}
+    try:
+        engine_args = EngineArgs(model=model, speculative_config=speculative_config, **args)
+        engine_args.create_engine_config()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def main() -> None:
     model, requests_path = sys.argv[1], sys.argv[2]
+    job = json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) > 3 else {}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is too big for CI
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     import diffspec.plugin.vllm as plugin
 
-    requests = json.loads(open(requests_path).read())
-    llm = LLM(model=model, dtype="float32", max_model_len=512, seed=0, enforce_eager=True)
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=r.get("ignore_eos", False)) for r in requests]
-    results = llm.generate(prompts, params, use_tqdm=False)
+    requests = json.loads(Path(requests_path).read_text())
+    errors = {name: _config_error(case.get("model", model), case["speculative_config"])
+              for name, case in job.get("config_errors", {}).items()}
+    runs, metrics = {}, {}
+    default_runs = [] if "config_errors" in job else [{"name": "default"}]
+    for run in job.get("runs", default_runs):
+        runs[run["name"]], metrics[run["name"]] = _run(
+            run.get("model", model), run.get("llm", {}), run.get("batches", {"default": requests}))
+    first = next(iter(next(iter(runs.values()), {}).values()), {})
     print(
         RESULT_PREFIX
         + json.dumps(
             {
-                "outputs": [list(r.outputs[0].token_ids) for r in results],
-                "finish_reasons": [r.outputs[0].finish_reason for r in results],
+                "outputs": first.get("outputs"),
+                "finish_reasons": first.get("finish_reasons"),
+                "runs": runs,
+                "metrics": metrics,
+                "config_errors": errors,
                 "plugin_registered": plugin._registered,
                 "vllm_version": vllm.__version__,
             }
-        )
+        ),
+        flush=True,
     )
 
 

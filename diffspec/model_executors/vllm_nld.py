@@ -1,0 +1,166 @@
+"""Nemotron-Labs-Diffusion (NLD) in vLLM: vLLM's own Ministral3 (``MistralForCausalLM``)
+as the AR view, plus the drafter LoRA used only by the diffusion view.
+
+The checkpoint (``NemotronLabsDiffusionModel``) is a Ministral3 decoder under
+``encoder.*`` with its LM head as ``diffusion_head.weight``; :meth:`load_weights` renames
+those prefixes to vLLM's (``model.*``, ``lm_head``). Ministral3's llama-4 query scaling
+(``rope_parameters.llama_4_scaling_beta``) is handed to vLLM's Mistral attention in the
+form it reads (``config.llama_4_scaling``).
+
+The drafter LoRA (PEFT, ``linear_spec_lora/``, ``target_modules=["o_proj"]``) becomes two
+tensor-parallel layers per attention: ``o_proj_lora_a`` (``RowParallelLinear``: it takes
+the same head-sharded input as ``o_proj`` and all-reduces to ``[tokens, r]``) and
+``o_proj_lora_b`` (``ReplicatedLinear`` to ``hidden``). The AR view (plain requests, every
+verify pass) never calls them. :meth:`diffusion_hidden_states` is the diffusion view: the
+same layers under the forward context's non-causal metadata, with
+``o_proj(x) + scaling * lora_b(lora_a(x))`` in every attention. Draft logits are unshifted
+(block position ``j`` predicts its own token) unless ``dlm_type == "dream"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from pathlib import Path
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.linear import ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.models.mistral import MistralAttention, MistralForCausalLM
+
+from diffspec.core.checkpoint import LORA_DIR, CheckpointError, resolve_checkpoint
+
+__all__ = ["NemotronLabsDiffusionForCausalLM"]
+
+_PREFIXES = (("encoder.", "model."), ("diffusion_head.", "lm_head."))
+_PEFT_PREFIX = "base_model.model.encoder."
+
+
+class NemotronLabsDiffusionForCausalLM(MistralForCausalLM):
+    """vLLM's Ministral3 with NLD's checkpoint layout and its draft-only LoRA."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        config = vllm_config.model_config.hf_config
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("llama_4_scaling_beta") is not None:
+            config.llama_4_scaling = {
+                "original_max_position_embeddings": rope["original_max_position_embeddings"],
+                "beta": rope["llama_4_scaling_beta"],
+            }
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.draft_logits_shift = getattr(config, "dlm_type", None) == "dream"
+        self.lora_path = _lora_folder(vllm_config.model_config.model)
+        self.lora_scaling = 0.0
+        if self.lora_path is not None:
+            rank, self.lora_scaling = _lora_rank_and_scaling(self.lora_path)
+            for layer in self._layers():
+                _add_lora(layer.self_attn, rank)
+
+    def _layers(self) -> Iterable[nn.Module]:
+        return islice(self.model.layers, self.model.start_layer, self.model.end_layer)
+
+    def diffusion_hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] blocks [anchor, <mask> x n], concatenated
+        positions: torch.Tensor,  # [num_tokens]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The diffusion view over the current forward context's (non-causal) metadata."""
+        hidden = self.model.embed_input_ids(input_ids)
+        residual = None
+        for layer in self._layers():
+            if residual is None:
+                residual, hidden = hidden, layer.input_layernorm(hidden)
+            else:
+                hidden, residual = layer.input_layernorm(hidden, residual)
+            hidden = self._draft_attention(layer.self_attn, positions, hidden)
+            hidden, residual = layer.post_attention_layernorm(hidden, residual)
+            hidden = layer.mlp(hidden)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def _draft_attention(
+        self,
+        attn: MistralAttention,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Mistral attention through the layer's own paged ``Attention``, LoRA on ``o_proj``."""
+        qkv, _ = attn.qkv_proj(hidden)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(positions, q, k)
+        if attn.do_llama_4_scaling:
+            q = (q * attn._get_llama_4_attn_scale(positions)).to(q.dtype)
+        heads = attn.attn(q, k, v)
+        out, _ = attn.o_proj(heads)
+        if self.lora_path is not None:
+            low_rank, _ = attn.o_proj_lora_a(heads)
+            delta, _ = attn.o_proj_lora_b(low_rank)
+            out = out + self.lora_scaling * delta
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_chain(_renamed(weights), self._lora_weights()))
+
+    def _lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The PEFT adapter's tensors under this model's names (``o_proj_lora_{a,b}``)."""
+        if self.lora_path is None:
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(self.lora_path / "adapter_model.safetensors"), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if not key.startswith(_PEFT_PREFIX) or ".o_proj.lora_" not in key:
+                    raise CheckpointError(f"{self.lora_path}: unsupported LoRA tensor {key} "
+                                          f"(NLD's drafter adapts o_proj only)")
+                name = "model." + key[len(_PEFT_PREFIX):]
+                name = name.replace(".o_proj.lora_A.", ".o_proj_lora_a.")
+                yield name.replace(".o_proj.lora_B.", ".o_proj_lora_b."), f.get_tensor(key)
+
+
+def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        yield name, tensor
+
+
+def _chain(*iterables: Iterable) -> Iterator:
+    for iterable in iterables:
+        yield from iterable
+
+
+def _lora_folder(model: str) -> Path | None:
+    """The checkpoint's ``linear_spec_lora/`` folder, if it has one."""
+    try:
+        folder = resolve_checkpoint(model) / LORA_DIR
+    except CheckpointError:
+        return None
+    return folder if folder.is_dir() else None
+
+
+def _lora_rank_and_scaling(folder: Path) -> tuple[int, float]:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if list(config.get("target_modules") or []) != ["o_proj"]:
+        raise CheckpointError(f"{folder}: NLD's drafter LoRA targets o_proj only, got "
+                              f"target_modules={config.get('target_modules')}")
+    if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise CheckpointError(f"{folder}: DoRA and per-module rank/alpha patterns are not "
+                              f"supported")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, scaling
+
+
+def _add_lora(attn: MistralAttention, rank: int) -> None:
+    """``o_proj``'s low-rank update (unquantized), sharded like ``o_proj`` under tensor
+    parallelism."""
+    prefix = attn.attn.layer_name.rsplit(".", 1)[0]  # model.layers.N.self_attn
+    attn.o_proj_lora_a = RowParallelLinear(
+        attn.total_num_heads * attn.head_dim, rank, bias=False, quant_config=None,
+        prefix=f"{prefix}.o_proj_lora_a")
+    attn.o_proj_lora_b = ReplicatedLinear(
+        rank, attn.hidden_size, bias=False, quant_config=None, prefix=f"{prefix}.o_proj_lora_b")

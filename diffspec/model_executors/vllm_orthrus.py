@@ -1,0 +1,108 @@
+"""Orthrus in vLLM: vLLM's own Qwen3 (the AR view) plus per-layer diffusion attention.
+
+:class:`OrthrusForCausalLM` *is* vLLM's ``Qwen3ForCausalLM`` (same layers, same compiled
+forward, same paged KV cache): that is the AR view, which serves plain requests and every
+verify pass. Each decoder layer's ``self_attn`` additionally holds the diffusion
+projections, built from vLLM's tensor-parallel layers so TP shards them like the AR ones:
+
+* ``qkv_proj_diff`` (``QKVParallelLinear``; the checkpoint's ``q/k/v_proj_diff`` load into
+  it as shards, through Qwen3's own ``.q_proj -> .qkv_proj`` weight mapping),
+* ``o_proj_diff`` (``RowParallelLinear``), ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``).
+
+:meth:`OrthrusForCausalLM.diffusion_hidden_states` is the diffusion view: the same
+embeddings, layer norms, MLPs, rotary and LM head, with every attention computed by the
+``*_diff`` modules through the layer's own ``Attention`` (so the same KV cache). Under
+non-causal attention metadata whose slots are the block's positions, a block
+``[anchor, <mask> x n]`` reads the AR K/V of the committed prefix and its own diffusion
+K/V, which is the reference's attention (``diffspec.model_executors.orthrus``); the block's
+K/V land in slots the next verify pass overwrites. The view runs eagerly (it bypasses the
+compiled ``Qwen3Model.forward``), so the AR graph is never traced with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import islice
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+
+__all__ = ["OrthrusForCausalLM"]
+
+
+class OrthrusForCausalLM(Qwen3ForCausalLM):
+    """vLLM's Qwen3 with Orthrus's diffusion attention projections in every layer."""
+
+    draft_logits_shift = True  # block position j predicts token j + 1
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        bias = getattr(self.config, "attention_bias", False)
+        for layer in self._layers():
+            _add_diffusion_projections(layer.self_attn, self.config.rms_norm_eps, bias,
+                                       vllm_config.quant_config)
+
+    def _layers(self) -> Iterable[nn.Module]:
+        return islice(self.model.layers, self.model.start_layer, self.model.end_layer)
+
+    def diffusion_hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] blocks [anchor, <mask> x n], concatenated
+        positions: torch.Tensor,  # [num_tokens]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The diffusion view over the current forward context's (non-causal) metadata."""
+        hidden = self.model.embed_input_ids(input_ids)
+        residual = None
+        for layer in self._layers():
+            if residual is None:
+                residual, hidden = hidden, layer.input_layernorm(hidden)
+            else:
+                hidden, residual = layer.input_layernorm(hidden, residual)
+            hidden = _diffusion_attention(layer.self_attn, positions, hidden)
+            hidden, residual = layer.post_attention_layernorm(hidden, residual)
+            hidden = layer.mlp(hidden)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        missing = sorted(n for n, _ in self.named_parameters() if "_diff." in n and n not in loaded)
+        if missing:
+            raise ValueError(
+                f"the checkpoint has no Orthrus diffusion weights for {missing[0]} "
+                f"({len(missing)} parameters missing); expected model.layers.N.self_attn."
+                f"{{q,k,v,o}}_proj_diff and {{q,k}}_norm_diff for every layer")
+        return loaded
+
+
+def _add_diffusion_projections(attn: Qwen3Attention, eps: float, bias: bool, quant_config) -> None:
+    """Give ``attn`` the ``*_diff`` twins of its projections and q/k norms."""
+    prefix = attn.attn.layer_name.rsplit(".", 1)[0]  # model.layers.N.self_attn
+    attn.qkv_proj_diff = QKVParallelLinear(
+        attn.hidden_size, attn.head_dim, attn.total_num_heads, attn.total_num_kv_heads,
+        bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj_diff")
+    attn.o_proj_diff = RowParallelLinear(
+        attn.total_num_heads * attn.head_dim, attn.hidden_size, bias=False,
+        quant_config=quant_config, prefix=f"{prefix}.o_proj_diff")
+    attn.q_norm_diff = RMSNorm(attn.head_dim, eps=eps)
+    attn.k_norm_diff = RMSNorm(attn.head_dim, eps=eps)
+
+
+def _diffusion_attention(
+    attn: Qwen3Attention,
+    positions: torch.Tensor,  # [num_tokens]
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """Qwen3 attention with the ``*_diff`` projections and norms, through the layer's own
+    paged ``Attention`` (its K/V go to the forward context's slots)."""
+    qkv, _ = attn.qkv_proj_diff(hidden)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = attn.q_norm_diff(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
+    k = attn.k_norm_diff(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
+    q, k = attn.rotary_emb(positions, q, k)
+    out, _ = attn.o_proj_diff(attn.attn(q, k, v))
+    return out

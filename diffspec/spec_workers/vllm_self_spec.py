@@ -1,0 +1,220 @@
+"""vLLM drafter for linear self-speculation (Orthrus, NLD): one diffusion-view forward per
+step, on the target model's own layers and paged KV cache.
+
+A vLLM step verifies ``[anchor, d_1 .. d_n]`` with the AR view, vLLM's
+``RejectionSampler`` accepts a prefix and emits the recovered / bonus token, and then (same
+step, after bookkeeping) :meth:`SelfSpecProposer.propose_with_runner` drafts the next block
+for every request that produced a token:
+
+1. **plan**: the new anchor is the request's last committed token, at position ``p`` (not
+   yet in the KV cache); the block ``[anchor, <mask> x n]`` takes positions ``p .. p + n``,
+   with ``n = min(num_speculative_tokens, max_tokens left - 1, max_model_len - p - 1)``
+   (the reference decoder's rule, so both draft the same blocks), and never past the KV
+   slots the request holds;
+2. **draft**: one eager forward of the model's diffusion view
+   (``model.diffusion_hidden_states``) over all blocks, with **non-causal** attention
+   metadata built by the target's own attention backend: each block attends to the AR K/V
+   of its prefix (the target's paged cache, through the request's block table) and to
+   itself. The block's K/V are written to the slots of positions ``p .. p + n``, exactly
+   the slots the next verify pass writes its AR K/V into before attending, so no private
+   cache and no copy exist; the scheduler reserves those slots one step early (patch
+   ``lookahead_slots``) and never prefix-caches a block past the committed tokens;
+3. **drafts**: the argmax of the logits that predict ``p + 1 .. p + n`` (shifted for
+   Orthrus, unshifted for NLD: ``model.draft_logits_shift``). They are point-mass drafts,
+   so vLLM's rejection sampler verifies them losslessly at any temperature.
+
+Verify, accept and commit are vLLM's own (scheduler, ``RejectionSampler``, KV rollback by
+``num_computed_tokens``), and so are its spec-decode metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["DraftBlock", "LinearSelfSpecProposer", "OrthrusProposer", "SelfSpecProposer",
+           "plan_blocks"]
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One request's draft block ``[anchor, <mask> x num_drafts]`` at positions
+    ``start .. start + num_drafts``."""
+
+    row: int  # the request's row in the runner's input batch (and block table)
+    anchor: int  # last committed token id
+    start: int  # the anchor's position = committed tokens - 1
+    num_drafts: int
+
+
+def plan_blocks(
+    sampled_token_ids: list[list[int]],  # [num_reqs][tokens emitted this step]
+    num_committed: list[int],  # [num_reqs] tokens committed so far (prompt + output)
+    num_left: list[int | None],  # [num_reqs] max_tokens - output tokens (None: no limit)
+    num_slots: list[int],  # [num_reqs] KV slots allocated to the request
+    num_speculative_tokens: int,
+    max_model_len: int,
+) -> list[DraftBlock]:
+    """The blocks to draft this step: one per request that emitted a token and may still
+    take at least two more (an anchor's successor plus one draft)."""
+    blocks = []
+    for row, emitted in enumerate(sampled_token_ids):
+        if not emitted:
+            continue  # partial prefill or discarded request: nothing to draft from
+        committed = num_committed[row]
+        n = min(num_speculative_tokens, max_model_len - committed, num_slots[row] - committed)
+        if num_left[row] is not None:
+            n = min(n, num_left[row] - 1)
+        if n > 0:
+            blocks.append(DraftBlock(row, emitted[-1], committed - 1, n))
+    return blocks
+
+
+class SelfSpecProposer:
+    """The drafter vLLM's ``custom_class`` hook instantiates (``Proposer(vllm_config)``)."""
+
+    method = ""
+
+    def __init__(self, vllm_config) -> None:
+        spec = vllm_config.speculative_config
+        self.vllm_config = vllm_config
+        self.num_speculative_tokens: int = spec.num_speculative_tokens
+        self.mask_token_id = int(vllm_config.model_config.hf_config.mask_token_id)
+        self.max_model_len: int = vllm_config.model_config.max_model_len
+        self.max_forward_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
+                                      self.num_speculative_tokens + 1)
+
+    def load_model(self, model) -> None:
+        """Called by the runner with the target model: the drafter runs its diffusion view."""
+        if not hasattr(model, "diffusion_hidden_states"):
+            raise TypeError(f"method {self.method!r} needs a model with a diffusion view; "
+                            f"{type(model).__name__} has none (check config.json architectures)")
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError(f"method {self.method!r} drafts through diffspec's runner patch, "
+                           f"which is not applied: is the diffspec vLLM plugin loaded "
+                           f"(VLLM_PLUGINS)?")
+
+    @torch.inference_mode()
+    def propose_with_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """Draft token ids ``[num_reqs][n_i]`` for the runner's current batch."""
+        batch = runner.input_batch
+        num_left = []
+        for req_id in batch.req_ids:
+            state = runner.requests[req_id]
+            params = state.sampling_params
+            max_tokens = getattr(params, "max_tokens", None)
+            num_left.append(None if max_tokens is None
+                            else max_tokens - len(state.output_token_ids))
+        table = batch.block_table[0]
+        num_slots = (table.num_blocks_per_row[:len(num_left)] * table.block_size).tolist()
+        blocks = plan_blocks(sampled_token_ids, batch.num_tokens_no_spec.tolist(), num_left,
+                             num_slots, self.num_speculative_tokens, self.max_model_len)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for chunk in _chunks(blocks, self.max_forward_tokens):
+            for block, tokens in zip(chunk, self._draft(runner, chunk)):
+                drafts[block.row] = tokens
+        return drafts
+
+    def _draft(self, runner, blocks: list[DraftBlock]) -> list[list[int]]:
+        """One diffusion-view forward over ``blocks``; their draft token ids."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        model = runner.get_model()
+        device = runner.device
+        groups = runner.attn_groups
+        if len(groups) != 1:
+            raise RuntimeError(f"method {self.method!r} supports models with one KV cache group "
+                               f"(full attention in every layer); this one has {len(groups)}")
+        table = runner.input_batch.block_table[0]
+        page = table.block_size
+
+        lengths = np.array([b.num_drafts + 1 for b in blocks], dtype=np.int32)  # [B]
+        query_start = np.zeros(len(blocks) + 1, dtype=np.int32)  # [B + 1]
+        np.cumsum(lengths, out=query_start[1:])
+        input_ids = np.full(query_start[-1], self.mask_token_id, dtype=np.int64)  # [T]
+        positions = np.concatenate([np.arange(b.start, b.start + b.num_drafts + 1)
+                                    for b in blocks])  # [T]
+        # the blocks' own positions, i.e. the slots the next verify pass writes its AR K/V to
+        rows = np.repeat([b.row for b in blocks], lengths)  # [T]
+        pages = table.block_table.np[rows, positions // page].astype(np.int64)  # [T]
+        slots = pages * page + positions % page  # [T]
+        input_ids[query_start[:-1]] = [b.anchor for b in blocks]
+        seq_lens = np.array([b.start + b.num_drafts + 1 for b in blocks], dtype=np.int32)  # [B]
+        shift = 0 if model.draft_logits_shift else 1  # row of the block predicting draft 1
+        predict = np.concatenate([np.arange(b.num_drafts) + s + shift
+                                  for b, s in zip(blocks, query_start)])  # [sum n]
+
+        def on_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
+        slot_mapping = on_device(slots)
+        block_rows = on_device(np.array([b.row for b in blocks], dtype=np.int64))
+        common = CommonAttentionMetadata(
+            query_start_loc=on_device(query_start),
+            query_start_loc_cpu=torch.from_numpy(query_start),
+            seq_lens=on_device(seq_lens),
+            seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+            num_reqs=len(blocks),
+            num_actual_tokens=int(query_start[-1]),
+            max_query_len=int(lengths.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=table.get_device_tensor(runner.input_batch.num_reqs)[block_rows],
+            slot_mapping=slot_mapping,
+            causal=False,
+            positions=on_device(positions),
+        )
+        attn_metadata = self._non_causal_metadata(groups[0], common)
+        layer_slots = dict.fromkeys(attn_metadata, slot_mapping)
+        with set_forward_context(attn_metadata, runner.vllm_config,
+                                 num_tokens=int(query_start[-1]), slot_mapping=layer_slots):
+            hidden = model.diffusion_hidden_states(on_device(input_ids), common.positions)
+        logits = model.compute_logits(hidden[on_device(predict)])  # [sum n, vocab]
+        if logits is None:  # a TP rank that does not hold the gathered logits
+            return [[] for _ in blocks]
+        tokens = logits.argmax(dim=-1).tolist()
+        ends = np.cumsum([b.num_drafts for b in blocks])
+        return [tokens[end - b.num_drafts:end] for b, end in zip(blocks, ends)]
+
+    def _non_causal_metadata(self, attn_groups, common) -> dict[str, object]:
+        """Per-layer attention metadata for the blocks, built by the target's own backend
+        builders (``build_for_drafting``); refuses a backend that stays causal."""
+        per_layer = {}
+        for group in attn_groups:
+            metadata = group.build_metadata_for_drafting(common, draft_index=0)
+            if getattr(metadata, "causal", None) is not False:
+                raise RuntimeError(
+                    f"attention backend {group.backend.get_name()} cannot attend non-causally "
+                    f"over the paged KV cache, which method {self.method!r} drafts with; pick "
+                    f"one that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
+            per_layer.update(dict.fromkeys(group.layer_names, metadata))
+        return per_layer
+
+
+class OrthrusProposer(SelfSpecProposer):
+    """Orthrus: the diffusion view swaps in each layer's ``*_diff`` attention projections."""
+
+    method = "orthrus"
+
+
+class LinearSelfSpecProposer(SelfSpecProposer):
+    """NLD linear self-speculation: the diffusion view is the same weights, bidirectional,
+    with the drafter LoRA on."""
+
+    method = "linear_self_spec"
+
+
+def _chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:
+    """Split ``blocks`` into forwards of at most ``max_tokens`` tokens each."""
+    chunks: list[list[DraftBlock]] = []
+    size = max_tokens
+    for block in blocks:
+        if size + block.num_drafts + 1 > max_tokens:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(block)
+        size += block.num_drafts + 1
+    return chunks

