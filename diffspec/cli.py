@@ -22,8 +22,10 @@ BUILT_METHODS = {
     "linear_self_spec": "NLD checkpoint: bidirectional (LoRA) drafts, causal verify, lossless",
     "tidar": "TiDAR / NLD checkpoint: draft + verify in one forward (quadratic), lossless",
     "refusion": "ReFusion checkpoint: slot plan-and-infill (greedy; not lossless)",
+    "fast_dllm": "LLaDA / Dream / Fast-dLLM v2 / NLD: block diffusion with KV cache and "
+                 "confidence-threshold unmasking (greedy; not lossless)",
 }
-NOT_BUILT_METHODS: tuple[str, ...] = ("fast_dllm",)
+NOT_BUILT_METHODS: tuple[str, ...] = ()
 
 _METHODS_HELP = "decoding methods:\n" + "".join(
     f"  {name:<17} {text}\n" for name, text in BUILT_METHODS.items()
@@ -53,13 +55,15 @@ class _Decoder:
     """A loaded checkpoint ready to decode with one method."""
 
     method: str
-    model: Any  # the transformers AR view (context length, vocabulary, generation config)
     tokenizer: Any
     decode: Callable[[list[Any]], list[Any]]  # requests -> RequestOutputs
     stop_token_ids: tuple[int, ...]
+    max_len: int  # context length (positions)
+    vocab_size: int
 
 
-def _load_decoder(method: str, path: str | Path, num_draft_tokens: int) -> _Decoder:
+def _load_decoder(method: str, path: str | Path, num_draft_tokens: int,
+                  threshold: float = 0.9, cache: str = "prefix") -> _Decoder:
     """Load ``path`` for ``method``, with clear errors when the checkpoint cannot serve it
     (no diffusion weights, block too large, ...); never touches the network."""
     if method in NOT_BUILT_METHODS:
@@ -127,6 +131,17 @@ def _load_decoder(method: str, path: str | Path, num_draft_tokens: int) -> _Deco
                                       f"(block_size={quadratic.block_size}); {k} requested")
             model, eos = quadratic.lm, quadratic.eos_token_ids
             decode = lambda reqs: tidar_generate(quadratic, reqs, k, tokenizer=tokenizer)  # noqa: E731
+        elif method == "fast_dllm":
+            from diffspec.model_executors.dllm import load_dllm
+            from diffspec.spec_workers.fast_dllm import FastDLLMConfig, fast_dllm_generate
+
+            lm = load_dllm(info.path, dtype=torch.float32)
+            dllm_config = FastDLLMConfig(cache=cache, threshold=threshold, block_size=k)
+            decode = lambda reqs: fast_dllm_generate(lm, reqs, dllm_config)  # noqa: E731
+            stops = tuple(dict.fromkeys([*lm.eos_token_ids, *([tokenizer.eos_token_id]
+                                         if tokenizer.eos_token_id is not None else [])]))
+            return _Decoder(method, tokenizer, decode, stops, lm.max_positions,
+                            int(info.vocab_size or len(tokenizer)))
         else:  # refusion
             from diffspec.spec_workers.refusion import (
                 ReFusionConfig,
@@ -144,7 +159,8 @@ def _load_decoder(method: str, path: str | Path, num_draft_tokens: int) -> _Deco
     finally:
         hf_logging.set_verbosity(verbosity)
     stops = tuple(dict.fromkeys([*eos, *_stop_token_ids(model, tokenizer)]))
-    return _Decoder(method, model, tokenizer, decode, stops)
+    return _Decoder(method, tokenizer, decode, stops, model.config.max_position_embeddings,
+                    model.config.vocab_size)
 
 
 def _load_ar_view(info: Any, dtype: Any) -> Any:
@@ -198,8 +214,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise _CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling = _sampling(args)
-    decoder = _load_decoder(args.method, args.model, args.num_draft_tokens)
-    model, tokenizer = decoder.model, decoder.tokenizer
+    decoder = _load_decoder(args.method, args.model, args.num_draft_tokens, args.threshold,
+                            args.cache)
+    tokenizer = decoder.tokenizer
 
     from diffspec.core.reference import Request
 
@@ -213,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         request = Request(prompt_ids, max_tokens=args.max_tokens, sampling=sampling,
                           stop_token_ids=decoder.stop_token_ids, stop_strings=tuple(args.stop))
-        request.check_fits(model.config.max_position_embeddings, model.config.vocab_size)
+        request.check_fits(decoder.max_len, decoder.vocab_size)
     except ValueError as e:
         raise _CliError(str(e)) from None
 
@@ -321,7 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", default="ngram", choices=[*BUILT_METHODS, *NOT_BUILT_METHODS],
                      help="decoding method (default: ngram); see the list below")
     gen.add_argument("--num-draft-tokens", type=int, default=8,
-                     help="drafts per step (K); refusion: the slot size")
+                     help="drafts per step (K); refusion: the slot size; fast_dllm: the block")
+    gen.add_argument("--threshold", type=float, default=0.9,
+                     help="fast_dllm: unmask every position with confidence > this (and at "
+                     "least the top-1); 1.0 = one token per step")
+    gen.add_argument("--cache", choices=("none", "prefix", "dual"), default="prefix",
+                     help="fast_dllm: KV cache mode (default: prefix)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=-1, help="-1 = off")

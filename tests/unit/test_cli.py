@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from diffspec.assets import SYNTH_QWEN3_DIR, SYNTH_REFUSION_DIR, SYNTH_TIDAR_DIR
-from diffspec.cli import NOT_BUILT_METHODS, main
+from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_QWEN3_DIR, SYNTH_REFUSION_DIR, SYNTH_TIDAR_DIR
+from diffspec.cli import BUILT_METHODS, NOT_BUILT_METHODS, main
 
 
 def test_help_lists_methods_and_imports_no_torch():
@@ -16,9 +16,9 @@ def test_help_lists_methods_and_imports_no_torch():
             "diffspec.cli.main(['generate', '--help'])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    for method in ("ar", "ngram", *NOT_BUILT_METHODS):
+    for method in (*BUILT_METHODS, *NOT_BUILT_METHODS):
         assert method in result.stdout
-    assert "not built yet" in result.stdout
+    assert ("not built yet" in result.stdout) == bool(NOT_BUILT_METHODS)
 
 
 def test_demo_runs_and_is_lossless(capsys):
@@ -44,6 +44,8 @@ BAD_GENERATE = {
                                 "block_size=32"),
     "tidar_block_too_large": (["--method", "tidar", "--model", str(SYNTH_TIDAR_DIR),
                                "--num-draft-tokens", "9"], "drafts at most 8"),
+    "fast_dllm_on_an_ar_model": (["--method", "fast_dllm", "--model", str(SYNTH_QWEN3_DIR)],
+                                 "family"),
     "refusion_is_greedy_only": (["--method", "refusion", "--model", str(SYNTH_REFUSION_DIR),
                                  "--temperature", "0.7"], "refusion"),
     "unknown_model_path": (["--model", "/nonexistent/model"], "not a local checkpoint"),
@@ -69,6 +71,8 @@ def test_generate_bad_params_exit_2(name, capsys):
         ("orthrus", None, 31),
         ("tidar", SYNTH_TIDAR_DIR, 8),
         ("refusion", SYNTH_REFUSION_DIR, 8),
+        ("fast_dllm", SYNTH_DLLM_DIR / "llada", 32),
+        ("fast_dllm", SYNTH_DLLM_DIR / "fast_dllm_v2", 32),
     ],
 )
 def test_generate_each_built_method(method, model, k, capsys):
