@@ -26,15 +26,6 @@ FAMILIES = ("llada", "dream", "fast_dllm_v2", "nld")
 SYNTH_DIR = SYNTH_DLLM_DIR
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one torch thread (more threads on a shared 2-core box are far slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("dllm")

@@ -19,15 +19,6 @@ from diffspec.testing.checkpoints import write_nld, write_orthrus
 IDS = torch.tensor([[20, 21, 22, 23, 24, 25]])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one torch thread (two threads on a shared 2-core box run ~40x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def nld_path(tmp_path_factory):
     return write_nld(tmp_path_factory.mktemp("nld") / "nld")

@@ -32,15 +32,6 @@ from diffspec.spec_workers.orthrus import OrthrusDrafter
 from diffspec.testing.checkpoints import write_orthrus, write_qwen3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one torch thread (two threads on a shared 2-core box run ~40x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _tiny(arch: str) -> torch.nn.Module:
     """A one-layer model built in code; Ministral3 uses YaRN + llama-4 query scaling with a
     small original context (8), so the block positions used below (>= 8) are scaled."""

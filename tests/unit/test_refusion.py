@@ -34,13 +34,10 @@ def refusion(tmp_path_factory):
     """The tiny random ReFusion checkpoint, LM head scaled x20: its plan scores then spread
     over ~0.15-0.5 instead of sitting near 1/vocab, so a threshold falls between scores
     rather than on near-ties."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny forwards: a second thread only adds contention
     model, info = load_refusion(tiny_checkpoint("refusion", tmp_path_factory.mktemp("ckpt")))
     with torch.no_grad():
         model.lm_head.weight.mul_(SHARPEN)
-    yield model, info.mask_token_id
-    torch.set_num_threads(threads)
+    return model, info.mask_token_id
 
 
 def generate(refusion, cfg: ReFusionConfig, prompt=PROMPT, max_tokens=32, stops=()):

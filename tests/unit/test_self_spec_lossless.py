@@ -55,15 +55,6 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one torch thread (two threads on a shared 2-core box run ~40x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @dataclass
 class Model:
     """A loaded self-speculative model: the AR-view model, its drafter, EOS ids, prompts."""
