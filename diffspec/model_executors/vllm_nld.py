@@ -22,16 +22,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator
-from itertools import islice
 from pathlib import Path
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.models.mistral import MistralAttention, MistralForCausalLM
 
 from diffspec.core.checkpoint import LORA_DIR, CheckpointError, resolve_checkpoint
+from diffspec.model_executors.vllm_views import DiffusionViewMixin
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
 
@@ -39,7 +38,7 @@ _PREFIXES = (("encoder.", "model."), ("diffusion_head.", "lm_head."))
 _PEFT_PREFIX = "base_model.model.encoder."
 
 
-class NemotronLabsDiffusionForCausalLM(MistralForCausalLM):
+class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, MistralForCausalLM):
     """vLLM's Ministral3 with NLD's checkpoint layout and its draft-only LoRA."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -58,28 +57,6 @@ class NemotronLabsDiffusionForCausalLM(MistralForCausalLM):
             rank, self.lora_scaling = _lora_rank_and_scaling(self.lora_path)
             for layer in self._layers():
                 _add_lora(layer.self_attn, rank)
-
-    def _layers(self) -> Iterable[nn.Module]:
-        return islice(self.model.layers, self.model.start_layer, self.model.end_layer)
-
-    def diffusion_hidden_states(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] blocks [anchor, <mask> x n], concatenated
-        positions: torch.Tensor,  # [num_tokens]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        """The diffusion view over the current forward context's (non-causal) metadata."""
-        hidden = self.model.embed_input_ids(input_ids)
-        residual = None
-        for layer in self._layers():
-            if residual is None:
-                residual, hidden = hidden, layer.input_layernorm(hidden)
-            else:
-                hidden, residual = layer.input_layernorm(hidden, residual)
-            hidden = self._draft_attention(layer.self_attn, positions, hidden)
-            hidden, residual = layer.post_attention_layernorm(hidden, residual)
-            hidden = layer.mlp(hidden)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
 
     def _draft_attention(
         self,

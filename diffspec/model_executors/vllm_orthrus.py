@@ -9,7 +9,7 @@ projections, built from vLLM's tensor-parallel layers so TP shards them like the
   it as shards, through Qwen3's own ``.q_proj -> .qkv_proj`` weight mapping),
 * ``o_proj_diff`` (``RowParallelLinear``), ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``).
 
-:meth:`OrthrusForCausalLM.diffusion_hidden_states` is the diffusion view: the same
+:meth:`OrthrusForCausalLM.diffusion_hidden_states` (from ``vllm_views.DiffusionViewMixin``) is the diffusion view: the same
 embeddings, layer norms, MLPs, rotary and LM head, with every attention computed by the
 ``*_diff`` modules through the layer's own ``Attention`` (so the same KV cache). Under
 non-causal attention metadata whose slots are the block's positions, a block
@@ -22,19 +22,19 @@ compiled ``Qwen3Model.forward``), so the AR graph is never traced with it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import islice
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 
+from diffspec.model_executors.vllm_views import DiffusionViewMixin
+
 __all__ = ["OrthrusForCausalLM"]
 
 
-class OrthrusForCausalLM(Qwen3ForCausalLM):
+class OrthrusForCausalLM(DiffusionViewMixin, Qwen3ForCausalLM):
     """vLLM's Qwen3 with Orthrus's diffusion attention projections in every layer."""
 
     draft_logits_shift = True  # block position j predicts token j + 1
@@ -46,27 +46,13 @@ class OrthrusForCausalLM(Qwen3ForCausalLM):
             _add_diffusion_projections(layer.self_attn, self.config.rms_norm_eps, bias,
                                        vllm_config.quant_config)
 
-    def _layers(self) -> Iterable[nn.Module]:
-        return islice(self.model.layers, self.model.start_layer, self.model.end_layer)
-
-    def diffusion_hidden_states(
+    def _draft_attention(
         self,
-        input_ids: torch.Tensor,  # [num_tokens] blocks [anchor, <mask> x n], concatenated
+        attn: Qwen3Attention,
         positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        """The diffusion view over the current forward context's (non-causal) metadata."""
-        hidden = self.model.embed_input_ids(input_ids)
-        residual = None
-        for layer in self._layers():
-            if residual is None:
-                residual, hidden = hidden, layer.input_layernorm(hidden)
-            else:
-                hidden, residual = layer.input_layernorm(hidden, residual)
-            hidden = _diffusion_attention(layer.self_attn, positions, hidden)
-            hidden, residual = layer.post_attention_layernorm(hidden, residual)
-            hidden = layer.mlp(hidden)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return _diffusion_attention(attn, positions, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
