@@ -1,0 +1,100 @@
+"""vLLM offline worker: a script, not a module to import (``vllm.LLM`` starts a spawned
+engine-core process, so it must be created under ``if __name__ == "__main__"``).
+
+    python benchmarks/adapters/vllm_worker.py JOB_JSON
+
+JOB_JSON: {"model": path, "runs": [{"name": str, "llm": {LLM kwargs}}], "prompts": [[token
+ids]], "max_tokens": N, "concurrency": [1, 2, ...]}. Each run starts one engine (one after
+the other), warms it up, then serves the prompts one at a time (greedy; ``"ignore_eos"``
+in the job: no stop on EOS) reading vLLM's own spec-decode counters
+(``llm.get_metrics()``) before and after each
+request, then for every concurrency c > 1 serves them in waves of c. Prints one JSON line
+after RESULT_PREFIX: {"runs": {name: {"completions": [...], "system_tokens_per_s": {c: x},
+"accepted_per_pos": [...]}}, "vllm_version": str}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def _counters(llm) -> tuple[dict[str, float], list[int]]:
+    values, per_pos = {name: 0.0 for name in COUNTERS}, []
+    for m in llm.get_metrics():
+        if m.name in values and hasattr(m, "value"):
+            values[m.name] += m.value
+        elif m.name == PER_POS and hasattr(m, "values"):
+            per_pos = [a + b for a, b in zip(per_pos, m.values)] if per_pos else list(m.values)
+    return values, per_pos
+
+
+def _params(max_tokens: int, ignore_eos: bool = False):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+
+
+def _serve(llm, prompts: list[list[int]], max_tokens: int, concurrency: list[int],
+           ignore_eos: bool) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    params = _params(max_tokens, ignore_eos)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], _params(4), use_tqdm=False)  # warm-up
+    completions = []
+    for ids in prompts:
+        before, _ = _counters(llm)
+        start = time.perf_counter()
+        [result] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        latency = time.perf_counter() - start
+        after, _ = _counters(llm)
+        delta = {k: int(after[k] - before[k]) for k in COUNTERS}
+        stats = result.metrics  # RequestStateStats when log stats are on
+        ttft = getattr(stats, "first_token_latency", 0.0) or None
+        completions.append({
+            "token_ids": list(result.outputs[0].token_ids), "latency_s": latency,
+            "ttft_s": ttft, "drafts": delta[COUNTERS[0]],
+            "draft_tokens": delta[COUNTERS[1]], "accepted": delta[COUNTERS[2]],
+        })
+    _, per_pos = _counters(llm)
+    tokens = sum(len(c["token_ids"]) for c in completions)
+    system = {1: tokens / sum(c["latency_s"] for c in completions)}
+    for c in concurrency:
+        if c <= 1:
+            continue
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), c):
+            wave = [TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + c]]
+            results = llm.generate(wave, [params] * len(wave), use_tqdm=False)
+            tokens += sum(len(r.outputs[0].token_ids) for r in results)
+        system[c] = tokens / (time.perf_counter() - start)
+    return {"completions": completions, "system_tokens_per_s": system, "accepted_per_pos": per_pos}
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    import vllm
+    from vllm import LLM
+
+    runs = {}
+    for run in job["runs"]:
+        llm = LLM(model=job["model"], **{**run["llm"], "disable_log_stats": False})
+        runs[run["name"]] = _serve(llm, job["prompts"], job["max_tokens"], job["concurrency"],
+                                    job.get("ignore_eos", False))
+        del llm
+        gc.collect()
+    print(RESULT_PREFIX + json.dumps({"runs": runs, "vllm_version": vllm.__version__}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
