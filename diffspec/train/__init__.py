@@ -24,11 +24,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "FitResult",
     "TrainConfig",
+    "TrainResult",
     "cosine_lr_scale",
     "fit",
     "measure_on_synthetic",
@@ -103,6 +105,17 @@ class FitResult:
         if not self.is_main_process:
             return None
         return {n: t for n, t in state.items() if keep(n)}
+
+
+@dataclass
+class TrainResult:
+    """A finished trainer run: the trained model (in memory), where it was saved, the
+    ``training.json`` record and the :class:`FitResult`."""
+
+    model: Any  # OrthrusModel (Orthrus heads) or NLDModel (draft LoRA)
+    out_dir: Path | None
+    record: dict[str, Any]
+    fit: FitResult
 
 
 def fit(

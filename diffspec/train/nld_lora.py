@@ -37,20 +37,18 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from diffspec.train import FitResult, TrainConfig, fit
+from diffspec.train import TrainConfig, TrainResult, fit
 from diffspec.train.data import PackedRows, load_tokenizer, make_dataloader, training_rows
 from diffspec.train.losses import Divergence
 from diffspec.train.orthrus import BlockDistiller, freeze_all_but, training_record
 
 __all__ = [
-    "NLDLoraTrainResult",
     "add_draft_lora",
     "greedy_rows",
     "lora_parameters",
@@ -192,14 +190,6 @@ class _GreedyRows(torch.utils.data.IterableDataset):
 # ------------------------------------------------------------------------------ trainer
 
 
-@dataclass
-class NLDLoraTrainResult:
-    model: Any  # diffspec.model_executors.nld.NLDModel with the trained LoRA
-    out_dir: Path | None
-    record: dict[str, Any]
-    fit: FitResult
-
-
 def train_nld_lora(
     base: str | Path,
     out_dir: str | Path | None,
@@ -214,7 +204,7 @@ def train_nld_lora(
     self_generate_prefix: int | None = None,
     fresh_lora: bool = True,
     command: str | None = None,
-) -> NLDLoraTrainResult:
+) -> TrainResult:
     """Train the draft LoRA of the NLD checkpoint ``base``; save the checkpoint plus
     ``linear_spec_lora/`` to ``out_dir``.
 
@@ -261,7 +251,7 @@ def train_nld_lora(
                                    strict=False)
         out = export_checkpoint(nld, base, out_dir)
         (out / LORA_DIR / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    return NLDLoraTrainResult(nld, out, record, result)
+    return TrainResult(nld, out, record, result)
 
 
 def _training_rows(nld, base: Path, data, cfg: TrainConfig, self_generate_prefix: int | None):

@@ -33,7 +33,6 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,13 +40,12 @@ import torch
 from torch import Tensor, nn
 
 from diffspec.model_executors.views import block_view_logits
-from diffspec.train import FitResult, TrainConfig, fit
+from diffspec.train import FitResult, TrainConfig, TrainResult, fit
 from diffspec.train.data import anchor_blocks, make_dataloader, sample_anchors, training_rows
 from diffspec.train.losses import Divergence, DraftLoss, accepted_prefix_weights, draft_loss
 
 __all__ = [
     "BlockDistiller",
-    "OrthrusTrainResult",
     "freeze_all_but",
     "train_orthrus",
 ]
@@ -168,16 +166,6 @@ def freeze_all_but(module: nn.Module, trainable: list[nn.Parameter]) -> None:
 # ------------------------------------------------------------------------------ trainer
 
 
-@dataclass
-class OrthrusTrainResult:
-    """A finished run: the trained model (in memory), where it was saved, the record."""
-
-    model: Any  # diffspec.model_executors.orthrus.OrthrusModel
-    out_dir: Path | None
-    record: dict[str, Any]
-    fit: FitResult
-
-
 def train_orthrus(
     base: str | Path,
     out_dir: str | Path | None,
@@ -190,7 +178,7 @@ def train_orthrus(
     ce_weight: float = 0.0,
     temperature: float = 1.0,
     command: str | None = None,
-) -> OrthrusTrainResult:
+) -> TrainResult:
     """Distill Orthrus diffusion heads onto ``base`` and save the checkpoint to ``out_dir``.
 
     ``base`` is a Qwen3 checkpoint (the ``*_diff`` weights start as copies of its AR
@@ -228,7 +216,7 @@ def train_orthrus(
                                      strict=False)
         out = save_orthrus(model, out_dir)
         (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    return OrthrusTrainResult(model, out, record, result)
+    return TrainResult(model, out, record, result)
 
 
 def _load_start(base: str | Path, block_size: int, mask_token_id: int | None):

@@ -32,13 +32,7 @@ from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter
 from diffspec.spec_workers.orthrus import OrthrusDrafter
 from diffspec.testing.checkpoints import write_nld, write_orthrus
 from diffspec.testing.synthetic import sample_prompts
-
-GREEDY = SamplingParams()
-SAMPLINGS = {
-    "greedy": GREEDY,
-    "seed1_t0.8": SamplingParams(temperature=0.8, seed=1),
-    "seed2_t1_topk_topp": SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=2),
-}
+from tests.unit.lossless_cases import GREEDY, SAMPLINGS
 
 # name: (writer, kwargs). Each Orthrus layout value appears twice across the four.
 LAYOUTS = {

@@ -36,13 +36,8 @@ from diffspec.spec_workers.tidar import (
 from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
 from diffspec.testing.synthetic import build_tokenizer, sample_prompts
 from diffspec.testing.synthetic_tidar import SYNTH_TIDAR_DIR
+from tests.unit.lossless_cases import GREEDY, SAMPLINGS
 
-GREEDY = SamplingParams()
-SAMPLINGS = {
-    "greedy": GREEDY,
-    "seed1_t0.8": SamplingParams(temperature=0.8, seed=1),
-    "seed2_t1_topk_topp": SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=2),
-}
 # name: (writer, config overrides); mask id 7 is a reserved slot of the Qwen tokenizer.
 LAYOUTS = {
     "qwen3_tidar_shifted": (write_qwen3, {"mask_token_id": 7, "block_size": 4,
