@@ -323,8 +323,13 @@ def test_orthrus_trains_under_two_processes(tiny_qwen3, token_data, tmp_path):
            "-m", "diffspec.train", "orthrus", "--base", str(tiny_qwen3), "--out", str(out),
            "--data", token_data, "--block-size", "8", "--mask-token-id", "7",
            "--num-anchors", "3", "--batch-size", "2", "--seq-len", "40", "--steps", "3"]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    if run.returncode != 0 and "exitcode: -6" in run.stderr:
+        # Seen once in ~10 full CI runs on the shared 2-core box: a worker aborted
+        # ("terminate called without an active exception") while loading weights, before
+        # training started. Not understood yet; one retry, and the run must then succeed.
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "MULTI_CPU, 2 process(es)" in run.stderr
     model = load_orthrus(out)
