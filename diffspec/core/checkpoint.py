@@ -8,7 +8,9 @@ hub id, and only from the local cache (never the network).
 
 Families (see REFERENCE.md, "Checkpoint formats"):
 
-* ``orthrus``: Qwen3 plus ``*_diff`` attention weights per layer (``OrthrusLM``).
+* ``orthrus``: a Qwen3 or Llama base plus ``*_diff`` attention weights per layer
+  (``OrthrusLM`` / ``OrthrusForCausalLM`` on Qwen3, ``OrthrusLlamaForCausalLM`` on Llama;
+  :attr:`CheckpointInfo.orthrus_base` says which).
 * ``nld``: Nemotron-Labs-Diffusion (``encoder.*`` + ``diffusion_head.weight``,
   optional PEFT adapter in ``linear_spec_lora/``).
 * ``llada`` / ``dream`` / ``fast_dllm_v2``: diffusion LMs for Fast-dLLM.
@@ -38,15 +40,20 @@ __all__ = [
 ]
 
 LORA_DIR = "linear_spec_lora"
-ORTHRUS_ARCHITECTURES = ("OrthrusLM", "OrthrusForCausalLM")
-ORTHRUS_DIFF_WEIGHTS = (
-    "q_proj_diff.weight",
-    "k_proj_diff.weight",
-    "v_proj_diff.weight",
-    "o_proj_diff.weight",
-    "q_norm_diff.weight",
-    "k_norm_diff.weight",
-)
+# Orthrus architecture -> its base model_type (the first per base is what diffspec writes).
+ORTHRUS_BASES = {
+    "OrthrusLM": "qwen3",
+    "OrthrusForCausalLM": "qwen3",
+    "OrthrusLlamaForCausalLM": "llama",
+}
+ORTHRUS_ARCHITECTURES = tuple(ORTHRUS_BASES)
+# The *_diff tensors of one layer, per base: Llama attention has no q/k norms.
+ORTHRUS_DIFF_WEIGHTS = {
+    "qwen3": ("q_proj_diff.weight", "k_proj_diff.weight", "v_proj_diff.weight",
+              "o_proj_diff.weight", "q_norm_diff.weight", "k_norm_diff.weight"),
+    "llama": ("q_proj_diff.weight", "k_proj_diff.weight", "v_proj_diff.weight",
+              "o_proj_diff.weight"),
+}
 # Fast-dLLM v2 keeps its mask token in the tokenizer only (``|<MASK>|``), not in config.json.
 FAST_DLLM_V2_MASK_TOKEN = "|<MASK>|"
 
@@ -84,6 +91,18 @@ class CheckpointInfo:
     weight_names: frozenset[str] = field(repr=False)
     lora_path: Path | None  # NLD's linear_spec_lora/ when present
     config: dict[str, Any] = field(repr=False)
+
+    @property
+    def orthrus_base(self) -> str | None:
+        """The base ``model_type`` of an Orthrus-style checkpoint: ``"llama"`` for
+        ``OrthrusLlamaForCausalLM`` or a Llama config, ``"qwen3"`` for the Qwen3
+        architectures and ``model_type`` ``qwen3`` / ``orthrus``; ``None`` otherwise."""
+        if self.architecture in ORTHRUS_BASES:
+            return ORTHRUS_BASES[self.architecture]
+        model_type = (self.model_type or "").lower()
+        if model_type in ("qwen3", "orthrus"):
+            return "qwen3"
+        return "llama" if model_type == "llama" else None
 
 
 def resolve_checkpoint(name_or_path: str | Path, *, cache_dir: str | Path | None = None) -> Path:
@@ -156,7 +175,9 @@ def require_method(info: CheckpointInfo, method: str) -> None:
     if method not in METHODS:
         raise CheckpointError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
     name = info.path
-    if method == "orthrus" and info.family in ("orthrus", "qwen3", "refusion"):
+    if method == "orthrus" and (
+        info.family in ("orthrus", "qwen3", "refusion") or info.orthrus_base == "llama"
+    ):
         _require_orthrus_weights(info)
     elif method == "refusion" and info.family == "qwen3":
         raise CheckpointError(
@@ -335,6 +356,14 @@ def _tokenizer_token_id(path: Path, token: str) -> int | None:
 
 
 def _require_orthrus_weights(info: CheckpointInfo) -> None:
+    base = info.orthrus_base
+    if base is None:
+        raise CheckpointError(
+            f"checkpoint {info.path} is an Orthrus checkpoint on an unsupported base "
+            f"(architecture {info.architecture!r}, model_type {info.model_type!r}); Orthrus "
+            f"runs on Qwen3 ({', '.join(a for a, b in ORTHRUS_BASES.items() if b == 'qwen3')})"
+            f" and Llama (OrthrusLlamaForCausalLM, model_type 'llama')"
+        )
     layers = info.num_layers
     if layers is None:
         layers = 1 + max(
@@ -344,16 +373,18 @@ def _require_orthrus_weights(info: CheckpointInfo) -> None:
     missing = [
         f"model.layers.{i}.self_attn.{w}"
         for i in range(layers)
-        for w in ORTHRUS_DIFF_WEIGHTS
+        for w in ORTHRUS_DIFF_WEIGHTS[base]
         if f"model.layers.{i}.self_attn.{w}" not in info.weight_names
     ]
     if not missing:
         return
-    expected = f"(and q/k/v/o_proj_diff, q/k_norm_diff for each of {layers} layers)"
+    modules = "q/k/v/o_proj_diff" + (", q/k_norm_diff" if base == "qwen3" else "")
+    expected = f"(and {modules} for each of {layers} layers)"
     if not any("_diff." in n for n in info.weight_names):
+        name = {"qwen3": "Qwen3", "llama": "Llama"}[base]
         raise CheckpointError(
             f"checkpoint {info.path} has no diffusion weights: expected {missing[0]} {expected}; "
-            f"is this the base Qwen3 rather than an Orthrus checkpoint?"
+            f"is this the base {name} rather than an Orthrus checkpoint?"
         )
     raise CheckpointError(
         f"checkpoint {info.path} lacks {len(missing)} Orthrus diffusion weights, "

@@ -1,15 +1,19 @@
-"""Orthrus in vLLM: vLLM's own Qwen3 (the AR view) plus per-layer diffusion attention.
+"""Orthrus in vLLM: vLLM's own Qwen3 or Llama (the AR view) plus per-layer diffusion
+attention.
 
-:class:`OrthrusForCausalLM` *is* vLLM's ``Qwen3ForCausalLM`` (same layers, same compiled
-forward, same paged KV cache): that is the AR view, which serves plain requests and every
-verify pass. Each decoder layer's ``self_attn`` additionally holds the diffusion
-projections, built from vLLM's tensor-parallel layers so TP shards them like the AR ones:
+:class:`OrthrusForCausalLM` *is* vLLM's ``Qwen3ForCausalLM`` and
+:class:`OrthrusLlamaForCausalLM` *is* vLLM's ``LlamaForCausalLM`` (same layers, same
+compiled forward, same paged KV cache, tied embeddings as the base has them): that is the
+AR view, which serves plain requests and every verify pass. Each decoder layer's
+``self_attn`` additionally holds the diffusion twins of its attention modules, built from
+vLLM's tensor-parallel layers so TP shards them like the AR ones:
 
 * ``qkv_proj_diff`` (``QKVParallelLinear``; the checkpoint's ``q/k/v_proj_diff`` load into
-  it as shards, through Qwen3's own ``.q_proj -> .qkv_proj`` weight mapping),
-* ``o_proj_diff`` (``RowParallelLinear``), ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``).
+  it as shards, through the base's own ``.q_proj -> .qkv_proj`` weight mapping),
+* ``o_proj_diff`` (``RowParallelLinear``),
+* Qwen3 only: ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``); Llama has no q/k norms.
 
-:meth:`OrthrusForCausalLM.diffusion_hidden_states` (from ``vllm_views.DiffusionViewMixin``) is the diffusion view: the same
+``diffusion_hidden_states`` (from ``vllm_views.DiffusionViewMixin``) is the diffusion view: the same
 embeddings, layer norms, MLPs, rotary and LM head, with every attention computed by the
 ``*_diff`` modules through the layer's own ``Attention`` (so the same KV cache). Under
 non-causal attention metadata whose slots are the block's positions, a block
@@ -24,71 +28,97 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from diffspec.model_executors.vllm_views import DiffusionViewMixin
 
-__all__ = ["OrthrusForCausalLM"]
+__all__ = ["OrthrusForCausalLM", "OrthrusLlamaForCausalLM"]
 
 
-class OrthrusForCausalLM(DiffusionViewMixin, Qwen3ForCausalLM):
-    """vLLM's Qwen3 with Orthrus's diffusion attention projections in every layer."""
+class _OrthrusMixin(DiffusionViewMixin):
+    """The Orthrus part shared by both bases: build the ``*_diff`` twins of every layer's
+    attention, draft through them, and refuse a checkpoint without them."""
 
     draft_logits_shift = True  # block position j predicts token j + 1
+    config: object
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        bias = getattr(self.config, "attention_bias", False)
+    def _add_diffusion_modules(self, vllm_config: VllmConfig) -> None:
         for layer in self._layers():
-            _add_diffusion_projections(layer.self_attn, self.config.rms_norm_eps, bias,
+            _add_diffusion_projections(layer.self_attn, self.config.rms_norm_eps,
                                        vllm_config.quant_config)
 
     def _draft_attention(
         self,
-        attn: Qwen3Attention,
+        attn: nn.Module,
         positions: torch.Tensor,  # [num_tokens]
         hidden: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         return _diffusion_attention(attn, positions, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = super().load_weights(weights)
+        loaded = super().load_weights(weights)  # type: ignore[misc]
         missing = sorted(n for n, _ in self.named_parameters() if "_diff." in n and n not in loaded)
         if missing:
+            norms = " and {q,k}_norm_diff" if any("_norm_diff." in n for n in missing) else ""
             raise ValueError(
                 f"the checkpoint has no Orthrus diffusion weights for {missing[0]} "
                 f"({len(missing)} parameters missing); expected model.layers.N.self_attn."
-                f"{{q,k,v,o}}_proj_diff and {{q,k}}_norm_diff for every layer")
+                f"{{q,k,v,o}}_proj_diff{norms} for every layer")
         return loaded
 
 
-def _add_diffusion_projections(attn: Qwen3Attention, eps: float, bias: bool, quant_config) -> None:
-    """Give ``attn`` the ``*_diff`` twins of its projections and q/k norms."""
+class OrthrusForCausalLM(_OrthrusMixin, Qwen3ForCausalLM):
+    """vLLM's Qwen3 with Orthrus's diffusion attention projections and q/k norms in every
+    layer (``OrthrusLM`` / ``OrthrusForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._add_diffusion_modules(vllm_config)
+
+
+class OrthrusLlamaForCausalLM(_OrthrusMixin, LlamaForCausalLM):
+    """vLLM's Llama with Orthrus's diffusion attention projections in every layer
+    (``OrthrusLlamaForCausalLM``, ``model_type: "llama"``; e.g. on SmolLM2)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._add_diffusion_modules(vllm_config)
+
+
+def _add_diffusion_projections(attn: nn.Module, eps: float, quant_config) -> None:
+    """Give ``attn`` the ``*_diff`` twins of its projections (biases as the AR ones have
+    them) and, when it has q/k norms (Qwen3), of those."""
     prefix = attn.attn.layer_name.rsplit(".", 1)[0]  # model.layers.N.self_attn
     attn.qkv_proj_diff = QKVParallelLinear(
         attn.hidden_size, attn.head_dim, attn.total_num_heads, attn.total_num_kv_heads,
-        bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj_diff")
+        bias=attn.qkv_proj.bias is not None, quant_config=quant_config,
+        prefix=f"{prefix}.qkv_proj_diff")
     attn.o_proj_diff = RowParallelLinear(
-        attn.total_num_heads * attn.head_dim, attn.hidden_size, bias=False,
-        quant_config=quant_config, prefix=f"{prefix}.o_proj_diff")
-    attn.q_norm_diff = RMSNorm(attn.head_dim, eps=eps)
-    attn.k_norm_diff = RMSNorm(attn.head_dim, eps=eps)
+        attn.total_num_heads * attn.head_dim, attn.hidden_size,
+        bias=attn.o_proj.bias is not None, quant_config=quant_config,
+        prefix=f"{prefix}.o_proj_diff")
+    if hasattr(attn, "q_norm"):
+        attn.q_norm_diff = RMSNorm(attn.head_dim, eps=eps)
+        attn.k_norm_diff = RMSNorm(attn.head_dim, eps=eps)
 
 
 def _diffusion_attention(
-    attn: Qwen3Attention,
+    attn: nn.Module,
     positions: torch.Tensor,  # [num_tokens]
     hidden: torch.Tensor,  # [num_tokens, hidden]
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """Qwen3 attention with the ``*_diff`` projections and norms, through the layer's own
-    paged ``Attention`` (its K/V go to the forward context's slots)."""
+    """The layer's attention with the ``*_diff`` projections (and norms), through the
+    layer's own paged ``Attention`` (its K/V go to the forward context's slots)."""
     qkv, _ = attn.qkv_proj_diff(hidden)
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = attn.q_norm_diff(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
-    k = attn.k_norm_diff(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
+    if hasattr(attn, "q_norm_diff"):
+        q = attn.q_norm_diff(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
+        k = attn.k_norm_diff(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
     q, k = attn.rotary_emb(positions, q, k)
     out, _ = attn.o_proj_diff(attn.attn(q, k, v))
     return out

@@ -51,6 +51,7 @@ __all__ = [
 MODEL_ARCHITECTURES: dict[str, str] = {
     "OrthrusLM": "diffspec.model_executors.vllm_orthrus:OrthrusForCausalLM",
     "OrthrusForCausalLM": "diffspec.model_executors.vllm_orthrus:OrthrusForCausalLM",
+    "OrthrusLlamaForCausalLM": "diffspec.model_executors.vllm_orthrus:OrthrusLlamaForCausalLM",
     "NemotronLabsDiffusionModel":
         "diffspec.model_executors.vllm_nld:NemotronLabsDiffusionForCausalLM",
 }
@@ -76,7 +77,7 @@ class SelfSpecMethod:
 SELF_SPEC_METHODS: dict[str, SelfSpecMethod] = {
     "orthrus": SelfSpecMethod(
         "orthrus",
-        ("OrthrusLM", "OrthrusForCausalLM"),
+        ("OrthrusLM", "OrthrusForCausalLM", "OrthrusLlamaForCausalLM"),
         "diffspec.spec_workers.vllm_self_spec.OrthrusProposer",
     ),
     "linear_self_spec": SelfSpecMethod(

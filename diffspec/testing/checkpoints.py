@@ -49,6 +49,8 @@ __all__ = [
     "write_dream",
     "write_fast_dllm_v2",
     "write_llada",
+    "write_llama",
+    "write_llama_orthrus",
     "write_nld",
     "write_orthrus",
     "write_qwen3",
@@ -73,6 +75,13 @@ _COMPLETE = ".diffspec-complete"
 
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 _QWEN_SLOTS = 4  # ids 5..8, see the module docstring
+# SmolLM2's first special tokens (ids 0..7); its vocabulary has no mask token and no spare
+# row, so a Llama Orthrus names an existing token (here <reponame>, id 4) as the mask.
+_SMOLLM_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>",
+    "<file_sep>", "<filename>", "<gh_stars>",
+)  # fmt: skip
+LLAMA_ORTHRUS_MASK_TOKEN_ID = 4
 _LLADA_SPECIALS = (
     "<|startoftext|>",
     "<|endoftext|>",
@@ -525,6 +534,63 @@ def write_fast_dllm_v2(
     return path
 
 
+def write_llama(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    words: Sequence[str] | None = None,
+    **overrides: Any,
+) -> Path:
+    """Stock ``LlamaForCausalLM`` with the config keys of SmolLM2-135M-Instruct (tied
+    embeddings, no q/k norms, ``<|im_end|>`` as EOS, no mask token in the tokenizer)."""
+    path = _prepare(path)
+    sizes = _sizes(overrides)
+    ids = _write_tokenizer(path, _SMOLLM_SPECIALS, sizes["vocab_size"], words,
+                           eos="<|im_end|>", bos="<|im_start|>", pad="<|im_end|>")
+    config = _llama_config(sizes, ids, dtype)
+    tensors = _llama_tensors(sizes, seed, tie=_tie(config, overrides))
+    _finish(path, config, tensors, dtype, overrides, _llama_generation_config(ids))
+    return path
+
+
+def write_llama_orthrus(
+    path: str | Path,
+    *,
+    block_size: int = 32,
+    mask_token_id: int | None = LLAMA_ORTHRUS_MASK_TOKEN_ID,
+    diff_noise: float = ORTHRUS_DIFF_NOISE,
+    seed: int = 0,
+    dtype: str = "float32",
+    words: Sequence[str] | None = None,
+    **overrides: Any,
+) -> Path:
+    """A Llama Orthrus (``OrthrusLlamaForCausalLM``, ``model_type: "llama"``): the base of
+    :func:`write_llama` (AR tensors bit-identical for the same ``seed`` and sizes) plus
+    ``q/k/v/o_proj_diff`` per layer, each its AR counterpart plus N(0, ``diff_noise``^2)
+    noise drawn from ``seed + 1``. The mask is an existing token (id 4 by default)."""
+    import torch
+
+    path = _prepare(path)
+    sizes = _sizes(overrides)
+    ids = _write_tokenizer(path, _SMOLLM_SPECIALS, sizes["vocab_size"], words,
+                           eos="<|im_end|>", bos="<|im_start|>", pad="<|im_end|>")
+    config = _llama_config(sizes, ids, dtype)
+    config.update(architectures=["OrthrusLlamaForCausalLM"], block_size=block_size,
+                  mask_token_id=mask_token_id)
+    tensors = _llama_tensors(sizes, seed, tie=_tie(config, overrides))
+    generator = torch.Generator().manual_seed(seed + 1)
+    for i in range(sizes["num_hidden_layers"]):
+        prefix = f"model.layers.{i}.self_attn."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            ar = tensors[f"{prefix}{name}.weight"]
+            noise = torch.randn(ar.shape, generator=generator, dtype=ar.dtype) * diff_noise
+            tensors[f"{prefix}{name}_diff.weight"] = ar + noise
+    _finish(path, config, tensors, dtype, {"mask_token_id": mask_token_id, **overrides},
+            _llama_generation_config(ids))
+    return path
+
+
 LAYOUTS: dict[str, Callable[..., Path]] = {
     "qwen3": write_qwen3,
     "orthrus": write_orthrus,
@@ -533,6 +599,8 @@ LAYOUTS: dict[str, Callable[..., Path]] = {
     "dream": write_dream,
     "fast_dllm_v2": write_fast_dllm_v2,
     "refusion": write_refusion,
+    "llama": write_llama,
+    "llama_orthrus": write_llama_orthrus,
 }
 
 
@@ -667,6 +735,56 @@ def _qwen3_config(
         "use_sliding_window": False,
         "vocab_size": sizes["vocab_size"],
     }
+
+
+def _llama_config(sizes: dict[str, int], ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    """config.json with the keys of HuggingFaceTB/SmolLM2-135M-Instruct."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|im_start|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "head_dim": sizes["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": sizes["hidden_size"],
+        "initializer_range": 0.041666666666666664,
+        "intermediate_size": sizes["intermediate_size"],
+        "max_position_embeddings": sizes["max_position_embeddings"],
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": sizes["num_attention_heads"],
+        "num_hidden_layers": sizes["num_hidden_layers"],
+        "num_key_value_heads": sizes["num_key_value_heads"],
+        "pad_token_id": ids["<|im_end|>"],
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 100000,
+        "tie_word_embeddings": True,
+        "torch_dtype": dtype,
+        "transformers_version": "4.42.3",
+        "use_cache": True,
+        "vocab_size": sizes["vocab_size"],
+    }
+
+
+def _llama_generation_config(ids: dict[str, int]) -> dict[str, Any]:
+    return {"bos_token_id": ids["<|im_start|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|im_end|>"]}
+
+
+def _llama_tensors(sizes: dict[str, int], seed: int, *, tie: bool) -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{k: sizes[k] for k in _MODEL_SIZE_KEYS}, tie_word_embeddings=tie,
+                         initializer_range=0.2)
+    with _seeded(seed):
+        model = LlamaForCausalLM(config)
+    tensors = dict(model.state_dict())
+    if tie:
+        tensors.pop("lm_head.weight", None)
+    return tensors
 
 
 def _qwen3_generation_config(ids: dict[str, int]) -> dict[str, Any]:

@@ -75,23 +75,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     o = sub.add_parser(
-        "orthrus", help="distill Orthrus diffusion heads (*_diff projections) onto a Qwen3",
+        "orthrus", help="distill Orthrus diffusion heads (*_diff projections) onto a Qwen3 "
+                        "or Llama",
         description="Train only the *_diff attention projections: forward KL from the AR "
                     "view to the diffusion view on random anchor blocks [x_a, <mask> x (K-1)]. "
                     "Saves a full Orthrus checkpoint (AR weights unchanged).",
     )
     o.add_argument("--base", required=True,
-                   help="Qwen3 checkpoint folder (diffusion heads start as copies of the AR "
+                   help="Qwen3 / Llama checkpoint folder (diffusion heads start as the AR "
                         "projections) or an Orthrus checkpoint (training continues)")
     o.add_argument("--out", help="output checkpoint folder (omit for a dry run)")
     _add_data_arg(o)
     o.add_argument("--block-size", type=int, default=16, help="K: anchor + K-1 masks (real: 32)")
     o.add_argument("--mask-token-id", type=int,
-                   help="default: the base tokenizer's mask_token (Qwen3: pass 151669)")
+                   help="default: the base tokenizer's mask_token (Qwen3: pass 151669; a "
+                        "Llama vocabulary has no spare row: pass an existing token id)")
     o.add_argument("--num-anchors", type=int, default=8, help="blocks per row")
     o.add_argument("--ce-weight", type=float, default=0.0,
                    help="add this x CE on the true next tokens (default 0: pure KL)")
     o.add_argument("--temperature", type=float, default=1.0, help="KL temperature")
+    o.add_argument("--rank", type=int,
+                   help="low-rank heads: each *_diff projection = frozen AR weight + B @ A "
+                        "(rank R, B = 0 at the start); --out then receives a compact heads "
+                        "folder (heads.safetensors + heads.json, factors in bf16); make the "
+                        "full checkpoint with diffspec.model_executors.orthrus."
+                        "materialize_orthrus(base, heads, out)")
     o.add_argument("--measure", action="store_true",
                    help="after training, measure TPF / acceptance with the reference decoder on "
                         "synthetic prompts (synthetic-language models only)")
@@ -161,7 +169,8 @@ def _orthrus(args: argparse.Namespace, command: str) -> int:
     result = train_orthrus(
         args.base, args.out, _config(args), data=args.data, block_size=args.block_size,
         mask_token_id=args.mask_token_id, num_anchors=args.num_anchors,
-        ce_weight=args.ce_weight, temperature=args.temperature, command=command,
+        ce_weight=args.ce_weight, temperature=args.temperature, rank=args.rank,
+        command=command,
     )
     if not result.fit.is_main_process:
         return 0

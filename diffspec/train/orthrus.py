@@ -19,7 +19,11 @@ The AR model is frozen and is its own teacher. One training step on a batch of c
    rewards).
 
 Only :meth:`OrthrusModel.diffusion_parameters` get gradients; the AR weights stay
-bit-identical. This follows the public training code read for it (``ekonst41/orthrus-
+bit-identical. With ``rank`` the ``*_diff`` projections are low-rank deltas on the frozen AR
+projections (``W + B @ A``, ``B = 0`` at the start) and the run saves a compact heads
+folder (:func:`~diffspec.model_executors.orthrus.save_orthrus_heads`) instead of a full
+checkpoint; :func:`~diffspec.model_executors.orthrus.materialize_orthrus` makes the full
+one. Qwen3 and Llama bases are both supported. This follows the public training code read for it (``ekonst41/orthrus-
 training`` ``src/train/qwen3/model.py`` and ``src/train/qwen3/loss.py``: warm start
 ``*_diff`` from the AR projections, freeze everything else, AR pass with cache, dual-pass
 block mask, full-vocabulary forward KL at ``positions[:, :, :-1]``), written anew on top of
@@ -177,20 +181,23 @@ def train_orthrus(
     num_anchors: int = 8,
     ce_weight: float = 0.0,
     temperature: float = 1.0,
+    rank: int | None = None,
     command: str | None = None,
 ) -> TrainResult:
     """Distill Orthrus diffusion heads onto ``base`` and save the checkpoint to ``out_dir``.
 
-    ``base`` is a Qwen3 checkpoint (the ``*_diff`` weights start as copies of its AR
-    projections) or an Orthrus checkpoint (training continues from its ``*_diff`` weights;
-    its ``block_size`` and mask token are kept). ``data`` is ``["synthetic"]`` or text /
-    JSONL files and folders, tokenized with the base's tokenizer.
+    ``base`` is a Qwen3 or Llama checkpoint (the ``*_diff`` weights start as copies of its
+    AR projections) or an Orthrus checkpoint (training continues from its ``*_diff``
+    weights; its ``block_size`` and mask token are kept). With ``rank`` (base checkpoints
+    only) the heads are low-rank deltas and ``out_dir`` receives the heads folder
+    (``heads.safetensors`` + ``heads.json``). ``data`` is ``["synthetic"]`` or text / JSONL
+    files and folders, tokenized with the base's tokenizer.
     """
     from diffspec.core.checkpoint import resolve_checkpoint
 
     given, base = str(base), resolve_checkpoint(base)  # a folder, or a hub id in the cache
     torch.manual_seed(cfg.seed)
-    model = _load_start(base, block_size, mask_token_id)
+    model = _load_start(base, block_size, mask_token_id, rank, cfg.seed)
     freeze_all_but(model.lm, model.diffusion_parameters())
     rows = training_rows(base, data, cfg.seq_len, seed=cfg.seed,
                          eos_token_ids=model.eos_token_ids)
@@ -201,31 +208,37 @@ def train_orthrus(
     )
     cfg.extra.update(method="orthrus", base=given, base_name=base.name,
                      data=list(data), block_size=model.block_size, num_anchors=num_anchors,
-                     ce_weight=ce_weight, temperature=temperature)
+                     ce_weight=ce_weight, temperature=temperature, rank=rank)
     result = fit(distiller, make_dataloader(rows, cfg.batch_size), cfg)
     model.lm.eval()
     record = training_record(cfg, result, model.diffusion_parameters(), command)
     trained = result.trained_state(lambda name: "_diff." in name)  # every process calls it
     out = None
     if out_dir is not None and result.is_main_process:
-        from diffspec.model_executors.orthrus import save_orthrus
+        from diffspec.model_executors.orthrus import save_orthrus, save_orthrus_heads
 
         if result.distributed:  # the in-memory model is sharded: rebuild it whole
-            model = _load_start(base, block_size, mask_token_id)
+            model = _load_start(base, block_size, mask_token_id, rank, cfg.seed)
             model.lm.load_state_dict({k.removeprefix("lm."): v for k, v in trained.items()},
                                      strict=False)
-        out = save_orthrus(model, out_dir)
+        # heads: the factors are rounded to bf16 in memory too, so `model` is what was saved
+        out = save_orthrus(model, out_dir) if rank is None else save_orthrus_heads(model, out_dir)
         (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return TrainResult(model, out, record, result)
 
 
-def _load_start(base: str | Path, block_size: int, mask_token_id: int | None):
+def _load_start(base: str | Path, block_size: int, mask_token_id: int | None,
+                rank: int | None = None, seed: int = 0):
     from diffspec.core.checkpoint import inspect_checkpoint
     from diffspec.model_executors.orthrus import load_orthrus, orthrus_from_base
 
     if inspect_checkpoint(base).family == "orthrus":
+        if rank is not None:
+            raise ValueError(f"--rank trains low-rank heads on a base AR checkpoint; {base} is "
+                             f"already an Orthrus checkpoint (train it without --rank)")
         return load_orthrus(base)
-    return orthrus_from_base(base, block_size=block_size, mask_token_id=mask_token_id)
+    return orthrus_from_base(base, block_size=block_size, mask_token_id=mask_token_id,
+                             rank=rank, seed=seed)
 
 
 def training_record(
@@ -274,7 +287,9 @@ def write_training_md(out_dir: str | Path, record: dict[str, Any], title: str) -
         "block size / anchors per row": f"{extra['block_size']} / {extra['num_anchors']}",
         "loss": f"forward KL(AR view &#124;&#124; diffusion view), T={extra['temperature']}, "
                 f"CE weight {extra['ce_weight']}",
-        "trainable parameters": f"{record['trainable_parameters']:,} (`*_diff` only)",
+        "trainable parameters": f"{record['trainable_parameters']:,} (`*_diff` only"
+                                + (f", low-rank r={extra['rank']}: heads folder)"
+                                   if extra.get("rank") else ")"),
         "seed / steps": f"{cfg['seed']} / {cfg['steps']}",
         "optimizer": f"AdamW lr {cfg['lr']} (warmup {cfg['warmup_steps']}, cosine to "
                      f"{cfg['min_lr_ratio']}x), betas {tuple(cfg['betas'])}, weight decay "

@@ -93,7 +93,28 @@ EXPECTED: dict[str, tuple[str, str, str, int | None, bool, str | None, str]] = {
         "refusion",
         "lm_head.weight",
     ),
+    "llama": (
+        None,
+        "LlamaForCausalLM",
+        "llama",
+        None,
+        False,
+        None,
+        "model.layers.1.self_attn.q_proj.weight",
+    ),
+    "llama_orthrus": (
+        "orthrus",
+        "OrthrusLlamaForCausalLM",
+        "llama",
+        32,
+        True,
+        "orthrus",
+        "model.layers.1.self_attn.o_proj_diff.weight",
+    ),
 }
+# A Llama vocabulary has no spare row: the mask is an existing token, not the tokenizer's
+# mask_token.
+EXISTING_TOKEN_MASKS = {"llama_orthrus": "<reponame>"}
 MASK_TOKENS = {
     "orthrus": "<|mask|>",
     "nld": "[MASK]",
@@ -159,6 +180,9 @@ def test_layout_writes_and_is_identified(ckpt_root: Path, layout: str) -> None:
     if layout in MASK_TOKENS:
         assert tokenizer.convert_tokens_to_ids(MASK_TOKENS[layout]) == info.mask_token_id
         assert tokenizer.mask_token == MASK_TOKENS[layout]
+    elif layout in EXISTING_TOKEN_MASKS:
+        assert tokenizer.convert_tokens_to_ids(EXISTING_TOKEN_MASKS[layout]) == info.mask_token_id
+        assert tokenizer.mask_token is None
     else:
         assert info.mask_token_id is None
     assert tokenizer.decode(tokenizer.encode("the water is good")) == "the water is good"

@@ -257,6 +257,63 @@ def test_orthrus_training_is_deterministic(tiny_qwen3, token_data):
     assert not all(torch.equal(a, b) for a, b in zip(weights[0], weights[2], strict=True))
 
 
+def test_orthrus_low_rank_heads_on_llama_train_only_the_factors(token_data, tmp_path):
+    """``--rank``: a Llama base, only lora_A / lora_B train, the AR weights stay bit for bit,
+    the run writes a heads folder, and materializing it gives the trained model's drafts."""
+    from safetensors.torch import load_file
+
+    from diffspec.core.reference import Request, speculative_generate
+    from diffspec.model_executors.orthrus import (
+        load_orthrus,
+        materialize_orthrus,
+        orthrus_from_base,
+    )
+    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.testing.checkpoints import write_llama
+    from diffspec.train.__main__ import main
+
+    base = write_llama(tmp_path / "base")
+    out = tmp_path / "heads"
+    assert main(["orthrus", "--base", str(base), "--out", str(out), "--data", token_data,
+                 "--rank", "4", "--mask-token-id", "4", "--block-size", "8", "--steps", "6",
+                 "--batch-size", "2", "--seq-len", "40", "--num-anchors", "3",
+                 "--lr", "5e-3", "--warmup-steps", "2"]) == 0
+    assert {p.name for p in out.iterdir()} == {"heads.json", "heads.safetensors",
+                                               "training.json", "TRAINING.md"}
+    record = json.loads((out / "training.json").read_text())
+    assert record["config"]["extra"]["rank"] == 4
+    # 2 layers x (q, o: A [4, 64] + B [64, 4]; k, v: A [4, 64] + B [32, 4])
+    assert record["trainable_parameters"] == 2 * (2 * 4 * (64 + 64) + 2 * 4 * (64 + 32))
+    heads = load_file(str(out / "heads.safetensors"))
+    assert any(k.endswith("lora_B") and v.abs().sum() > 0 for k, v in heads.items())
+
+    full = load_orthrus(materialize_orthrus(base, out, tmp_path / "full"))
+    start = orthrus_from_base(base, block_size=8, mask_token_id=4)
+    trained_ar = {k: v for k, v in full.lm.state_dict().items() if "_diff." not in k}
+    assert all(torch.equal(v, start.lm.state_dict()[k]) for k, v in trained_ar.items())
+    changed = [k for k, v in full.lm.state_dict().items()
+               if "_diff." in k and not torch.equal(v, start.lm.state_dict()[k])]
+    assert len(changed) == 4 * 2  # every projection of both layers moved
+
+    requests = [Request(list(range(20, 20 + n)), 10) for n in (3, 11)]
+    from diffspec.model_executors.orthrus import load_orthrus_heads
+
+    heads_model = load_orthrus_heads(base, out)
+    a, b = (speculative_generate(m.lm, OrthrusDrafter(m), requests, 7)
+            for m in (heads_model, full))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.accept_lengths for o in a] == [o.accept_lengths for o in b]
+
+
+def test_rank_refuses_an_orthrus_start(tmp_path, token_data):
+    from diffspec.testing.checkpoints import write_orthrus
+    from diffspec.train.orthrus import train_orthrus
+
+    with pytest.raises(ValueError, match="already an Orthrus checkpoint"):
+        train_orthrus(write_orthrus(tmp_path / "o"), None, _tiny_cfg(steps=1),
+                      data=[token_data], rank=4)
+
+
 # ---------------------------------------------------------------------------- NLD LoRA
 
 
