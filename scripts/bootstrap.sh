@@ -3,6 +3,12 @@
 # (the real engine the `engine` test tier runs).
 #   bash scripts/bootstrap.sh [VENV_DIR]      (default: .venv)
 #   DIFFSPEC_NO_ENGINE=1 bash scripts/bootstrap.sh   (core only, no vLLM)
+#   DIFFSPEC_SGLANG_VENV=.venv-sglang bash scripts/bootstrap.sh
+#       also builds a second venv with diffspec[sglang,test] (SGLang 0.5.23 pins a CUDA
+#       torch 2.14.1, so it cannot share the first one); the engine tier finds it at
+#       .venv-sglang or .ci-venv-sglang, or through DIFFSPEC_SGLANG_PYTHON, and runs it on
+#       CPU with a test-only libcuda stub that it compiles with gcc (tests/engine/sglang_cpu.py).
+#       About 11 GB installed; ~2.5 min to install from a warm registry cache.
 # Needs Python >= 3.11 and the package registry; no GPU. torch is the CPU build 2.13.0
 # (on machines whose pip has no local CPU wheel, set
 #  PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first).
@@ -28,3 +34,18 @@ if [ "$extras" != "test" ]; then
   "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
 echo "diffspec installed in $venv ($("$venv/bin/python" -c 'import diffspec; print(diffspec.__version__)'))"
+
+sglang_venv="${DIFFSPEC_SGLANG_VENV:-}"
+if [ -n "$sglang_venv" ]; then
+  for tool in gcc nm; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+      echo "warning: '$tool' not found; the SGLang engine tests need it to build their" \
+           "libcuda stub (apt-get install gcc binutils)" >&2
+    fi
+  done
+  rm -rf "$sglang_venv"
+  "$python" -m venv "$sglang_venv"
+  start=$(date +%s)
+  "$sglang_venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[sglang,test]"
+  echo "diffspec[sglang] installed in $sglang_venv ($(( $(date +%s) - start )) s)"
+fi

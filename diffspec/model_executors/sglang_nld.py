@@ -1,0 +1,151 @@
+"""Nemotron-Labs-Diffusion (NLD) in SGLang: SGLang's own Ministral3 as the AR view, plus
+the drafter LoRA used only by the diffusion view.
+
+The checkpoint (``NemotronLabsDiffusionModel``) is a Ministral3 decoder under
+``encoder.*`` with its LM head as ``diffusion_head.weight``; :meth:`load_weights` renames
+those prefixes to SGLang's (``model.*``, ``lm_head``). The drafter LoRA (PEFT,
+``linear_spec_lora/``, ``target_modules=["o_proj"]``) becomes two SGLang layers per
+attention, ``o_proj_lora_a`` (``RowParallelLinear``, the same head-sharded input as
+``o_proj``) and ``o_proj_lora_b`` (``ReplicatedLinear``), which the AR view (plain
+requests, every verify pass) never calls. The diffusion view
+(:class:`~diffspec.model_executors.sglang_views.DiffusionViewMixin`) runs the same
+projections, rotary and llama-4 query scaling with ``o_proj(x) + scaling *
+lora_b(lora_a(x))``, bidirectional over the prefix's AR K/V and the block. Draft logits
+are unshifted (block position ``j`` predicts its own token) unless ``dlm_type ==
+"dream"``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from sglang.srt.layers.linear import ReplicatedLinear, RowParallelLinear
+from sglang.srt.models.ministral3 import (
+    Ministral3Attention,
+    Ministral3ForCausalLM,
+    _get_llama_4_attn_scale,
+)
+from sglang.srt.utils import add_prefix
+
+from diffspec.core.checkpoint import LORA_DIR, CheckpointError, resolve_checkpoint
+from diffspec.model_executors.sglang_views import DiffusionViewMixin
+
+__all__ = ["NemotronLabsDiffusionForCausalLM"]
+
+logger = logging.getLogger("diffspec")
+
+_PREFIXES = (("encoder.", "model."), ("diffusion_head.", "lm_head."))
+_PEFT_PREFIX = "base_model.model.encoder."
+
+
+class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, Ministral3ForCausalLM):
+    """SGLang's Ministral3 with NLD's checkpoint layout and its draft-only LoRA."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config, quant_config=quant_config, prefix=prefix)
+        self.draft_logits_shift = getattr(config, "dlm_type", None) == "dream"
+        self.lora_path = _lora_folder(getattr(config, "_name_or_path", ""))
+        self.lora_scaling = 0.0
+        if self.lora_path is not None:
+            rank, self.lora_scaling = _lora_rank_and_scaling(self.lora_path)
+            for i in range(self.model.start_layer, self.model.end_layer):
+                _add_lora(self.model.layers[i].self_attn, rank,
+                          add_prefix(f"layers.{i}.self_attn", add_prefix("model", prefix)))
+            logger.info("diffspec: NLD drafter LoRA from %s (r=%d, scaling=%g)",
+                        self.lora_path, rank, self.lora_scaling)
+        else:
+            logger.warning("diffspec: %s has no %s/; the diffusion view drafts with the plain "
+                           "backbone", getattr(config, "_name_or_path", "?"), LORA_DIR)
+
+    def _draft_qkv(
+        self,
+        attn: Ministral3Attention,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv, _ = attn.qkv_proj(hidden)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(positions, q, k)
+        if attn.llama_4_scaling_beta is not None:
+            scale = _get_llama_4_attn_scale(positions, attn.llama_4_scaling_beta,
+                                            attn.max_position_embeddings).to(q.dtype)  # [T, 1]
+            q = (q.view(-1, attn.num_heads, attn.head_dim) * scale[:, None]).reshape(q.shape)
+        return q, k, v
+
+    def _draft_out(self, attn: Ministral3Attention, heads: torch.Tensor) -> torch.Tensor:
+        out, _ = attn.o_proj(heads)
+        if self.lora_path is not None:
+            low_rank, _ = attn.o_proj_lora_a(heads)
+            delta, _ = attn.o_proj_lora_b(low_rank)
+            out = out + self.lora_scaling * delta
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        params = dict(self.named_parameters())
+        lora = list(self._lora_weights())
+        for name, tensor in lora:
+            params[name].data.copy_(tensor.to(params[name].dtype))
+        missing = sorted(n for n in params if "_lora_" in n and n not in dict(lora))
+        if missing:
+            raise CheckpointError(f"{self.lora_path}: no LoRA tensor for {missing[0]}")
+        return super().load_weights(_renamed(weights))
+
+    def _lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The PEFT adapter's tensors under this model's names (``o_proj_lora_{a,b}``)."""
+        if self.lora_path is None:
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(self.lora_path / "adapter_model.safetensors"), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if not key.startswith(_PEFT_PREFIX) or ".o_proj.lora_" not in key:
+                    raise CheckpointError(f"{self.lora_path}: unsupported LoRA tensor {key} "
+                                          f"(NLD's drafter adapts o_proj only)")
+                name = "model." + key[len(_PEFT_PREFIX):]
+                name = name.replace(".o_proj.lora_A.", ".o_proj_lora_a.")
+                yield name.replace(".o_proj.lora_B.", ".o_proj_lora_b."), f.get_tensor(key)
+
+
+def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        yield name, tensor
+
+
+def _lora_folder(model: str):
+    """The checkpoint's ``linear_spec_lora/`` folder, if it has one."""
+    try:
+        folder = resolve_checkpoint(model) / LORA_DIR
+    except CheckpointError:
+        return None
+    return folder if folder.is_dir() else None
+
+
+def _lora_rank_and_scaling(folder: Path) -> tuple[int, float]:
+    """The adapter's rank and ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if list(config.get("target_modules") or []) != ["o_proj"]:
+        raise CheckpointError(f"{folder}: NLD's drafter LoRA targets o_proj only, got "
+                              f"target_modules={config.get('target_modules')}")
+    if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise CheckpointError(f"{folder}: DoRA and per-module rank/alpha patterns are not "
+                              f"supported")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _add_lora(attn: Ministral3Attention, rank: int, prefix: str) -> None:
+    """``o_proj``'s low-rank update (unquantized), sharded like ``o_proj``."""
+    attn.o_proj_lora_a = RowParallelLinear(
+        attn.total_num_heads * attn.head_dim, rank, bias=False, quant_config=None,
+        reduce_results=False, prefix=add_prefix("o_proj_lora_a", prefix))
+    attn.o_proj_lora_b = ReplicatedLinear(
+        rank, attn.hidden_size, bias=False, quant_config=None,
+        prefix=add_prefix("o_proj_lora_b", prefix))

@@ -1,0 +1,301 @@
+"""SGLang worker for linear self-speculation (Orthrus, NLD): the served model drafts with
+its own diffusion view and verifies with its AR view, on SGLang's scheduler and KV pool.
+
+SGLang builds it as ``Worker(server_args=, gpu_id=, nccl_port=, target_worker=)`` for
+``--speculative-algorithm ORTHRUS`` / ``LINEAR_SELF_SPEC`` (registered by
+:mod:`diffspec.plugin.sglang`) and calls :meth:`SelfSpecWorker.forward_batch_generation`
+once per scheduler step, synchronously (overlap scheduling is off for these algorithms).
+
+KV convention (SGLang's): a request's ``seq_len`` ``C`` counts the tokens whose K/V are in
+the pool; its last emitted token, the **anchor**, is at position ``C`` and has no K/V yet.
+
+* **prefill** (EXTEND): SGLang's own forward and sampler; the sampled token becomes the
+  anchor carried to the next step in :class:`SelfSpecDraftInput`.
+* **decode** (one step, ``W = --speculative-num-draft-tokens``, at most the checkpoint's
+  ``block_size``):
+
+  1. *draft*: one diffusion-view forward over the block ``[anchor, <mask> x (W - 1)]`` at
+     positions ``C .. C + W - 1``, non-causal over the committed prefix's AR K/V, read
+     from the pool through ``req_to_token`` (no KV written:
+     :mod:`diffspec.model_executors.sglang_views`); the drafts are the argmax of the
+     ``W - 1`` logits that predict positions ``C + 1 .. C + W - 1``;
+  2. *verify*: one causal AR forward of ``[anchor, d_1 .. d_{W-1}]`` by SGLang's model
+     runner (TARGET_VERIFY), writing its K/V into the slots ``req_to_token`` maps
+     ``C .. C + W - 1`` to: the draft slots the scheduler reserved for this step
+     (``alloc_for_spec_decode``);
+  3. *accept*: :func:`diffspec.core.accept.greedy_accept` (the reference decoder's rule):
+     the longest draft prefix equal to the AR argmax, plus the AR token after it;
+  4. *commit*: SGLang's: ``new_seq_len = C + accepted + 1`` (the anchor and the accepted
+     drafts now hold AR K/V; the rest of the slots hold rejected K/V past the committed
+     length, which SGLang frees and never inserts into the radix cache), the scheduler
+     appends the emitted tokens and cuts them at EOS / ``max_new_tokens``, and counts
+     ``spec_verify_ct`` / ``spec_num_correct_drafts`` (``avg_spec_accept_length``).
+
+Drafts are argmaxes of the diffusion view (point masses). Greedy requests are accepted by
+exact match, so their output is SGLang's AR output token for token; sampled requests
+(temperature / top-k / top-p) by speculative rejection sampling, so their output follows
+the AR distribution (not SGLang's sampler's random stream). Not supported: min-p,
+logprobs, grammars (refused), penalties and logit bias (not applied).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+from diffspec.core.accept import AcceptOutput, greedy_accept, rejection_sample_accept
+from diffspec.core.sampling import process_logits
+from diffspec.model_executors.sglang_views import DraftBlocks
+
+__all__ = ["SelfSpecDraftInput", "SelfSpecVerifyInput", "SelfSpecWorker"]
+
+logger = logging.getLogger("diffspec")
+
+
+@dataclass
+class SelfSpecDraftInput(SpecInput):
+    """Per-request state carried from one step to the next (filtered / merged with the
+    batch by the scheduler)."""
+
+    bonus_tokens: torch.Tensor  # [bs] the anchor: last emitted token, no K/V yet
+    new_seq_lens: torch.Tensor  # [bs] committed K/V length C
+
+    # read by SGLang's generic relay code; this algorithm carries no hidden state
+    topk_p: ClassVar[torch.Tensor | None] = None
+    topk_index: ClassVar[torch.Tensor | None] = None
+    hidden_states: ClassVar[torch.Tensor | None] = None
+    future_indices: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # neither a draft nor a verify input: state between steps (as UNO's carried state)
+        super().__init__(SpecInputType.UNO_STATE)
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu=None) -> None:
+        self.bonus_tokens = self.bonus_tokens[new_indices]
+        self.new_seq_lens = self.new_seq_lens[new_indices]
+
+    def merge_batch(self, other: SelfSpecDraftInput) -> None:
+        if not isinstance(other, SelfSpecDraftInput):
+            raise TypeError(f"cannot merge SelfSpecDraftInput with {type(other).__name__}")
+        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
+        self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
+
+
+@dataclass
+class SelfSpecVerifyInput(SpecInput):
+    """The verify forward: ``W`` tokens per request on a linear chain (causal, no tree)."""
+
+    positions: torch.Tensor  # [bs * W]
+    draft_token_num: int  # W: the anchor + W - 1 drafts
+    custom_mask: torch.Tensor | None = None  # linear chain: plain causal attention
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    num_tokens_per_req: int = field(init=False)
+    num_tokens_for_logprob_per_req: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__init__(SpecInputType.NGRAM_VERIFY)
+        self.num_tokens_per_req = self.draft_token_num
+        self.num_tokens_for_logprob_per_req = self.draft_token_num
+
+
+class SelfSpecWorker(BaseSpecWorker):
+    """Draft with the served model's diffusion view, verify with its AR view."""
+
+    method = ""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__()
+        from sglang.srt.runtime_context import get_spec
+
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.width = int(get_spec().speculative_num_draft_tokens)  # W = anchor + drafts
+        self.speculative_num_draft_tokens = self.width
+        self.speculative_num_steps = 1
+        self.topk = 1
+        model = self.model_runner.model
+        if not hasattr(model, "diffusion_draft_logits"):
+            raise TypeError(
+                f"--speculative-algorithm {self.method.upper()} needs a model with a diffusion "
+                f"view; {type(model).__name__} has none (check config.json architectures)")
+        self.mask_token_id = int(model.config.mask_token_id)
+        self._offsets = torch.arange(self.width, device=self.device)  # [W]
+
+    @property
+    def draft_worker(self):
+        return None  # both passes run the target model on the target KV pool
+
+    def clear_cache_pool(self) -> None:
+        pass  # no private state outside SGLang's pools
+
+    def __getattr__(self, name: str):
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    # ---------------------------------------------------------------------- scheduler API
+
+    def forward_batch_generation(
+        self, batch, on_publish=None, **_: object
+    ) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify():
+            return self._prefill(batch, on_publish)
+        if batch.forward_mode.is_decode():
+            self._check_batch(batch)
+            return self._decode(batch, on_publish)
+        raise RuntimeError(f"{self.method}: unexpected batch mode {batch.forward_mode} "
+                           f"(idle and mixed batches are not supported)")
+
+    def _check_batch(self, batch) -> None:
+        info = batch.sampling_info
+        if info is not None and info.need_min_p_sampling:
+            raise NotImplementedError(f"{self.method.upper()} does not support min_p sampling")
+        if batch.return_logprob:
+            raise NotImplementedError(f"{self.method.upper()} does not return logprobs")
+        if batch.has_grammar:
+            raise NotImplementedError(f"{self.method.upper()} does not support grammars")
+
+    def _prefill(self, batch, on_publish) -> GenerationBatchResult:
+        result = self._target_worker.forward_batch_generation(batch)
+        result.next_draft_input = SelfSpecDraftInput(
+            bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
+            new_seq_lens=batch.seq_lens)
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    @torch.inference_mode()
+    def _decode(self, batch, on_publish) -> GenerationBatchResult:
+        state: SelfSpecDraftInput = batch.spec_info
+        bs, w = len(batch.reqs), self.width
+        committed = batch.seq_lens.to(torch.int64)  # [bs] C
+        anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
+        positions = committed[:, None] + self._offsets[None]  # [bs, W]
+        rows = batch.req_pool_indices.to(torch.int64)  # [bs]
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
+        slots = req_to_token[rows[:, None], positions].to(torch.int64)  # [bs, W]
+
+        # draft: the diffusion view over [anchor, <mask> x (W - 1)], no KV written
+        block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64, device=self.device)
+        block[:, 0] = anchors
+        prefix_slots = [req_to_token[r, :c].to(torch.int64)
+                        for r, c in zip(rows.tolist(), committed.tolist())]
+        draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
+            block.reshape(-1), positions.reshape(-1), prefix_slots, w,
+            self.model_runner.token_to_kv_pool))  # [bs, W - 1, vocab]
+        drafts = draft_logits.argmax(dim=-1)  # [bs, W - 1]
+
+        # verify: SGLang's causal forward of [anchor, drafts] into the reserved slots
+        verify_ids = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, W]
+        logits = self._verify(batch, verify_ids, positions, slots)  # [bs, W, vocab]
+
+        # accept: greedy rows take the longest prefix equal to the AR argmax, then the AR
+        # token after it; sampled rows rejection-sample the point-mass drafts
+        accepted = _accept(drafts, logits, batch.sampling_info)
+        accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
+        out = accepted.output_token_ids  # [bs, W]: emitted tokens, then -1
+        new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
+        bonus = out.gather(1, accepted.num_accepted[:, None]).reshape(-1)  # [bs] next anchor
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=out.clamp(min=0).reshape(-1),
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=SelfSpecDraftInput(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=w,
+            speculative_output_stride=w,
+            num_non_draft_tokens_per_req=1,
+        )
+
+    def _verify(
+        self,
+        batch,
+        verify_ids: torch.Tensor,  # [bs, W]
+        positions: torch.Tensor,  # [bs, W]
+        slots: torch.Tensor,  # [bs, W] KV-pool slots of positions C .. C + W - 1
+    ) -> torch.Tensor:  # [bs, W, vocab] fp32 logits
+        bs, w = verify_ids.shape
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = verify_ids.reshape(-1)
+        batch.out_cache_loc = slots.reshape(-1)
+        batch.spec_info = SelfSpecVerifyInput(positions=positions.reshape(-1),
+                                              draft_token_num=w)
+        forward_batch = ForwardBatch.init_new(batch, self.model_runner,
+                                              return_hidden_states_before_norm=False)
+        _adapt_torch_native_verify(self.model_runner, forward_batch, w)
+        result = self._target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True)
+        batch.forward_mode = ForwardMode.DECODE
+        logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
+        vocab = self.model_runner.model.config.vocab_size
+        return logits[:, :vocab].float().view(bs, w, vocab)
+
+
+def _accept(
+    drafts: torch.Tensor,  # [bs, W - 1] draft token ids
+    logits: torch.Tensor,  # [bs, W, vocab] AR logits of [anchor, drafts]
+    sampling_info,  # SGLang's SamplingBatchInfo
+) -> AcceptOutput:
+    """The reference decoder's accept rules on SGLang's per-request sampling parameters:
+    exact-match acceptance when every request is greedy; otherwise speculative rejection
+    sampling with point-mass drafts (``q = one-hot(d)``), which accepts ``d`` with
+    probability ``p(d)`` and resamples from ``p`` without ``d`` at a rejection, so each
+    emitted token follows the request's temperature / top-k / top-p distribution (a greedy
+    row's ``p`` is one-hot, so it stays exact match)."""
+    if sampling_info is None or sampling_info.is_all_greedy:
+        return greedy_accept(drafts, logits)
+    greedy = sampling_info.top_ks <= 1  # [bs] SGLang marks greedy requests with top_k = 1
+    temperature = torch.where(greedy, 0.0, sampling_info.temperatures.reshape(-1).float())
+    probs = torch.softmax(process_logits(logits, temperature, sampling_info.top_ks,
+                                         sampling_info.top_ps.float()), dim=-1)  # [bs, W, V]
+    return rejection_sample_accept(drafts, None, probs)
+
+
+def _adapt_torch_native_verify(model_runner, forward_batch: ForwardBatch, width: int) -> None:
+    """SGLang's torch-native attention backend (the CPU path) runs TARGET_VERIFY through
+    its extend kernel, which reads ``extend_prefix_lens`` / ``extend_seq_lens`` and takes
+    ``seq_lens`` as the full K/V length; TARGET_VERIFY batches carry neither (the GPU
+    backends derive them from ``spec_info.draft_token_num``). Give it the chain's lengths:
+    a causal extend of ``width`` tokens on the committed prefix."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    if not isinstance(model_runner.attn_backend, TorchNativeAttnBackend):
+        return
+    prefix = forward_batch.seq_lens  # [bs] committed C
+    forward_batch.extend_prefix_lens = prefix.to(torch.int32)
+    forward_batch.extend_seq_lens = torch.full_like(forward_batch.extend_prefix_lens, width)
+    forward_batch.seq_lens = prefix + width
+    if forward_batch.seq_lens_cpu is not None:
+        forward_batch.seq_lens_cpu = forward_batch.seq_lens_cpu + width
+        forward_batch.seq_lens_sum = int(forward_batch.seq_lens_cpu.sum())
+
+
+class OrthrusWorker(SelfSpecWorker):
+    """Orthrus: the diffusion view swaps in each layer's ``*_diff`` attention."""
+
+    method = "orthrus"
+
+
+class LinearSelfSpecWorker(SelfSpecWorker):
+    """NLD linear self-speculation: the same weights, bidirectional, draft LoRA on."""
+
+    method = "linear_self_spec"

