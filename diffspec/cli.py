@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     from diffspec import __version__
 
     parser.add_argument("--version", action="version", version=f"diffspec {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,generate,quickstart}")
 
     demo = sub.add_parser(
         "demo",
@@ -355,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], metavar="STR",
                      help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    from diffspec.quickstart import add_parser as add_quickstart  # no torch import
+
+    add_quickstart(sub)
     return parser
 
 
