@@ -16,9 +16,14 @@ DEFAULT_PATHS = {
     "humaneval": SHARED_DATA / "HumanEval.jsonl.gz",
 }
 DATASETS = ("gsm8k", "humaneval", "speed-bench", "jsonl")
-# SPEED-Bench's row fields (qualitative split: 11 categories; ``turns[0]`` is the prompt)
+# SPEED-Bench's row fields (qualitative split: 11 categories; ``turns[0]`` is the prompt).
+# The copy NeMo-Skills' prepare script writes (what ``vllm bench serve --dataset-name
+# speed_bench`` reads) is a folder of ``{subset}.jsonl`` whose rows carry ``messages``
+# (``messages[0]["content"]`` is the prompt) instead of ``turns``: both are read.
 SPEED_BENCH_FIELDS = ("question_id", "category", "sub_category", "turns", "source", "src_id",
                       "difficulty", "multiturn")
+SPEED_BENCH_SUBSETS = ("qualitative", "throughput_1k", "throughput_2k", "throughput_8k",
+                       "throughput_16k", "throughput_32k")
 
 
 @dataclass(frozen=True)
@@ -38,10 +43,19 @@ def _read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def _speed_bench_prompt(row: dict, index: int, subset: str) -> Prompt:
+    """One SPEED-Bench row (``turns`` or ``messages`` form) as a prompt; throughput rows
+    without a category are grouped under their split's name."""
+    text = row["turns"][0] if "turns" in row else row["messages"][0]["content"]
+    return Prompt(text, row.get("category") or subset, str(row.get("question_id", index)))
+
+
 def load_prompts(dataset: str, path: str | Path | None, num_prompts: int | None = None,
-                 categories: list[str] | None = None) -> list[Prompt]:
+                 categories: list[str] | None = None,
+                 subset: str = "qualitative") -> list[Prompt]:
     """Load ``num_prompts`` prompts (all when None; SPEED-Bench: spread evenly over its
-    categories, in file order within each) from ``path`` (default: the shared data copy)."""
+    categories, in file order within each) from ``path`` (default: the shared data copy;
+    SPEED-Bench: a file, or a folder holding ``{subset}.jsonl``)."""
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r} (known: {', '.join(DATASETS)})")
     if path is None:
@@ -49,6 +63,11 @@ def load_prompts(dataset: str, path: str | Path | None, num_prompts: int | None 
             raise ValueError(f"--data-path is required for dataset {dataset!r}")
         path = DEFAULT_PATHS[dataset]
     path = Path(path)
+    if dataset == "speed-bench" and path.is_dir():
+        if subset not in SPEED_BENCH_SUBSETS:
+            raise ValueError(f"unknown SPEED-Bench subset {subset!r} "
+                             f"(known: {', '.join(SPEED_BENCH_SUBSETS)})")
+        path = path / f"{subset}.jsonl"
     if not path.is_file():
         raise ValueError(f"{dataset}: no file at {path}")
     rows = _read_rows(path)
@@ -60,11 +79,10 @@ def load_prompts(dataset: str, path: str | Path | None, num_prompts: int | None 
         prompts = [Prompt(r["prompt"], r.get("category", "prompts"), str(r.get("id", i)))
                    for i, r in enumerate(rows)]
     else:
-        missing = [f for f in ("question_id", "category", "turns") if f not in rows[0]]
-        if missing:
-            raise ValueError(f"{path}: not SPEED-Bench rows (missing {missing}; expected "
-                             f"fields {', '.join(SPEED_BENCH_FIELDS)})")
-        prompts = [Prompt(r["turns"][0], r["category"], str(r["question_id"])) for r in rows]
+        if not rows or not ("turns" in rows[0] or "messages" in rows[0]):
+            raise ValueError(f"{path}: not SPEED-Bench rows (no 'turns' or 'messages'; "
+                             f"expected fields {', '.join(SPEED_BENCH_FIELDS)})")
+        prompts = [_speed_bench_prompt(r, i, subset) for i, r in enumerate(rows)]
     if categories:
         prompts = [p for p in prompts if p.category in categories]
     if num_prompts is None or num_prompts >= len(prompts):

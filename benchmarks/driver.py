@@ -4,8 +4,9 @@ Each engine has one adapter (``benchmarks/adapters``); every figure comes from t
 metrics (``benchmarks/metrics.py``), and every speed row carries its lossless column: the
 fraction of prompts whose greedy output equals the same engine's AR output.
 
-    python benchmarks/driver.py --dataset gsm8k --num-prompts 8 --engines reference,vllm \\
-        --baselines ar,ngram,orthrus --out benchmarks/results/run
+    python benchmarks/driver.py --dataset gsm8k --num-prompts 8 \\
+        --engines reference,vllm,sglang --sglang-python SGLANG_VENV/bin/python \\
+        --baselines ar,ngram:4,eagle3:3,orthrus --eagle3-drafter DRAFTER --out results/run
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -23,12 +26,16 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.datasets import DATASETS, DEFAULT_PATHS, Prompt, load_prompts
+from benchmarks import baselines as baseline_specs
+from benchmarks import tiny_drafters
+from benchmarks.adapters import vllm_offline
+from benchmarks.adapters.sglang_offline import METHODS as SGLANG_METHODS
+from benchmarks.baselines import METHODS, Baseline
+from benchmarks.datasets import DATASETS, DEFAULT_PATHS, SPEED_BENCH_SUBSETS, Prompt, load_prompts
 from benchmarks.metrics import RunResult, category_table, markdown_table, summarize
 
-ENGINES = ("reference", "vllm", "openai")
-REFERENCE_BASELINES = ("ar", "ngram", "orthrus", "linear_self_spec", "tidar")
-VLLM_BASELINES = ("ar", "ngram", "orthrus", "linear_self_spec", "eagle3")
+ENGINES = ("reference", "vllm", "sglang", "openai")
+REFERENCE_METHODS = ("ar", "ngram", "orthrus", "linear_self_spec", "tidar")
 
 
 def _default_model() -> str:
@@ -42,32 +49,38 @@ def _csv(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    methods = "\n".join(f"  {name:<17}{what}" for name, what in METHODS.items())
     p = argparse.ArgumentParser(
         prog="benchmarks/driver.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
         epilog=(
-            "engines:\n"
+            "engines (each runs the baselines it supports, AR first):\n"
             "  reference  diffspec's reference decoder, in-process, concurrency 1 only;\n"
-            f"             baselines {', '.join(REFERENCE_BASELINES)}\n"
-            "  vllm       vllm.LLM in a subprocess, counters from llm.get_metrics();\n"
-            f"             baselines {', '.join(VLLM_BASELINES)} (eagle3 needs --eagle3-drafter)\n"
-            "  openai     an already running OpenAI-compatible server on loopback\n"
-            "             (--openai-url; lossless column needs --openai-ar-url)\n"
-            "SGLang is not integrated yet: no sglang adapter.\n\n"
+            f"             {', '.join(REFERENCE_METHODS)}\n"
+            "  vllm       vllm.LLM in a subprocess of this interpreter, counters from\n"
+            f"             llm.get_metrics(); {', '.join(vllm_offline.METHODS)}\n"
+            "  sglang     sglang.Engine in a subprocess of --sglang-python, counters from each\n"
+            f"             request's meta_info; {', '.join(SGLANG_METHODS)}\n"
+            "  openai     an already running OpenAI-compatible server on loopback (vLLM or\n"
+            "             SGLang, --openai-engine); the lossless column needs --openai-ar-url\n\n"
+            f"baselines (METHOD[:K], K drafts per step):\n{methods}\n\n"
             "metrics: acceptance length = 1 + accepted drafts / verify steps (engine counters);\n"
-            "TPF = tokens / forwards after prefill (self-spec step = draft + verify = 2);\n"
+            "TPF = tokens / target forwards after prefill (self-spec step = draft + verify = 2);\n"
             "tok/s/user at concurrency 1; system tok/s at each --concurrency; TTFT / TPOT\n"
-            "where the engine exposes them; lossless = exact-match rate vs the engine's AR."
+            "where the engine exposes them; lossless = exact-match rate vs the engine's AR.\n"
+            "A baseline whose engine fails is reported as a failed row with its error."
         ),
     )
     p.add_argument("--model", default=None,
                    help="local checkpoint (default: the bundled synth-orthrus)")
     p.add_argument("--dataset", choices=DATASETS, default="gsm8k",
-                   help="gsm8k / humaneval (shared data), speed-bench (local JSONL or JSON list "
-                   "of SPEED-Bench rows; prompt = turns[0]), jsonl ({\"prompt\": ...} rows)")
+                   help="gsm8k / humaneval (shared data), speed-bench (a local copy: a folder "
+                   "with {subset}.jsonl, or one JSONL / JSON file), jsonl ({\"prompt\": ...} rows)")
     p.add_argument("--data-path", default=None, help="dataset file; default for gsm8k: "
                    f"{DEFAULT_PATHS['gsm8k']}, humaneval: {DEFAULT_PATHS['humaneval']}")
+    p.add_argument("--speed-bench-subset", default="qualitative", choices=SPEED_BENCH_SUBSETS,
+                   help="SPEED-Bench split when --data-path is a folder (default: qualitative)")
     p.add_argument("--categories", type=_csv, default=None,
                    help="keep only these categories (comma-separated)")
     p.add_argument("--num-prompts", type=int, default=8,
@@ -77,28 +90,49 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length; prompts are cut (their last tokens kept) to fit")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-tokens tokens for every prompt (no stop on EOS)")
+    p.add_argument("--dtype", default="float32",
+                   help="engine dtype (default float32: the dtype in which greedy outputs of "
+                   "AR and speculative runs match exactly; bfloat16 for GPU timings)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads of the reference decoder (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     p.add_argument("--engines", type=_csv, default=["reference"],
                    help=f"comma-separated from {', '.join(ENGINES)} (default: reference)")
     p.add_argument("--baselines", type=_csv, default=["ar", "ngram", "orthrus"],
-                   help="comma-separated methods (AR always runs: it is the lossless oracle)")
+                   help="comma-separated METHOD[:K] (AR always runs: it is the lossless oracle)")
     p.add_argument("--num-draft-tokens", type=int, default=31,
-                   help="drafts per step for every speculative baseline (default 31)")
+                   help="default drafts per step K of every speculative baseline (default 31)")
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in _csv(t)], default=[1, 2, 4],
                    help="system tokens/s at these concurrencies (default 1,2,4)")
     p.add_argument("--eagle3-drafter", default=None,
-                   help="EAGLE-3 drafter checkpoint: adds vLLM's eagle3 baseline")
+                   help="EAGLE-3 drafter checkpoint (adds the eagle3 baseline when not listed)")
+    p.add_argument("--dflash-drafter", default=None,
+                   help="DFlash drafter checkpoint (adds the dflash baseline when not listed)")
+    p.add_argument("--vllm-args", type=json.loads, default={},
+                   help="JSON object of vllm.LLM arguments over the defaults (e.g. "
+                   "'{\"enforce_eager\": false, \"gpu_memory_utilization\": 0.9}' on a GPU)")
+    p.add_argument("--sglang-args", type=json.loads, default={},
+                   help="JSON object of sglang.Engine arguments over the defaults")
+    p.add_argument("--sglang-python", default=None,
+                   help="interpreter of an environment with SGLang (default: this one)")
+    p.add_argument("--sglang-cpu-harness", action="store_true",
+                   help="run SGLang on a CPU-only machine with the test harness "
+                   "tests/engine/sglang_cpu.py (libcuda stub; never installed)")
     p.add_argument("--openai-url", default=None, help="loopback server running the method")
     p.add_argument("--openai-ar-url", default=None, help="loopback server running plain AR")
     p.add_argument("--openai-model", default=None, help="served model name (default: --model)")
     p.add_argument("--openai-baseline", default="method",
                    help="name of the --openai-url server's configuration in the report")
+    p.add_argument("--openai-engine", choices=("vllm", "sglang"), default="vllm",
+                   help="what serves --openai-url: where its acceptance counters are read "
+                   "(vLLM: /metrics; SGLang: /server_info)")
+    p.add_argument("--openai-launch", default=None,
+                   help="the command that started the --openai-url server (recorded)")
     p.add_argument("--profile", type=Path, default=None,
                    help="forward_latency.json of profile_forward.py: add the recommended "
                    "block size per baseline")
-    p.add_argument("--out", type=Path, default=None, help="folder for report.json / report.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for report.json / report.md / PNG plots")
     return p
 
 
@@ -129,32 +163,65 @@ def tokenize(prompts: list[Prompt], model: str, chat: bool,
     return ids, cut
 
 
-def run_engines(args: argparse.Namespace, model: str, ids: list[list[int]]) -> list[RunResult]:
+def _sglang_setup(args: argparse.Namespace) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The SGLang interpreter, the environment added for its worker and extra engine
+    arguments: none, or the CPU harness's (a test-tier module, imported only on request)."""
+    python = args.sglang_python or sys.executable
+    if not args.sglang_cpu_harness:
+        return python, {}, {}
+    try:
+        from tests.engine import sglang_cpu
+    except ImportError as e:
+        raise SystemExit(f"driver: --sglang-cpu-harness needs tests/engine/sglang_cpu.py ({e})")
+    python = args.sglang_python or sglang_cpu.sglang_python()
+    if python is None:
+        raise SystemExit("driver: the SGLang CPU harness found no SGLang interpreter "
+                         "(--sglang-python or DIFFSPEC_SGLANG_PYTHON)")
+    full = sglang_cpu.sglang_cpu_env(python)
+    env = {k: v for k, v in full.items() if os.environ.get(k) != v}
+    return python, env, {**sglang_cpu.SGLANG_CPU_ENGINE_KWARGS, "max_total_tokens": 8192}
+
+
+ENGINE_METHODS = {"reference": REFERENCE_METHODS, "vllm": vllm_offline.METHODS,
+                  "sglang": SGLANG_METHODS}
+
+
+def skipped(engines: list[str], baselines: list[Baseline]) -> list[str]:
+    """``engine/baseline`` pairs not run because the engine has no such method."""
+    return [f"{e}/{b.label}" for e in engines if e in ENGINE_METHODS
+            for b in baselines if b.method not in ENGINE_METHODS[e]]
+
+
+def run_engines(args: argparse.Namespace, model: str, ids: list[list[int]],
+                baselines: list[Baseline]) -> list[RunResult]:
     """Every (engine, baseline) run; AR first on each engine."""
-    baselines = ["ar", *[b for b in args.baselines if b != "ar"]]
-    if args.eagle3_drafter and "eagle3" not in baselines:
-        baselines.append("eagle3")
     results: list[RunResult] = []
     for engine in args.engines:
         if engine == "reference":
             from benchmarks.adapters import reference
 
             for b in baselines:
-                if b in REFERENCE_BASELINES:
-                    print(f"[reference] {b} ...", file=sys.stderr, flush=True)
+                if b.method in REFERENCE_METHODS:
+                    print(f"[reference] {b.label} ...", file=sys.stderr, flush=True)
                     results.append(reference.run(b, model, ids, args.max_tokens,
-                                                 args.num_draft_tokens, args.ignore_eos,
-                                                 args.threads))
+                                                 args.ignore_eos, args.threads))
         elif engine == "vllm":
-            from benchmarks.adapters import vllm_offline
+            chosen = [b for b in baselines if b.method in vllm_offline.METHODS]
+            print(f"[vllm] {', '.join(b.label for b in chosen)} ...", file=sys.stderr, flush=True)
+            results += vllm_offline.run(chosen, model, ids, args.max_tokens, args.concurrency,
+                                        args.max_model_len, ignore_eos=args.ignore_eos,
+                                        dtype=args.dtype, extra_kwargs=args.vllm_args)
+        elif engine == "sglang":
+            from benchmarks.adapters import sglang_offline
 
-            chosen = [b for b in baselines if b in VLLM_BASELINES
-                      and (b != "eagle3" or args.eagle3_drafter)]
-            print(f"[vllm] {', '.join(chosen)} ...", file=sys.stderr, flush=True)
-            results += vllm_offline.run(chosen, model, ids, args.max_tokens,
-                                        args.num_draft_tokens, args.concurrency,
-                                        args.max_model_len, args.eagle3_drafter,
-                                        ignore_eos=args.ignore_eos)
+            python, env, extra = _sglang_setup(args)
+            chosen = [b for b in baselines if b.method in SGLANG_METHODS]
+            print(f"[sglang] {', '.join(b.label for b in chosen)} ...", file=sys.stderr,
+                  flush=True)
+            results += sglang_offline.run(chosen, model, ids, args.max_tokens, args.concurrency,
+                                          args.max_model_len, python=python, env=env,
+                                          ignore_eos=args.ignore_eos, dtype=args.dtype,
+                                          extra_kwargs={**extra, **args.sglang_args})
         elif engine == "openai":
             from benchmarks.adapters import openai_server
 
@@ -163,9 +230,12 @@ def run_engines(args: argparse.Namespace, model: str, ids: list[list[int]]) -> l
             served = args.openai_model or model
             if args.openai_ar_url:
                 results.append(openai_server.run("ar", args.openai_ar_url, served, ids,
-                                                 args.max_tokens, args.concurrency))
+                                                 args.max_tokens, args.concurrency,
+                                                 server=args.openai_engine))
+            launch = {"command": args.openai_launch} if args.openai_launch else None
             results.append(openai_server.run(args.openai_baseline, args.openai_url, served, ids,
-                                             args.max_tokens, args.concurrency))
+                                             args.max_tokens, args.concurrency, launch,
+                                             server=args.openai_engine))
         else:
             raise SystemExit(f"driver: unknown engine {engine!r} (known: {', '.join(ENGINES)})")
     return results
@@ -183,9 +253,21 @@ def _recommend(entry: dict[str, Any], profile: dict[str, Any], prompt_len: float
     return recommend_block_size(acceptance, latency, entry["forwards_per_step"])
 
 
+def _name(entry: dict[str, Any]) -> str:
+    return (f"{entry['engine']}/{entry['baseline']}"
+            + (" (untrained drafter)" if entry.get("untrained_drafter") else ""))
+
+
+def _caption(meta: dict[str, Any]) -> str:
+    """What every figure carries: the command, the machine and the date that made it."""
+    m = meta["machine"]
+    return "\n".join(textwrap.wrap(f"command: {meta['command']}", 150)
+                     + [f"machine: {m['cpu']}, {m['nproc']} CPUs; date: {meta['date']}"])
+
+
 def plot(report: dict[str, Any], out: Path) -> list[str]:
-    """PNG plots when matplotlib is installed: tokens/s vs concurrency, acceptance length
-    per category. Returns the files written."""
+    """PNG plots (when matplotlib is installed): system tokens/s vs concurrency, acceptance
+    length per category; each names its command, machine and date. Returns the files."""
     try:
         import matplotlib
 
@@ -193,31 +275,35 @@ def plot(report: dict[str, Any], out: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
+    ok = [e for e in report["results"] if not e.get("error")]
+    caption = _caption(report["meta"])
     written = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for e in report["results"]:
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    for e in ok:
         xs = sorted(int(c) for c in e["system_tokens_per_s"])
-        ax.plot(xs, [e["system_tokens_per_s"][str(c)] for c in xs], marker="o",
-                label=f"{e['engine']}/{e['baseline']}")
+        ax.plot(xs, [e["system_tokens_per_s"][str(c)] for c in xs], marker="o", label=_name(e))
+    ax.set_xticks(sorted({int(c) for e in ok for c in e["system_tokens_per_s"]}) or [1])
     ax.set(xlabel="concurrency", ylabel="system tokens/s", title="tokens/s vs concurrency")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "tokens_per_s.png", dpi=80)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(out / "tokens_per_s.png", dpi=100)
     written.append("tokens_per_s.png")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    spec = [e for e in report["results"] if e["overall"]["acceptance_length"] is not None]
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    spec = [e for e in ok if e["overall"]["acceptance_length"] is not None]
     categories = list(dict.fromkeys(c for e in spec for c in e["per_category"]))
     width = 0.8 / max(1, len(spec))
     for i, e in enumerate(spec):
         ax.bar([j + i * width for j in range(len(categories))],
                [e["per_category"][c]["acceptance_length"] or 0 for c in categories], width,
-               label=f"{e['engine']}/{e['baseline']}")
+               label=_name(e))
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories,
                   rotation=30, fontsize=7)
     ax.set(ylabel="acceptance length", title="acceptance length per category")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_by_category.png", dpi=80)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(out / "acceptance_by_category.png", dpi=100)
     written.append("acceptance_by_category.png")
     plt.close("all")
     return written
@@ -231,8 +317,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- command: `{meta['command']}`",
         f"- machine: {meta['machine']['nproc']} CPUs, {meta['machine']['cpu']}",
         f"- date: {meta['date']}",
-        (f"- max tokens {meta['max_tokens']}, drafts per step {meta['num_draft_tokens']}, "
-        f"greedy, ignore EOS: {meta['ignore_eos']}; prompts cut to fit: {meta['prompts_cut']}"),
+        *([f"- not run (the engine has no such method): {', '.join(meta['not_run'])}"]
+          if meta.get("not_run") else []),
+        (f"- max tokens {meta['max_tokens']}, default drafts per step "
+         f"{meta['num_draft_tokens']}, greedy, {meta['dtype']}, ignore EOS: "
+         f"{meta['ignore_eos']}; prompts cut to fit: {meta['prompts_cut']}"),
         "",
         markdown_table(report["results"]),
         "",
@@ -240,13 +329,20 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         category_table(report["results"]),
         "",
-        "Launch configurations:",
-        "",
     ]
+    if report.get("plots"):
+        lines += ["Plots: " + ", ".join(f"`{f}`" for f in report["plots"]), ""]
+    lines += ["Launch configurations (exact):", ""]
     for e in report["results"]:
-        lines.append(f"- {e['engine']}/{e['baseline']}: `{json.dumps(e['launch'])}`"
+        launch = dict(e["launch"])
+        command = launch.pop("vllm serve", None) or launch.pop("sglang serve", None)
+        lines.append(f"- {_name(e)}: `{json.dumps(launch)}`"
                      + (f"; recommended block size {e['recommended_block_size']}"
                         if e.get("recommended_block_size") else ""))
+        if command:
+            lines.append(f"  - as a server: `{command}`")
+        if e.get("error"):
+            lines.append("  - **failed**: " + e["error"].replace("\n", " / "))
         lines += [f"  - {n}" for n in e["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -255,42 +351,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     model = args.model or _default_model()
     try:
-        prompts = load_prompts(args.dataset, args.data_path, args.num_prompts, args.categories)
+        prompts = load_prompts(args.dataset, args.data_path, args.num_prompts, args.categories,
+                               args.speed_bench_subset)
+        drafters = {"eagle3": args.eagle3_drafter, "dflash": args.dflash_drafter}
+        specs = args.baselines + [m for m, d in drafters.items()
+                                  if d and not any(s.partition(":")[0] == m
+                                                   for s in args.baselines)]
+        baselines = baseline_specs.parse(specs, args.num_draft_tokens, drafters)
     except ValueError as e:
         raise SystemExit(f"driver: {e}") from None
     budget = args.max_model_len - args.max_tokens
     ids, cut = tokenize(prompts, model, args.chat, budget)
-    runs = run_engines(args, model, ids)
+    runs = run_engines(args, model, ids, baselines)
     categories = [p.category for p in prompts]
     ar = {r.engine: r for r in runs if r.baseline == "ar"}
     entries = [summarize(r, categories, ar.get(r.engine)) for r in runs]
+    untrained = {b.label for b in baselines if tiny_drafters.is_untrained(b.drafter)}
+    for e in entries:
+        e["untrained_drafter"] = e["baseline"] in untrained
     if args.profile:
         profile = json.loads(args.profile.read_text())
         mean_len = sum(map(len, ids)) / len(ids)
         for e in entries:
             e["recommended_block_size"] = _recommend(e, profile, mean_len)
-    argv_list = argv if argv is not None else sys.argv[1:]
-    report = {
+    command = ("python -m benchmarks.driver " + shlex.join(argv) if argv is not None
+               else shlex.join(["python", *sys.orig_argv[1:]]))  # as it was typed
+    report: dict[str, Any] = {
         "meta": {
-            "command": "python benchmarks/driver.py " + " ".join(argv_list),
+            "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
             "model": model, "dataset": args.dataset, "data_path": args.data_path,
             "num_prompts": len(prompts), "max_tokens": args.max_tokens,
             "num_draft_tokens": args.num_draft_tokens, "concurrency": args.concurrency,
-            "ignore_eos": args.ignore_eos,
+            "ignore_eos": args.ignore_eos, "dtype": args.dtype,
+            "baselines": [b.__dict__ for b in baselines],
+            "not_run": skipped(args.engines, baselines),
             "prompts_cut": cut, "git_commit": _git_commit(),
         },
         "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(t)}
                     for p, t in zip(prompts, ids)],
         "results": entries,
     }
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report["plots"] = plot(report, args.out)
     markdown = render_markdown(report)
     print(markdown)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.json").write_text(json.dumps(report, indent=1))
         (args.out / "report.md").write_text(markdown)
-        report["plots"] = plot(report, args.out)
     return report
 
 

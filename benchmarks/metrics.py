@@ -43,6 +43,7 @@ class RunResult:
     accepted_per_pos: list[int] = field(default_factory=list)  # [num_spec_tokens] counter
     forwards_per_step: int = 1  # forwards per verify step (self-spec: 2, ngram / AR: 1)
     notes: list[str] = field(default_factory=list)
+    error: str | None = None  # the engine failed: no completions, the error instead
 
 
 def acceptance_length(drafts: int, accepted: int) -> float | None:
@@ -100,13 +101,15 @@ def summarize(run: RunResult, categories: list[str], ar: RunResult | None) -> di
     """The report entry of one baseline: overall and per-category metrics, system tok/s per
     concurrency, and the lossless column against ``ar`` (the same engine's AR run)."""
     outputs = [c.token_ids for c in run.completions]
-    ar_outputs = None if ar is None else [c.token_ids for c in ar.completions]
+    ar_outputs = None if ar is None or ar.error else [c.token_ids for c in ar.completions]
+    if run.error:
+        return _failed_entry(run, categories)
     lossless = None if ar_outputs is None else exact_match_rate(outputs, ar_outputs)
     per_category = {}
     for category in dict.fromkeys(categories):
         idx = [i for i, c in enumerate(categories) if c == category]
         row = _group_stats([run.completions[i] for i in idx])
-        if ar is not None:
+        if ar_outputs is not None:
             row["lossless"] = exact_match_rate([outputs[i] for i in idx],
                                                [ar.completions[i].token_ids for i in idx])
         per_category[category] = row
@@ -123,6 +126,20 @@ def summarize(run: RunResult, categories: list[str], ar: RunResult | None) -> di
         "forwards_per_step": run.forwards_per_step,
         "notes": run.notes,
         "outputs": outputs,
+        "error": None,
+    }
+
+
+def _failed_entry(run: RunResult, categories: list[str]) -> dict[str, Any]:
+    """The report entry of a baseline whose engine failed: the structure of a good one,
+    every figure None, the error kept."""
+    empty = {**_group_stats([]), "num_prompts": 0, "lossless": None}
+    return {
+        "engine": run.engine, "baseline": run.baseline, "launch": run.launch,
+        "overall": dict(empty), "per_category": {c: dict(empty) for c in dict.fromkeys(categories)},
+        "system_tokens_per_s": {}, "acceptance_per_position": [],
+        "forwards_per_step": run.forwards_per_step, "notes": run.notes, "outputs": [],
+        "error": run.error,
     }
 
 
@@ -142,6 +159,11 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         o = e["overall"]
+        if e.get("error"):
+            first = e["error"].splitlines()[0][:120].replace("|", "/")
+            lines.append(f"| {e['engine']} | {e['baseline']} | failed: {first} |"
+                         + " |" * (len(head) - 3))
+            continue
         ms = [None if o[k] is None else o[k] * 1000 for k in ("ttft_s", "tpot_s")]
         row = [e["engine"], e["baseline"], o["num_prompts"], o["tokens"],
                _fmt(o["acceptance_length"]), _fmt(o["tpf"]), _fmt(o["per_user_tokens_per_s"], 1),

@@ -1,33 +1,50 @@
 """Forward-latency profiler: the time of one forward with Q query tokens (1..64) over a KV
-cache of C context tokens (256..8k), for a checkpoint or a model shape with random weights.
+cache of C context tokens (256..8k), for a checkpoint or a model shape with random weights,
+on CPU or CUDA.
 
 Speculative decoding trades forwards for wider forwards; where a wider forward costs no
 more than a narrow one (memory-bound decode), drafting more pays. ``recommend_block_size``
 combines these latencies with measured acceptance to pick the block size that maximizes
-expected tokens per second.
+expected tokens per second; the driver does so with ``--profile forward_latency.json``.
 
-    python benchmarks/profile_forward.py --shape qwen3-8b --layers 2 --out results/
+A full 8B model does not fit a small CPU machine (Qwen3-8B in fp32 is ~33 GB), so
+``--layers 1,2`` builds the real shape with only 2 decoder layers, times the forward with 1
+and with 2 of them (same KV cache), fits latency = fixed + per-layer x layers per
+(context, query) cell and extrapolates to the shape's full depth. The JSON then holds the
+measured tables and the extrapolated one (``latency_s``, marked ``"extrapolated"``); the
+extrapolation ignores cache effects of a larger working set, so it is an estimate.
+
+    python benchmarks/profile_forward.py --shape qwen3-8b --layers 1,2 --out results/
+    python benchmarks/profile_forward.py --shape qwen3-8b --device cuda --out results/
     python benchmarks/profile_forward.py --model PATH --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
-# name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab), Qwen3 family
+# name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab). Built as Qwen3
+# (the others' dimensions on a Qwen3 block: NLD-8B is Ministral3, SmolLM2 is Llama; the
+# per-token cost of a decoder layer is set by these dimensions, not the family).
 SHAPES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "tiny": (2, 128, 4, 2, 32, 320, 208),
+    "smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152),
     "qwen3-0.6b": (28, 1024, 16, 8, 128, 3072, 151936),
     "qwen3-1.7b": (28, 2048, 16, 8, 128, 6144, 151936),
     "qwen3-4b": (36, 2560, 32, 8, 128, 9728, 151936),
     "qwen3-8b": (36, 4096, 32, 8, 128, 12288, 151936),
+    "nld-8b": (34, 4096, 32, 8, 128, 14336, 131072),
 }
+PREFILL_CHUNK = 1024  # context prefilled in chunks: bounded activation memory at 8k
 DEFAULT_QUERY_LENS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXTS = (256, 1024, 4096, 8192)
 
@@ -87,38 +104,96 @@ def build_model(model: str | None, shape: str | None, layers: int | None, vocab:
     return lm, desc
 
 
+def _timer(device: str) -> Any:
+    """``timed(fn) -> seconds``: CUDA events on a GPU (the kernels' time, synchronized),
+    the wall clock on CPU."""
+    import torch
+
+    if not device.startswith("cuda"):
+        def timed(fn: Any) -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        return timed
+
+    def timed_cuda(fn: Any) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return begin.elapsed_time(end) / 1000.0
+    return timed_cuda
+
+
 def profile(lm: Any, query_lens: list[int], contexts: list[int], repeats: int,
-            device: str) -> dict[int, dict[int, float]]:
-    """Median seconds of one forward: {context: {query_len: s}}. The context is prefilled
-    once; after each timed forward the cache is cropped back to it."""
+            device: str, layer_counts: list[int] | None = None, stat: str = "median",
+            ) -> dict[int, dict[int, dict[int, float]]]:
+    """Seconds of one forward (``stat``: median or min of ``repeats``): {layers: {context:
+    {query_len: s}}}, with the first ``layers`` decoder layers of ``lm`` (default: all of
+    them). The context is prefilled once (in chunks) through every layer; after each timed
+    forward the cache is cropped back. ``min`` suits a machine shared with other work (the
+    least-disturbed run); ``median`` a dedicated one."""
+    reduce = {"median": statistics.median, "min": min}[stat]
     import torch
     from transformers import DynamicCache
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    layers = lm.model.layers
+    layer_counts = layer_counts or [len(layers)]
+    timed = _timer(device)
     vocab = lm.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    table: dict[int, dict[int, float]] = {}
+    tables: dict[int, dict[int, dict[int, float]]] = {n: {} for n in layer_counts}
     with torch.inference_mode():
         for ctx in contexts:
             cache = DynamicCache(config=lm.config)
             prompt = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
-            lm(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            table[ctx] = {}
-            for q in query_lens:
-                ids = torch.randint(0, vocab, (1, q), generator=gen).to(device)
-                positions = torch.arange(ctx, ctx + q, device=device)[None]
-                times = []
-                for i in range(repeats + 1):  # the first is a warm-up
-                    sync()
-                    start = time.perf_counter()
-                    lm(input_ids=ids, position_ids=positions, cache_position=positions[0],
-                       past_key_values=cache, use_cache=True)
-                    sync()
-                    if i:
-                        times.append(time.perf_counter() - start)
-                    cache.crop(-q)  # drop the timed tokens: back to the context
-                table[ctx][q] = statistics.median(times)
-    return table
+            for start in range(0, ctx, PREFILL_CHUNK):
+                chunk = prompt[:, start:start + PREFILL_CHUNK]
+                pos = torch.arange(start, start + chunk.shape[1], device=device)
+                lm(input_ids=chunk, position_ids=pos[None], cache_position=pos,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for n in layer_counts:
+                lm.model.layers = layers[:n]  # the first n layers; their cache is the same
+                tables[n][ctx] = {}
+                for q in query_lens:
+                    ids = torch.randint(0, vocab, (1, q), generator=gen).to(device)
+                    positions = torch.arange(ctx, ctx + q, device=device)[None]
+                    times = []
+                    for i in range(repeats + 1):  # the first is a warm-up
+                        t = timed(functools.partial(lm, input_ids=ids, position_ids=positions,
+                                                    cache_position=positions[0],
+                                                    past_key_values=cache, use_cache=True))
+                        if i:
+                            times.append(t)
+                        for layer_cache in cache.layers[:n]:  # drop the timed tokens from
+                            layer_cache.crop(-q)  # the n layers that ran: back to the context
+                    tables[n][ctx][q] = reduce(times)
+            lm.model.layers = layers
+    return tables
+
+
+def extrapolate(tables: dict[int, dict[int, dict[int, float]]],
+                full_layers: int) -> dict[int, dict[int, float]]:
+    """Latency at ``full_layers`` from tables measured at two or more layer counts: a
+    least-squares line fixed + per_layer x layers per (context, query) cell (per-layer
+    cost clamped at >= 0 against timing noise)."""
+    counts = sorted(tables)
+    if len(counts) < 2:
+        raise ValueError("extrapolation needs tables at two or more layer counts")
+    mean_n = statistics.fmean(counts)
+    out: dict[int, dict[int, float]] = {}
+    for ctx, row in tables[counts[0]].items():
+        out[ctx] = {}
+        for q in row:
+            ts = [tables[n][ctx][q] for n in counts]
+            mean_t = statistics.fmean(ts)
+            slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(counts, ts)) / sum(
+                (n - mean_n) ** 2 for n in counts)
+            slope = max(0.0, slope)
+            out[ctx][q] = mean_t + slope * (full_layers - mean_n)
+    return out
 
 
 def format_table(table: dict[int, dict[int, float]]) -> str:
@@ -148,15 +223,74 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def inconsistent_cells(tables: dict[int, dict[int, dict[int, float]]]) -> list[str]:
+    """``"context/query"`` cells where a forward through more layers measured faster than
+    through fewer: timing noise exceeds the per-layer cost there, and the extrapolation
+    from these tables is not to be trusted (rerun on a quieter machine, more repeats)."""
+    counts = sorted(tables)
+    return [f"{ctx}/{q}" for ctx, row in tables[counts[0]].items() for q in row
+            if any(tables[b][ctx][q] < tables[a][ctx][q] for a, b in itertools.pairwise(counts))]
+
+
+def free_query_len(row: dict[int, float], tolerance: float = 0.10) -> int:
+    """The widest measured forward costing at most ``1 + tolerance`` times a one-token
+    forward: up to there extra draft tokens are (nearly) free."""
+    return max(q for q, t in row.items() if t <= (1 + tolerance) * row[min(row)])
+
+
+def plot(result: dict[str, Any], out: Path) -> Path | None:
+    """``forward_latency.png``: latency vs query tokens, one line per context length,
+    captioned with the command, device and date. An extrapolation that its own tables
+    contradict (:func:`inconsistent_cells`) is not drawn: the measured table at the most
+    layers is, and the title says so. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    table, kind = result["latency_s"], "measured"
+    if result.get("extrapolated"):
+        measured = {int(n): {int(c): {int(q): t for q, t in row.items()} for c, row in t.items()}
+                    for n, t in result["measured_s"].items()}
+        if inconsistent_cells(measured):
+            most = str(max(measured))
+            table = result["measured_s"][most]
+            kind = f"measured with {most} of {result['full_layers']} layers; extrapolation noisy"
+        else:
+            kind = f"extrapolated to {result['full_layers']} layers"
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    for ctx, row in table.items():
+        qs = sorted(int(q) for q in row)
+        ax.plot(qs, [row[str(q)] * 1000 for q in qs], marker="o", label=f"context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="query tokens per forward", ylabel="ms per forward",
+           title=f"forward latency, {result['model'].get('shape') or result['model'].get('model')}"
+                 f"\n({kind})")
+    ax.legend(fontsize=7)
+    device = (f"device: {result['device_name']} ({result['device']}, {result['dtype']}, "
+              f"{result['threads']} threads); date: {result['date']}")
+    caption = "\n".join([*textwrap.wrap(f"command: {result['command']}", 130), device])
+    fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path = out / "forward_latency.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Time one forward with 1..64 query tokens over 256..8k context tokens "
-        "(median of --repeats, after a warm-up), print a table (ms) and save JSON.")
+        "(median or min of --repeats, after a warm-up), print a table (ms), save JSON + PNG.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="local checkpoint folder")
     src.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
                      help="random-weight Qwen3 of this shape (default: tiny)")
-    p.add_argument("--layers", type=int, help="override the number of layers (small CPU runs)")
+    p.add_argument("--layers", type=_ints, default=None,
+                   help="decoder layers to build: N (a truncated model), or N1,N2,... (build "
+                   "max, time each count, extrapolate to the shape's full depth)")
     p.add_argument("--vocab", type=int, help="override the vocabulary size (--shape only)")
     p.add_argument("--query-lens", type=_ints, default=list(DEFAULT_QUERY_LENS),
                    help="comma-separated (default: 1,2,4,8,16,32,64)")
@@ -166,8 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="float32 / bfloat16 / float16 (default: float32 on CPU, bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="of the repeats (default median; min on a machine shared with "
+                   "other work)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--out", type=Path, help="folder for forward_latency.json")
+    p.add_argument("--out", type=Path, help="folder for forward_latency.json / .png")
     return p
 
 
@@ -178,23 +315,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    lm, desc = build_model(args.model, None if args.model else args.shape, args.layers,
-                           args.vocab, getattr(torch, dtype_name), args.device)
-    table = profile(lm, args.query_lens, args.contexts, args.repeats, args.device)
+    counts = sorted(set(args.layers)) if args.layers else None
+    lm, desc = build_model(args.model, None if args.model else args.shape,
+                           max(counts) if counts else None, args.vocab,
+                           getattr(torch, dtype_name), args.device)
+    tables = profile(lm, args.query_lens, args.contexts, args.repeats, args.device, counts,
+                     args.stat)
+    full_layers = (SHAPES[args.shape][0] if not args.model else
+                   json.loads((Path(args.model) / "config.json").read_text())["num_hidden_layers"])
+    extrapolated = counts is not None and len(counts) > 1
+    table = extrapolate(tables, full_layers) if extrapolated else tables[max(tables)]
     device_name = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
                    else _cpu_model())
+
+    def as_json(t: dict[int, dict[int, float]]) -> dict[str, dict[str, float]]:
+        return {str(c): {str(q): v for q, v in row.items()} for c, row in t.items()}
+
     result = {
-        "command": " ".join([Path(sys.argv[0]).name,
+        "command": " ".join(["python benchmarks/profile_forward.py",
                              *(argv if argv is not None else sys.argv[1:])]),
         "model": desc, "device": args.device, "device_name": device_name, "dtype": dtype_name,
-        "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "threads": torch.get_num_threads(), "repeats": args.repeats, "stat": args.stat,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "latency_s": {str(c): {str(q): t for q, t in row.items()} for c, row in table.items()},
+        "full_layers": full_layers, "extrapolated": extrapolated,
+        "measured_s": {str(n): as_json(t) for n, t in tables.items()},
+        "latency_s": as_json(table),
+        "free_query_len": {str(c): free_query_len(row) for c, row in table.items()},
+        "inconsistent_cells": inconsistent_cells(tables) if extrapolated else [],
     }
-    print(f"forward latency (ms), {desc}, {args.device} {dtype_name}\n{format_table(table)}")
+    for n, t in tables.items():
+        print(f"forward latency (ms), measured with {n} layer(s), {desc}, {args.device} "
+              f"{dtype_name}\n{format_table(t)}\n")
+    if extrapolated:
+        print(f"extrapolated to {full_layers} layers (ms)\n{format_table(table)}\n")
+        cells = result["inconsistent_cells"]
+        if cells:
+            print(f"WARNING: more layers measured faster than fewer in {len(cells)} cells "
+                  f"({', '.join(cells)}): timing noise exceeds the per-layer cost; do not "
+                  "trust the extrapolation")
+    print("widest forward within 10% of a 1-token forward, per context: "
+          + ", ".join(f"{c}: {q}" for c, q in result["free_query_len"].items()))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "forward_latency.json").write_text(json.dumps(result, indent=1))
+        plot(result, args.out)
     return result
 
 

@@ -1,7 +1,10 @@
-"""OpenAI-compatible server adapter: an already running server (``vllm serve``; SGLang once
-its plugin lands) on loopback, driven with streaming ``/v1/completions``. Measures TTFT,
-TPOT and per-user tokens/s per request, system tokens/s at each concurrency, and reads the
-spec-decode counters from the server's Prometheus ``/metrics`` around each request."""
+"""Server adapter: an already running server on loopback (``vllm serve`` or SGLang's
+``launch_server``), streaming. Measures TTFT, TPOT and per-user tokens/s per request and
+system tokens/s at each concurrency. vLLM: OpenAI ``/v1/completions`` with
+``return_token_ids``, spec-decode counters from Prometheus ``/metrics`` around each request.
+SGLang: its native ``/generate`` (token ids in, token ids out), per-request counters from
+the final chunk's ``meta_info``, and ``avg_spec_accept_length`` from ``/server_info`` (a
+running average since the server started) recorded beside them as a cross-check."""
 
 from __future__ import annotations
 
@@ -81,11 +84,58 @@ def stream_completion(base: str, model: str, prompt: list[int], max_tokens: int)
     return Completion(token_ids=token_ids, latency_s=latency, ttft_s=ttft)
 
 
+def stream_generate(base: str, prompt: list[int], max_tokens: int) -> Completion:
+    """One greedy streaming request to SGLang's ``/generate``; counters from ``meta_info``."""
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens}}
+    request = urllib.request.Request(base + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    chunks, ttft = [], None
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if ttft is None and chunk.get("output_ids"):
+                ttft = time.perf_counter() - start
+            chunks.append(chunk)
+    latency = time.perf_counter() - start
+    meta = chunks[-1]["meta_info"]
+    last = list(chunks[-1].get("output_ids") or [])
+    ids = last if len(last) == meta["completion_tokens"] else [
+        t for c in chunks for t in c.get("output_ids") or []]  # incremental streaming
+    return Completion(token_ids=ids, latency_s=latency, ttft_s=ttft,
+                      drafts=meta.get("spec_verify_ct", 0),
+                      draft_tokens=meta.get("spec_num_proposed_drafts", 0),
+                      accepted=meta.get("spec_num_correct_drafts", 0))
+
+
+def sglang_accept_length(base: str) -> float | None:
+    """``avg_spec_accept_length`` of SGLang's ``/server_info`` (``/get_server_info`` on
+    older servers): accepted tokens per verify step since the server started."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            info = json.loads(_get(base + path))
+        except (OSError, ValueError):
+            continue
+        for state in info.get("internal_states") or [info]:
+            if state.get("avg_spec_accept_length") is not None:
+                return float(state["avg_spec_accept_length"])
+        return None
+    return None
+
+
 def run(baseline: str, url: str, model: str, prompts: list[list[int]], max_tokens: int,
-        concurrency: list[int], launch: dict[str, Any] | None = None) -> RunResult:
+        concurrency: list[int], launch: dict[str, Any] | None = None,
+        server: str = "vllm") -> RunResult:
     """Serve ``prompts`` one at a time (per-request latency and counters), then at each
-    concurrency c > 1 with c streams in flight (system tokens/s)."""
+    concurrency c > 1 with c streams in flight (system tokens/s). ``server``: ``vllm`` or
+    ``sglang`` (what serves ``url``)."""
     base = check_loopback(url)
+    if server == "sglang":
+        return _run_sglang(baseline, base, prompts, max_tokens, concurrency, launch)
     completions = []
     _, per_pos_start = read_counters(_get(base + "/metrics"))
     for ids in prompts:
@@ -97,6 +147,18 @@ def run(baseline: str, url: str, model: str, prompts: list[list[int]], max_token
         completions.append(completion)
     per_pos = [a - (per_pos_start[i] if i < len(per_pos_start) else 0)
                for i, a in enumerate(per_pos)] if prompts else []
+    system = _system_tokens_per_s(lambda p: stream_completion(base, model, p, max_tokens),
+                                  prompts, completions, concurrency)
+    return RunResult(
+        engine="openai", baseline=baseline,
+        launch={"url": base, "model": model, **(launch or {})}, completions=completions,
+        system_tokens_per_s=system, accepted_per_pos=per_pos,
+        notes=[("OpenAI-compatible server, streaming /v1/completions; counters from /metrics "
+               "around the concurrency-1 pass")])
+
+
+def _system_tokens_per_s(request, prompts: list[list[int]], completions: list[Completion],
+                         concurrency: list[int]) -> dict[int, float]:
     tokens = sum(len(c.token_ids) for c in completions)
     system = {1: tokens / max(1e-9, sum(c.latency_s for c in completions))}
     for c in concurrency:
@@ -104,11 +166,21 @@ def run(baseline: str, url: str, model: str, prompts: list[list[int]], max_token
             continue
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=c) as pool:
-            outs = list(pool.map(lambda p: stream_completion(base, model, p, max_tokens), prompts))
+            outs = list(pool.map(request, prompts))
         system[c] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return system
+
+
+def _run_sglang(baseline: str, base: str, prompts: list[list[int]], max_tokens: int,
+                concurrency: list[int], launch: dict[str, Any] | None) -> RunResult:
+    completions = [stream_generate(base, ids, max_tokens) for ids in prompts]
+    server_avg = sglang_accept_length(base)
+    system = _system_tokens_per_s(lambda p: stream_generate(base, p, max_tokens), prompts,
+                                  completions, concurrency)
     return RunResult(
-        engine="openai", baseline=baseline,
-        launch={"url": base, "model": model, **(launch or {})}, completions=completions,
-        system_tokens_per_s=system, accepted_per_pos=per_pos,
-        notes=[("OpenAI-compatible server, streaming /v1/completions; counters from /metrics "
-               "around the concurrency-1 pass")])
+        engine="openai", baseline=baseline, launch={"url": base, "server": "sglang",
+                                                    **(launch or {})},
+        completions=completions, system_tokens_per_s=system,
+        notes=["SGLang server, streaming /generate; counters from each request's meta_info",
+               ("/server_info avg_spec_accept_length after the concurrency-1 pass "
+                f"(since server start): {server_avg}")])

@@ -6,21 +6,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from benchmarks.baselines import Baseline
 from benchmarks.metrics import Completion, RunResult
 
-SELF_SPEC = {"orthrus", "linear_self_spec"}  # draft pass + verify pass per step
 
-
-def run(baseline: str, model: str | Path, prompts: list[list[int]], max_tokens: int,
-        num_draft_tokens: int, ignore_eos: bool = False, threads: int = 1) -> RunResult:
-    """Decode ``prompts`` (token ids) greedily with method ``baseline`` of the CLI's table,
-    on ``threads`` torch CPU threads (1: tiny models on a shared 2-core machine are fastest
-    and steadiest on one; two threads contend with every other process)."""
+def run(spec: Baseline, model: str | Path, prompts: list[list[int]], max_tokens: int,
+        ignore_eos: bool = False, threads: int = 1) -> RunResult:
+    """Decode ``prompts`` (token ids) greedily with method ``spec.method`` of the CLI's
+    table, on ``threads`` torch CPU threads (1: tiny models on a shared 2-core machine are
+    fastest and steadiest on one; two threads contend with every other process)."""
     import torch
 
     from diffspec.cli import _load_decoder
     from diffspec.core.reference import Request
 
+    baseline, num_draft_tokens = spec.method, max(1, spec.num_draft_tokens)
     torch.set_num_threads(threads)
     decoder = _load_decoder(baseline, model, num_draft_tokens)
     stops = () if ignore_eos else decoder.stop_token_ids
@@ -43,14 +43,14 @@ def run(baseline: str, model: str | Path, prompts: list[list[int]], max_tokens: 
     latency = sum(c.latency_s for c in completions)
     tokens = sum(len(c.token_ids) for c in completions)
     return RunResult(
-        engine="reference", baseline=baseline,
+        engine="reference", baseline=spec.label,
         launch={"decoder": "diffspec.cli._load_decoder", "method": baseline, "model": str(model),
                 "num_draft_tokens": num_draft_tokens, "dtype": "float32", "greedy": True,
                 "ignore_eos": ignore_eos, "torch_threads": threads},
         completions=completions,
         system_tokens_per_s={1: tokens / latency if latency > 0 else 0.0},
         accepted_per_pos=accepted_per_pos if baseline != "ar" else [],
-        forwards_per_step=2 if baseline in SELF_SPEC else 1,
+        forwards_per_step=spec.forwards_per_step,
         notes=[("reference decoder: requests decoded one after the other (concurrency 1 only), "
                "after an untimed 8-token warm-up; "
                "acceptance length = mean tokens committed per step, from its step log")],

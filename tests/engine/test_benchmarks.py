@@ -1,11 +1,14 @@
 """Engine tier: the benchmark driver (``benchmarks/driver.py``) end to end.
 
 One short driver run on the tiny trained Orthrus (synth-orthrus), a few prompts of the
-tiny SPEED-Bench-schema file, through the reference adapter and the vLLM offline adapter:
-the report's structure (keys, per-category rows) and its lossless column (greedy method
-output == the same engine's AR output: 1.0), never speed. Plus the OpenAI-server adapter
-against a fake streaming server on loopback, a profiler smoke run, and
-``recommend_block_size`` on inputs whose answer is known.
+tiny SPEED-Bench-schema file, through the reference adapter and the vLLM offline adapter,
+with vLLM's EAGLE-3 on an untrained tiny drafter in EAGLE-3's published layout: the
+report's structure (keys, per-category rows, exact launch configurations), its lossless
+column (greedy method output == the same engine's AR output: 1.0) and its PNG plots, never
+speed. Plus the same through SGLang when the SGLang CPU harness finds an SGLang
+interpreter, the server adapter against a fake streaming server on loopback, a profiler
+smoke run, the extrapolation from fewer layers, and ``recommend_block_size`` on inputs
+whose answer is known.
 """
 
 from __future__ import annotations
@@ -57,6 +60,23 @@ def test_jsonl_prompts_and_errors(tmp_path: Path) -> None:
         load_prompts("speed-bench", path)
 
 
+def test_speed_bench_prepared_folder(tmp_path: Path) -> None:
+    """The copy NeMo-Skills' prepare script writes: {subset}.jsonl with ``messages`` rows."""
+    from benchmarks.datasets import load_prompts
+
+    rows = [{"question_id": i, "category": c, "messages": [{"role": "user", "content": t}]}
+            for i, (c, t) in enumerate([("qa", "q0"), ("rag", "r1"), ("qa", "q2")])]
+    (tmp_path / "qualitative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "throughput_1k.jsonl").write_text(json.dumps(
+        {"question_id": 7, "messages": [{"role": "user", "content": "long"}]}) + "\n")
+    assert [(p.text, p.category) for p in load_prompts("speed-bench", tmp_path, 2)] == [
+        ("q0", "qa"), ("r1", "rag")]
+    [row] = load_prompts("speed-bench", tmp_path, None, subset="throughput_1k")
+    assert (row.text, row.category, row.id) == ("long", "throughput_1k", "7")
+    with pytest.raises(ValueError, match="unknown SPEED-Bench subset"):
+        load_prompts("speed-bench", tmp_path, None, subset="throughput_3k")
+
+
 @pytest.mark.parametrize("dataset", ["gsm8k", "humaneval"])
 def test_shared_data_default_paths(dataset: str) -> None:
     from benchmarks.datasets import DEFAULT_PATHS, load_prompts
@@ -70,29 +90,74 @@ def test_shared_data_default_paths(dataset: str) -> None:
 # ------------------------------------------------------------------------------ driver
 
 
+def test_baseline_specs() -> None:
+    from benchmarks.baselines import parse
+
+    specs = parse(["ngram:4", "eagle3:3", "orthrus"], 31, {"eagle3": "/d"})
+    assert [(b.label, b.method, b.num_draft_tokens, b.drafter) for b in specs] == [
+        ("ar", "ar", 0, None), ("ngram:4", "ngram", 4, None), ("eagle3:3", "eagle3", 3, "/d"),
+        ("orthrus", "orthrus", 31, None)]
+    assert [b.forwards_per_step for b in specs] == [1, 1, 1, 2]
+    with pytest.raises(ValueError, match="needs --dflash-drafter"):
+        parse(["dflash"], 15)
+    with pytest.raises(ValueError, match="unknown baseline"):
+        parse(["medusa"], 3)
+
+
+def test_tiny_drafters_have_the_published_layouts(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from benchmarks.tiny_drafters import build_dflash, build_eagle3, is_untrained
+
+    eagle3 = build_eagle3(SYNTH_ORTHRUS_DIR, tmp_path / "eagle3")
+    config = json.loads((eagle3 / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["num_hidden_layers"] == 1 and is_untrained(eagle3)
+    with safe_open(str(eagle3 / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("fc.weight").get_shape() == [128, 3 * 128]
+        assert f.get_slice("midlayer.self_attn.q_proj.weight").get_shape() == [128, 2 * 128]
+    assert {"midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight"} <= names
+    dflash = build_dflash(SYNTH_ORTHRUS_DIR, tmp_path / "dflash")
+    config = json.loads((dflash / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["mask_token_id"] == 3  # synth-orthrus's mask token
+    assert not is_untrained(SYNTH_ORTHRUS_DIR)
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 100 and height > 100, (path, width, height)
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     require_engine("vllm")
     from benchmarks import driver
+    from benchmarks.tiny_drafters import build_eagle3
 
     out = tmp_path_factory.mktemp("bench")
+    drafter = build_eagle3(SYNTH_ORTHRUS_DIR, out / "eagle3-drafter")
     result = driver.main(["--model", str(SYNTH_ORTHRUS_DIR), "--dataset", "speed-bench",
                           "--data-path", str(SPEED_BENCH_TINY), "--num-prompts", "4",
                           "--max-tokens", "24", "--engines", "reference,vllm",
-                          "--baselines", "ar,orthrus", "--concurrency", "1,2",
-                          "--out", str(out)])
+                          "--baselines", "ar,orthrus,eagle3:2", "--eagle3-drafter",
+                          str(drafter), "--concurrency", "1,2", "--out", str(out)])
     result["_out"] = out
     return result
 
 
 @pytest.mark.slow
 def test_report_structure(report: dict) -> None:
-    assert {"meta", "prompts", "results"} <= set(report)
-    assert {"command", "date", "machine", "model", "dataset"} <= set(report["meta"])
+    assert {"meta", "prompts", "results", "plots"} <= set(report)
+    assert {"command", "date", "machine", "model", "dataset", "baselines"} <= set(report["meta"])
     runs = {(e["engine"], e["baseline"]) for e in report["results"]}
     assert runs == {("reference", "ar"), ("reference", "orthrus"), ("vllm", "ar"),
-                    ("vllm", "orthrus")}
+                    ("vllm", "orthrus"), ("vllm", "eagle3:2")}
     for entry in report["results"]:
+        assert entry["error"] is None, entry["error"]
         assert set(entry) >= ENTRY_KEYS
         assert set(entry["overall"]) == ROW_KEYS
         assert list(entry["per_category"]) == ["coding", "math", "writing", "roleplay"]
@@ -105,9 +170,21 @@ def test_report_structure(report: dict) -> None:
     assert set(vllm_orthrus["system_tokens_per_s"]) == {"1", "2"}
     assert vllm_orthrus["overall"]["acceptance_length"] > 1  # from vLLM's own counters
     assert vllm_orthrus["forwards_per_step"] == 2
+    eagle3 = next(e for e in report["results"] if e["baseline"] == "eagle3:2")
+    assert eagle3["launch"]["vllm.LLM"]["speculative_config"]["method"] == "eagle3"
+    assert eagle3["launch"]["vllm serve"].startswith("vllm serve ")
+    assert eagle3["untrained_drafter"] and eagle3["overall"]["drafts"] > 0  # it drafted
     md = (report["_out"] / "report.md").read_text()
     assert "| vllm | orthrus |" in md and "lossless" in md
+    assert "eagle3:2 (untrained drafter)" in md and "--speculative-config" in md
     assert json.loads((report["_out"] / "report.json").read_text())["meta"] == report["meta"]
+
+
+@pytest.mark.slow
+def test_report_plots_are_pngs(report: dict) -> None:
+    assert report["plots"] == ["tokens_per_s.png", "acceptance_by_category.png"]
+    for name in report["plots"]:
+        _assert_png(report["_out"] / name)
 
 
 @pytest.mark.slow
@@ -117,6 +194,30 @@ def test_lossless_column_is_one_for_greedy(report: dict) -> None:
         assert all(row["lossless"] == 1.0 for row in entry["per_category"].values())
     by = {(e["engine"], e["baseline"]): e["outputs"] for e in report["results"]}
     assert by[("vllm", "ar")] == by[("reference", "ar")]  # one oracle across engines
+
+
+@pytest.mark.slow
+def test_driver_on_sglang_cpu(tmp_path: Path) -> None:
+    """AR and Orthrus through SGLang's CPU path (the test harness): structure + lossless."""
+    from tests.engine import sglang_cpu
+
+    if sglang_cpu.sglang_python() is None:
+        pytest.skip(f"no SGLang interpreter (set {sglang_cpu.PYTHON_ENV})")
+    from benchmarks import driver
+
+    report = driver.main(["--model", str(SYNTH_ORTHRUS_DIR), "--dataset", "speed-bench",
+                          "--data-path", str(SPEED_BENCH_TINY), "--num-prompts", "2",
+                          "--max-tokens", "16", "--engines", "sglang", "--sglang-cpu-harness",
+                          "--baselines", "ar,orthrus", "--concurrency", "1",
+                          "--out", str(tmp_path)])
+    by = {e["baseline"]: e for e in report["results"]}
+    assert set(by) == {"ar", "orthrus"} and all(e["engine"] == "sglang" for e in by.values())
+    assert by["orthrus"]["error"] is None, by["orthrus"]["error"]
+    assert by["orthrus"]["launch"]["sglang.Engine"]["speculative_algorithm"] == "ORTHRUS"
+    assert by["orthrus"]["overall"]["lossless"] == 1.0
+    assert by["orthrus"]["overall"]["acceptance_length"] > 1  # from SGLang's own counters
+    assert by["orthrus"]["overall"]["ttft_s"] is not None
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "tokens_per_s.png").is_file()
 
 
 # ------------------------------------------------------------------------------ openai adapter
@@ -133,6 +234,12 @@ class _FakeServer(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         n = type(self).requests_served
+        if self.path == "/server_info":
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps(
+                {"internal_states": [{"avg_spec_accept_length": 3.0}]}).encode())
+            return
         body = (f"# HELP x\nvllm:spec_decode_num_drafts_total{{engine=\"0\"}} {n}\n"
                 f"vllm:spec_decode_num_draft_tokens_total{{engine=\"0\"}} {3 * n}\n"
                 f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {2 * n}\n"
@@ -146,6 +253,15 @@ class _FakeServer(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        if self.path == "/generate":  # SGLang's native API: cumulative ids, meta_info
+            n = req["sampling_params"]["max_new_tokens"]
+            for i in range(1, n + 1):
+                meta = {"completion_tokens": i, "spec_verify_ct": 1,
+                        "spec_num_correct_drafts": 2}
+                chunk = {"output_ids": list(range(10, 10 + i)), "meta_info": meta}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
         for i in range(req["max_tokens"]):
             chunk = {"choices": [{"text": "x", "token_ids": [10 + i]}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -178,6 +294,26 @@ def test_openai_adapter_against_a_fake_server() -> None:
         openai_server.check_loopback("http://10.0.0.1:8000")
 
 
+def test_server_adapter_sglang_api_against_a_fake_server() -> None:
+    from benchmarks.adapters import openai_server
+    from benchmarks.metrics import summarize
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = openai_server.run("orthrus", url, "m", [[1, 2], [3]], 4, [1, 2],
+                                   server="sglang")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [c.token_ids for c in result.completions] == [[10, 11, 12, 13]] * 2
+    entry = summarize(result, ["a", "b"], result)
+    assert entry["overall"]["acceptance_length"] == 3.0  # 1 + 2 correct drafts / 1 step
+    assert set(entry["system_tokens_per_s"]) == {"1", "2"}
+    assert any("avg_spec_accept_length" in n and "3.0" in n for n in entry["notes"])
+
+
 # ------------------------------------------------------------------------------ profiler
 
 
@@ -194,6 +330,23 @@ def test_profiler_smoke(tmp_path: Path) -> None:
     assert saved["latency_s"] == result["latency_s"] and saved["model"]["layers"] == 2
     table = profile_forward.format_table({32: {1: 0.001, 4: 0.002}})
     assert table.splitlines()[0].endswith("| 1 | 4 |") and "| 32 | 1.00 | 2.00 |" in table
+
+
+def test_profiler_layers_and_extrapolation(tmp_path: Path) -> None:
+    from benchmarks import profile_forward
+
+    result = profile_forward.main(["--shape", "tiny", "--layers", "1,2", "--query-lens", "1,2",
+                                   "--contexts", "32", "--repeats", "1", "--out", str(tmp_path)])
+    assert set(result["measured_s"]) == {"1", "2"} and result["full_layers"] == 2
+    assert result["extrapolated"] and set(result["free_query_len"]) == {"32"}
+    _assert_png(tmp_path / "forward_latency.png")
+    # fixed 1.0 + 0.5 per layer, measured at 1 and 2 layers -> 36 layers: 19.0
+    tables = {n: {256: {1: 1.0 + 0.5 * n, 4: 2.0 + 0.5 * n}} for n in (1, 2)}
+    assert profile_forward.extrapolate(tables, 36) == {256: {1: 19.0, 4: 20.0}}
+    assert profile_forward.free_query_len({1: 1.0, 4: 1.05, 16: 1.5}) == 4
+    noisy = {1: {256: {1: 2.0, 4: 2.0}}, 2: {256: {1: 1.5, 4: 2.5}}}
+    assert profile_forward.inconsistent_cells(noisy) == ["256/1"]
+    assert profile_forward.inconsistent_cells(tables) == []
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,127 @@
+"""SGLang offline adapter: every baseline served by ``sglang.Engine`` in one subprocess
+(``sglang_worker.py``) of SGLang's own interpreter, greedy. Acceptance comes from SGLang's
+own per-request counters (``meta_info``: ``spec_verify_ct``, ``spec_num_correct_drafts``,
+``spec_correct_drafts_histogram``). On a CPU-only machine the driver passes the test
+harness's environment (``tests/engine/sglang_cpu.py``: a libcuda stub on
+``LD_LIBRARY_PATH``, ``SGLANG_USE_CPU_ENGINE=1``) and the CPU engine arguments; the stub is
+a test harness, never part of what users install."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.baselines import DRAFTER_METHODS, SELF_SPEC, Baseline
+from benchmarks.metrics import Completion, RunResult
+
+WORKER = Path(__file__).resolve().parent / "sglang_worker.py"
+ENV_RECORDED = ("SGLANG_USE_CPU_ENGINE", "OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND")
+METHODS = ("ar", "ngram", *DRAFTER_METHODS, *SELF_SPEC)
+# baseline method -> SGLang --speculative-algorithm (diffspec's come from its SGLang plugin)
+ALGORITHMS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "dflash": "DFLASH",
+              "orthrus": "ORTHRUS", "linear_self_spec": "LINEAR_SELF_SPEC"}
+BASE_KWARGS: dict[str, Any] = {"random_seed": 0, "log_level": "error"}
+
+
+def engine_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The exact ``sglang.Engine`` keyword arguments of a baseline (recorded in the report);
+    ``extra``: the CPU harness's engine arguments on a CPU-only machine. SGLang counts the
+    verified root token among its draft tokens: K drafts -> K + 1."""
+    kwargs = {**BASE_KWARGS, "dtype": dtype, "context_length": max_model_len, **(extra or {})}
+    if b.method == "ar":
+        return kwargs
+    if b.method not in ALGORITHMS:
+        raise ValueError(f"SGLang baseline {b.method!r} unknown (known: {', '.join(METHODS)})")
+    kwargs |= {"speculative_algorithm": ALGORITHMS[b.method],
+               "speculative_num_draft_tokens": b.num_draft_tokens + 1}
+    if b.method in DRAFTER_METHODS:
+        if not b.drafter:
+            raise ValueError(f"baseline {b.method} needs --{b.method}-drafter PATH")
+        kwargs["speculative_draft_model_path"] = b.drafter
+    if b.method == "eagle3":  # a chain of K drafts (EAGLE-3's tree off: topk 1)
+        kwargs |= {"speculative_num_steps": b.num_draft_tokens, "speculative_eagle_topk": 1}
+    return kwargs
+
+
+def serve_command(model: str | Path, kwargs: dict[str, Any]) -> str:
+    """The ``python -m sglang.launch_server`` command equivalent to ``sglang.Engine``."""
+    parts = ["python", "-m", "sglang.launch_server", "--model-path", str(model)]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value is not False and value is not None:
+            parts += [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
+        max_tokens: int, concurrency: list[int], max_model_len: int = 512, *,
+        python: str, env: dict[str, str] | None = None, timeout_s: int = 900,
+        ignore_eos: bool = False, dtype: str = "float32",
+        extra_kwargs: dict[str, Any] | None = None) -> list[RunResult]:
+    """Serve ``prompts`` with each baseline (one engine, one worker process each) under
+    ``python``, with ``env`` added to the environment (the CPU harness's)."""
+    runs = [{"name": b.label, "engine": engine_kwargs(b, max_model_len, dtype, extra_kwargs)}
+            for b in baselines]
+    from benchmarks.adapters.sglang_worker import RESULT_PREFIX
+
+    results, logs, version = {}, {}, "?"
+    for run_ in runs:  # one process per engine: a failing SGLang child SIGQUITs its parent
+        job = {"model": str(model), "runs": [run_], "prompts": prompts,
+               "max_tokens": max_tokens, "concurrency": concurrency, "ignore_eos": ignore_eos}
+        with tempfile.TemporaryDirectory() as tmp:
+            job_file = Path(tmp) / "job.json"
+            job_file.write_text(json.dumps(job))
+            try:
+                proc = subprocess.run([python, str(WORKER), str(job_file)],
+                                      capture_output=True, text=True, timeout=timeout_s,
+                                      check=False, env={**os.environ, **(env or {})})
+            except subprocess.TimeoutExpired as e:
+                results[run_["name"]] = {"error": f"no result within {timeout_s} s"}
+                logs[run_["name"]] = (e.stderr or b"").decode(errors="replace")
+                continue
+        lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+        logs[run_["name"]] = proc.stderr
+        if lines:
+            result = json.loads(lines[-1][len(RESULT_PREFIX):])
+            version = result["engine_version"]
+            results[run_["name"]] = result["runs"][run_["name"]]
+        else:
+            results[run_["name"]] = {"error": f"SGLang worker exited with {proc.returncode}"}
+    out = []
+    for b, run_ in zip(baselines, runs):
+        r = results[run_["name"]]
+        launch = {"sglang.Engine": {"model_path": str(model), **run_["engine"]},
+                  "sampling_params": {"temperature": 0.0, "ignore_eos": ignore_eos},
+                  "sglang serve": serve_command(model, run_["engine"])}
+        if env:
+            launch["env"] = {k: v for k, v in env.items() if k in ENV_RECORDED}
+            if "LD_LIBRARY_PATH" in env:
+                launch["env"]["LD_LIBRARY_PATH"] = "(+ the CPU harness's test-only libcuda stub)"
+        notes = [(f"sglang {version} offline (sglang.Engine), streamed at "
+                 "concurrency 1 (TTFT = first chunk); c > 1: the prompts in batches of c")]
+        if "error" in r:
+            causes = [l.strip() for l in logs[b.label].splitlines()
+                      if "Error" in l and "py-spy" not in l
+                      and not l.lstrip().startswith(("File ", "raise "))]
+            error = r["error"] + "".join(f"\n{c}" for c in dict.fromkeys(causes[-6:]))
+            out.append(RunResult(engine="sglang", baseline=b.label, launch=launch,
+                                 completions=[], notes=notes, error=error))
+            continue
+        completions = [Completion(**c) for c in r["completions"]]
+        for c in completions:  # target forwards after prefill, as for vLLM
+            c.forwards = (len(c.token_ids) if b.method == "ar" else 2 * c.drafts
+                          if b.method in SELF_SPEC else c.drafts if c.drafts else None)
+        out.append(RunResult(
+            engine="sglang", baseline=b.label, launch=launch, completions=completions,
+            system_tokens_per_s={int(c): v for c, v in r["system_tokens_per_s"].items()},
+            accepted_per_pos=r["accepted_per_pos"], forwards_per_step=b.forwards_per_step,
+            notes=notes))
+    return out

@@ -1,0 +1,104 @@
+"""SGLang offline worker: a script run by ``sglang_offline.py`` with SGLang's interpreter
+(SGLang pins its own torch, so it lives in its own environment).
+
+    SGLANG_PYTHON benchmarks/adapters/sglang_worker.py JOB_JSON
+
+JOB_JSON: {"model": path, "runs": [{"name": str, "engine": {sglang.Engine kwargs}}],
+"prompts": [[token ids]], "max_tokens": N, "concurrency": [1, 2, ...], "ignore_eos": bool}.
+Each run starts one ``sglang.Engine`` (one after the other), warms it up, serves the prompts
+one at a time, streaming (TTFT = first chunk), reading SGLang's own per-request counters
+from ``meta_info`` (``spec_verify_ct``, ``spec_num_correct_drafts``,
+``spec_correct_drafts_histogram``), then for every concurrency c > 1 serves them in
+batches of c. Prints one JSON line after RESULT_PREFIX, in the form of ``vllm_worker.py``'s.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
+RUN_MARKER = "DIFFSPEC_BENCH_RUN "
+
+
+def _params(max_tokens: int, ignore_eos: bool) -> dict:
+    return {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": ignore_eos}
+
+
+def _one(engine, ids: list[int], params: dict) -> dict:
+    """One streamed request: its token ids, latency, TTFT and spec counters."""
+    start = time.perf_counter()
+    ttft, chunks = None, []
+    for chunk in engine.generate(input_ids=ids, sampling_params=params, stream=True):
+        if ttft is None and chunk.get("output_ids"):
+            ttft = time.perf_counter() - start
+        chunks.append(chunk)
+    latency = time.perf_counter() - start
+    meta = chunks[-1]["meta_info"]
+    total = meta["completion_tokens"]
+    last = list(chunks[-1]["output_ids"])
+    # streamed output ids are cumulative unless the server streams increments
+    token_ids = last if len(last) == total else [t for c in chunks for t in c["output_ids"]]
+    steps = meta.get("spec_verify_ct", 0)
+    histogram = meta.get("spec_correct_drafts_histogram") or []
+    return {"token_ids": token_ids, "latency_s": latency, "ttft_s": ttft, "drafts": steps,
+            "draft_tokens": meta.get("spec_num_proposed_drafts", 0),
+            "accepted": meta.get("spec_num_correct_drafts", 0), "histogram": histogram}
+
+
+def _serve(engine, prompts: list[list[int]], max_tokens: int, concurrency: list[int],
+           ignore_eos: bool) -> dict:
+    params = _params(max_tokens, ignore_eos)
+    engine.generate(input_ids=prompts[0], sampling_params=_params(4, False))  # warm-up
+    completions = [_one(engine, ids, params) for ids in prompts]
+    # accepted drafts per position from the steps' histogram (bin n: steps with n accepted)
+    per_pos: list[int] = []
+    for c in completions:
+        for n, steps in enumerate(c.pop("histogram")):
+            per_pos += [0] * max(0, n - len(per_pos))
+            for pos in range(n):
+                per_pos[pos] += steps
+    tokens = sum(len(c["token_ids"]) for c in completions)
+    system = {1: tokens / sum(c["latency_s"] for c in completions)}
+    for c in concurrency:
+        if c <= 1:
+            continue
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), c):
+            outs = engine.generate(input_ids=prompts[i:i + c],
+                                   sampling_params=[params] * len(prompts[i:i + c]))
+            tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
+        system[c] = tokens / (time.perf_counter() - start)
+    return {"completions": completions, "system_tokens_per_s": system, "accepted_per_pos": per_pos}
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    import sglang
+
+    runs = {}
+    for run in job["runs"]:
+        engine = None
+        print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
+        try:  # one failing baseline must not stop the rest
+            engine = sglang.Engine(model_path=job["model"], **run["engine"])
+            runs[run["name"]] = _serve(engine, job["prompts"], job["max_tokens"],
+                                        job["concurrency"], job.get("ignore_eos", False))
+        except Exception as e:  # noqa: BLE001 - reported in the run's row
+            runs[run["name"]] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"run {run['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        finally:
+            if engine is not None:
+                engine.shutdown()
+        del engine
+        gc.collect()
+    print(RESULT_PREFIX + json.dumps({"runs": runs, "engine_version": sglang.__version__}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
