@@ -10,9 +10,9 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 BUILT_METHODS = {
@@ -97,9 +97,9 @@ def _load_decoder(method: str, path: str | Path, num_draft_tokens: int,
             model = _load_ar_view(info, torch.float32)
             drafter = reference.NgramDrafter()
             if method == "ar":
-                decode = lambda reqs: reference.ar_generate(model, reqs, tokenizer)  # noqa: E731
+                decode = lambda reqs: reference.ar_generate(model, reqs, tokenizer)
             else:
-                decode = lambda reqs: reference.speculative_generate(  # noqa: E731
+                decode = lambda reqs: reference.speculative_generate(
                     model, drafter, reqs, k, tokenizer=tokenizer)
             eos: tuple[int, ...] = info.eos_token_ids
         elif method in ("orthrus", "linear_self_spec"):
@@ -118,7 +118,7 @@ def _load_decoder(method: str, path: str | Path, num_draft_tokens: int,
                 wrapped = load_nld(info.path, dtype=torch.float32)
                 drafter = LinearSelfSpecDrafter(wrapped)
             model, eos = wrapped.lm, wrapped.eos_token_ids
-            decode = lambda reqs: reference.speculative_generate(  # noqa: E731
+            decode = lambda reqs: reference.speculative_generate(
                 model, drafter, reqs, k, tokenizer=tokenizer)
         elif method == "tidar":
             from diffspec.spec_workers.tidar import load_quadratic, tidar_generate
@@ -130,14 +130,14 @@ def _load_decoder(method: str, path: str | Path, num_draft_tokens: int,
                                       f"{quadratic.max_draft_tokens} tokens per step "
                                       f"(block_size={quadratic.block_size}); {k} requested")
             model, eos = quadratic.lm, quadratic.eos_token_ids
-            decode = lambda reqs: tidar_generate(quadratic, reqs, k, tokenizer=tokenizer)  # noqa: E731
+            decode = lambda reqs: tidar_generate(quadratic, reqs, k, tokenizer=tokenizer)
         elif method == "fast_dllm":
             from diffspec.model_executors.dllm import load_dllm
             from diffspec.spec_workers.fast_dllm import FastDLLMConfig, fast_dllm_generate
 
             lm = load_dllm(info.path, dtype=torch.float32)
             dllm_config = FastDLLMConfig(cache=cache, threshold=threshold, block_size=k)
-            decode = lambda reqs: fast_dllm_generate(lm, reqs, dllm_config)  # noqa: E731
+            decode = lambda reqs: fast_dllm_generate(lm, reqs, dllm_config)
             stops = tuple(dict.fromkeys([*lm.eos_token_ids, *([tokenizer.eos_token_id]
                                          if tokenizer.eos_token_id is not None else [])]))
             return _Decoder(method, tokenizer, decode, stops, lm.max_positions,
@@ -152,7 +152,7 @@ def _load_decoder(method: str, path: str | Path, num_draft_tokens: int,
             model, info = load_refusion(info.path, dtype=torch.float32)
             config = ReFusionConfig(slot_size=k, num_blocks=1)
             mask_id = int(info.mask_token_id)
-            decode = lambda reqs: refusion_generate(model, reqs, config, mask_id)  # noqa: E731
+            decode = lambda reqs: refusion_generate(model, reqs, config, mask_id)
             eos = info.eos_token_ids
     except (CheckpointError, ValueError) as e:
         raise _CliError(str(e)) from None

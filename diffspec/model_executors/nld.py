@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
-from diffspec.model_executors.views import anchor_block, block_view_logits
 from diffspec.model_executors.loading import from_pretrained_strict
+from diffspec.model_executors.views import anchor_block, block_view_logits
 
 __all__ = ["NLDModel", "load_nld"]
 

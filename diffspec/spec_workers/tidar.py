@@ -80,9 +80,9 @@ from diffspec.core.reference import (
     accept_drafts,
     accept_mode,
     commit_tokens,
-    start_request,
     rollback_kv,
     sample_drafts,
+    start_request,
 )
 from diffspec.model_executors.views import block_view_logits
 

@@ -51,7 +51,7 @@ from diffspec.testing.synthetic import MASK, _sample_document, vocabulary
 __all__ = ["SYNTH_TIDAR_DIR", "TiDARTrainConfig", "evaluate", "tidar_batch", "tidar_loss",
            "train_synthetic_tidar"]
 
-from diffspec.assets import SYNTH_TIDAR_DIR  # noqa: E402  (re-exported)
+from diffspec.assets import SYNTH_TIDAR_DIR
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ def test_vllm_ar_matches_reference_decoder(vllm_run) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from diffspec.assets import SYNTH_QWEN3_DIR as BUNDLED_MODEL_DIR
     from diffspec.core.reference import Request, ar_generate
     from diffspec.core.sampling import SamplingParams
-    from diffspec.assets import SYNTH_QWEN3_DIR as BUNDLED_MODEL_DIR
     from diffspec.testing.synthetic import build_tokenizer, sample_documents
 
     tokenizer = build_tokenizer()

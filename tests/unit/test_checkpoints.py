@@ -511,7 +511,7 @@ def test_nld_weights_and_lora_load_into_the_real_module_tree(ckpt_root: Path) ->
 def test_tidar_checkpoint_is_its_own_family() -> None:
     """A causal Qwen3 whose config names block_size and mask_token_id is a TiDAR-recipe
     checkpoint (not ReFusion); dlm_type "dream" means shifted drafts, K per step."""
-    from diffspec.assets import SYNTH_TIDAR_DIR, SYNTH_REFUSION_DIR
+    from diffspec.assets import SYNTH_REFUSION_DIR, SYNTH_TIDAR_DIR
 
     info = inspect_checkpoint(SYNTH_TIDAR_DIR)
     assert info.family == "tidar" and info.logits_shift is True

@@ -110,9 +110,7 @@ def brute_nld_interleaved(prefix: int, b: int) -> tuple[torch.Tensor, torch.Tens
                 row.append(kv <= q)
                 continue
             rq, rk = q - prefix, kv - prefix
-            if kv < prefix:
-                row.append(True)
-            elif rk % (b + 1) == 0 and kv <= q:
+            if kv < prefix or rk % (b + 1) == 0 and kv <= q:
                 row.append(True)
             else:
                 row.append(rq // (b + 1) == rk // (b + 1) and rq % (b + 1) != 0)

@@ -218,13 +218,11 @@ def test_diffusion_view_swaps_attention_and_restores(tmp_path):
     ar_modules = {name: getattr(attn, name) for name in DIFF_MODULES}
     with model.diffusion_view():
         assert all(getattr(attn, n) is getattr(attn, f"{n}_diff") for n in DIFF_MODULES)
-        with pytest.raises(RuntimeError, match="does not nest"):
-            with model.diffusion_view():
-                pass
+        with pytest.raises(RuntimeError, match="does not nest"), model.diffusion_view():
+            pass
     assert all(getattr(attn, n) is m for n, m in ar_modules.items())
-    with pytest.raises(KeyError):
-        with model.diffusion_view():
-            raise KeyError("boom")
+    with pytest.raises(KeyError), model.diffusion_view():
+        raise KeyError("boom")
     assert all(getattr(attn, n) is m for n, m in ar_modules.items())
 
 

@@ -119,7 +119,7 @@ def test_top_k_off(top_k: int) -> None:
 def test_top_p_smallest_set() -> None:
     # probabilities 0.5, 0.25, 0.125, 0.125 (powers of two: exact cumulative sums)
     logits = torch.log(torch.tensor([[0.125, 0.5, 0.125, 0.25]]))
-    keep = lambda p: torch.isfinite(process_logits(logits, 1.0, -1, p))[0].tolist()  # noqa: E731
+    keep = lambda p: torch.isfinite(process_logits(logits, 1.0, -1, p))[0].tolist()
     assert keep(0.3) == [False, True, False, False]  # top-1 alone reaches 0.3
     assert keep(0.5) == [False, True, False, False]  # cumulative >= top_p is enough
     assert keep(0.6) == [False, True, False, True]

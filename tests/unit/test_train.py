@@ -11,7 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffspec.assets import ASSETS_DIR, SYNTH_QWEN3_DIR
+from diffspec.assets import (
+    SYNTH_ORTHRUS_DIR,
+    SYNTH_QWEN3_DIR,
+)
 from diffspec.core.masks import orthrus_dual_pass_mask
 from diffspec.train import TrainConfig, cosine_lr_scale
 from diffspec.train.data import (
@@ -28,9 +31,6 @@ from diffspec.train.losses import (
     lk_loss,
     token_cross_entropy,
 )
-
-from diffspec.assets import SYNTH_ORTHRUS_DIR  # noqa: E402
-
 
 # --------------------------------------------------------------------------------- losses
 
