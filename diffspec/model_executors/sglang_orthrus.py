@@ -1,13 +1,17 @@
-"""Orthrus in SGLang: SGLang's own Qwen3 (the AR view) plus per-layer diffusion attention.
+"""Orthrus in SGLang: SGLang's own Qwen3 or Llama (the AR view) plus per-layer diffusion
+attention.
 
-:class:`OrthrusForCausalLM` *is* SGLang's ``Qwen3ForCausalLM`` (same layers, same radix
-attention, same token-to-KV pool): it serves plain requests and every verify pass. Each
-decoder layer's ``self_attn`` additionally holds the diffusion projections, built from
-SGLang's tensor-parallel layers like the AR ones:
+:class:`OrthrusForCausalLM` *is* SGLang's ``Qwen3ForCausalLM`` and
+:class:`OrthrusLlamaForCausalLM` *is* SGLang's ``LlamaForCausalLM`` (same layers, same
+radix attention, same token-to-KV pool, tied embeddings as the base has them): it serves
+plain requests and every verify pass. Each decoder layer's ``self_attn`` additionally
+holds the diffusion projections, built from SGLang's tensor-parallel layers like the AR
+ones:
 
 * ``qkv_proj_diff`` (``QKVParallelLinear``; the checkpoint's ``q/k/v_proj_diff`` load into
   it as the ``q`` / ``k`` / ``v`` shards),
-* ``o_proj_diff`` (``RowParallelLinear``), ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``).
+* ``o_proj_diff`` (``RowParallelLinear``),
+* Qwen3 only: ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``); Llama has no q/k norms.
 
 The diffusion view (:class:`~diffspec.model_executors.sglang_views.DiffusionViewMixin`)
 runs a block ``[anchor, <mask> x n]`` through the same embeddings, norms, MLPs, rotary and
@@ -25,48 +29,52 @@ import torch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import QKVParallelLinear, RowParallelLinear
 from sglang.srt.model_loader.weight_utils import default_weight_loader
-from sglang.srt.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+from sglang.srt.models.llama import LlamaForCausalLM
+from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 from sglang.srt.models.utils import apply_qk_norm
 from sglang.srt.utils import add_prefix
+from torch import nn
 
 from diffspec.model_executors.sglang_views import DiffusionViewMixin
 
-__all__ = ["OrthrusForCausalLM"]
+__all__ = ["OrthrusForCausalLM", "OrthrusLlamaForCausalLM"]
 
 _DIFF_SHARDS = (("q_proj_diff", "q"), ("k_proj_diff", "k"), ("v_proj_diff", "v"))
 
 
-class OrthrusForCausalLM(DiffusionViewMixin, Qwen3ForCausalLM):
-    """SGLang's Qwen3 with Orthrus's diffusion attention projections in every layer."""
+class _OrthrusMixin(DiffusionViewMixin):
+    """The Orthrus part shared by both bases: build the ``*_diff`` twins of every layer's
+    attention, draft through them, and refuse a checkpoint without them."""
 
     draft_logits_shift = True  # block position j predicts token j + 1
+    config: object
 
-    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
-        super().__init__(config, quant_config=quant_config, prefix=prefix)
+    def _add_diffusion_modules(self, quant_config, prefix: str) -> None:
         for i in range(self.model.start_layer, self.model.end_layer):
             _add_diffusion_projections(
-                self.model.layers[i].self_attn, config, quant_config,
+                self.model.layers[i].self_attn, self.config, quant_config,
                 add_prefix(f"layers.{i}.self_attn", add_prefix("model", prefix)))
 
     def _draft_qkv(
         self,
-        attn: Qwen3Attention,
+        attn: nn.Module,
         positions: torch.Tensor,  # [T]
         hidden: torch.Tensor,  # [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv, _ = attn.qkv_proj_diff(hidden)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = apply_qk_norm(q=q, k=k, q_norm=attn.q_norm_diff, k_norm=attn.k_norm_diff,
-                             head_dim=attn.head_dim, allow_inplace=False)
+        if hasattr(attn, "q_norm_diff"):  # Qwen3; Llama has no q/k norms
+            q, k = apply_qk_norm(q=q, k=k, q_norm=attn.q_norm_diff, k_norm=attn.k_norm_diff,
+                                 head_dim=attn.head_dim, allow_inplace=False)
         q, k = attn.rotary_emb(positions, q, k)
         return q, k, v
 
-    def _draft_out(self, attn: Qwen3Attention, heads: torch.Tensor) -> torch.Tensor:
+    def _draft_out(self, attn: nn.Module, heads: torch.Tensor) -> torch.Tensor:
         out, _ = attn.o_proj_diff(heads)
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Qwen3's loader for the AR weights; the ``*_diff`` tensors go to the diffusion
+        """The base's loader for the AR weights; the ``*_diff`` tensors go to the diffusion
         modules (``q/k/v_proj_diff`` as shards of ``qkv_proj_diff``). Raises if any
         diffusion parameter is left without a checkpoint tensor."""
         params = dict(self.named_parameters())
@@ -93,22 +101,43 @@ class OrthrusForCausalLM(DiffusionViewMixin, Qwen3ForCausalLM):
         expected |= {n for n in params if "_diff." in n and ".qkv_proj_diff." not in n}
         missing = sorted(expected - loaded)
         if missing:
+            norms = " and {q,k}_norm_diff" if any("_norm_diff." in n for n in expected) else ""
             raise ValueError(
                 f"the checkpoint has no Orthrus diffusion weights for {missing[0]} "
                 f"({len(missing)} tensors missing); expected model.layers.N.self_attn."
-                f"{{q,k,v,o}}_proj_diff and {{q,k}}_norm_diff for every layer")
+                f"{{q,k,v,o}}_proj_diff{norms} for every layer")
 
 
-def _add_diffusion_projections(attn: Qwen3Attention, config, quant_config, prefix: str) -> None:
-    """Give ``attn`` the ``*_diff`` twins of its projections and q/k norms."""
-    bias = getattr(config, "attention_bias", False)
+class OrthrusForCausalLM(_OrthrusMixin, Qwen3ForCausalLM):
+    """SGLang's Qwen3 with Orthrus's diffusion attention projections and q/k norms in every
+    layer (``OrthrusLM`` / ``OrthrusForCausalLM``)."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config, quant_config=quant_config, prefix=prefix)
+        self._add_diffusion_modules(quant_config, prefix)
+
+
+class OrthrusLlamaForCausalLM(_OrthrusMixin, LlamaForCausalLM):
+    """SGLang's Llama with Orthrus's diffusion attention projections in every layer
+    (``OrthrusLlamaForCausalLM``, ``model_type: "llama"``; e.g. on SmolLM2)."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config, quant_config=quant_config, prefix=prefix)
+        self._add_diffusion_modules(quant_config, prefix)
+
+
+def _add_diffusion_projections(attn: nn.Module, config, quant_config, prefix: str) -> None:
+    """Give ``attn`` the ``*_diff`` twins of its projections (biases as the AR ones have
+    them) and, when it has q/k norms (Qwen3), of those."""
     attn.qkv_proj_diff = QKVParallelLinear(
         attn.hidden_size, attn.head_dim, attn.total_num_heads, attn.total_num_kv_heads,
-        bias=bias, quant_config=quant_config, parallel_group="attn_tp",
-        prefix=add_prefix("qkv_proj_diff", prefix))
+        bias=attn.qkv_proj.bias is not None, quant_config=quant_config,
+        parallel_group="attn_tp", prefix=add_prefix("qkv_proj_diff", prefix))
     attn.o_proj_diff = RowParallelLinear(
-        attn.total_num_heads * attn.head_dim, attn.hidden_size, bias=bias,
-        quant_config=quant_config, parallel_group="attn_tp", reduce_results=False,
+        attn.total_num_heads * attn.head_dim, attn.hidden_size,
+        bias=attn.o_proj.bias is not None, quant_config=quant_config,
+        parallel_group="attn_tp", reduce_results=False,
         prefix=add_prefix("o_proj_diff", prefix))
-    attn.q_norm_diff = RMSNorm(attn.head_dim, eps=config.rms_norm_eps)
-    attn.k_norm_diff = RMSNorm(attn.head_dim, eps=config.rms_norm_eps)
+    if hasattr(attn, "q_norm"):
+        attn.q_norm_diff = RMSNorm(attn.head_dim, eps=config.rms_norm_eps)
+        attn.k_norm_diff = RMSNorm(attn.head_dim, eps=config.rms_norm_eps)

@@ -39,6 +39,8 @@ __all__ = ["MODEL_ARCHITECTURES", "SELF_SPEC_ALGORITHMS", "SelfSpecAlgorithm", "
 MODEL_ARCHITECTURES: dict[str, str] = {
     "OrthrusLM": "diffspec.model_executors.sglang_orthrus:OrthrusForCausalLM",
     "OrthrusForCausalLM": "diffspec.model_executors.sglang_orthrus:OrthrusForCausalLM",
+    "OrthrusLlamaForCausalLM":
+        "diffspec.model_executors.sglang_orthrus:OrthrusLlamaForCausalLM",
     "NemotronLabsDiffusionModel":
         "diffspec.model_executors.sglang_nld:NemotronLabsDiffusionForCausalLM",
 }
@@ -62,7 +64,7 @@ class SelfSpecAlgorithm:
 
 SELF_SPEC_ALGORITHMS: dict[str, SelfSpecAlgorithm] = {
     "ORTHRUS": SelfSpecAlgorithm(
-        "ORTHRUS", "orthrus", ("OrthrusLM", "OrthrusForCausalLM"),
+        "ORTHRUS", "orthrus", ("OrthrusLM", "OrthrusForCausalLM", "OrthrusLlamaForCausalLM"),
         "diffspec.spec_workers.sglang_self_spec:OrthrusWorker"),
     "LINEAR_SELF_SPEC": SelfSpecAlgorithm(
         "LINEAR_SELF_SPEC", "linear_self_spec", ("NemotronLabsDiffusionModel",),

@@ -3,8 +3,8 @@ its CPU path (fp32, tiny checkpoints in the published layouts, torch-native atte
 
 SGLang runs in a subprocess under its own interpreter (:mod:`tests.engine.sglang_cpu`):
 one ``sglang_generate.py`` run starts the engines one after the other (Orthrus AR, Orthrus
-``--speculative-algorithm ORTHRUS``, the trained tiny Orthrus, NLD AR, NLD
-``LINEAR_SELF_SPEC``) and builds server arguments that must fail; a second test starts
+``--speculative-algorithm ORTHRUS``, the trained tiny Orthrus, the Llama-base Orthrus AR and
+``ORTHRUS``, NLD AR, NLD ``LINEAR_SELF_SPEC``) and builds server arguments that must fail; a second test starts
 ``python -m sglang.launch_server`` and reads ``/server_info``. The checks:
 
 * greedy, one batch of mixed-length prompts, ``max_new_tokens`` ending mid-block, an EOS
@@ -18,6 +18,8 @@ one ``sglang_generate.py`` run starts the engines one after the other (Orthrus A
   (:mod:`diffspec.core.reference` with the reference drafters) on the same checkpoint,
   as SGLang reports it (``spec_verify_ct``, ``spec_correct_drafts_histogram``); on the
   trained tiny Orthrus the drafts are accepted in long runs;
+* the Llama-base Orthrus (``OrthrusLlamaForCausalLM``, tied embeddings, no q/k norms) is
+  served by ``ORTHRUS`` too: lossless against SGLang's Llama AR, the reference's acceptance;
 * clear errors at server-argument time; ``avg_spec_accept_length`` in the server info.
 """
 
@@ -109,11 +111,17 @@ def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
+    from diffspec.testing.checkpoints import (
+        write_llama_orthrus,
+        write_nld,
+        write_orthrus,
+        write_qwen3,
+    )
 
     root = tmp_path_factory.mktemp("sglang_ckpts")
     paths = {"orthrus": write_orthrus(root / "orthrus"), "nld": write_nld(root / "nld"),
-             "qwen3": write_qwen3(root / "qwen3")}
+             "qwen3": write_qwen3(root / "qwen3"),
+             "llama_orthrus": write_llama_orthrus(root / "llama_orthrus", block_size=WIDTH)}
     _set_eos_inside_a_block(paths["orthrus"], _greedy_requests())
     return paths
 
@@ -139,13 +147,17 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
     batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
                "prefix_reuse": prefix_reuse, "sampled": _sampled_requests()}
-    orthrus, nld = str(ckpts["orthrus"]), str(ckpts["nld"])
+    orthrus, nld, llama = str(ckpts["orthrus"]), str(ckpts["nld"]), str(ckpts["llama_orthrus"])
     job = {
         "runs": [
             {"name": "orthrus_ar", "model": orthrus, "batches": batches},
             {"name": "orthrus_spec", "model": orthrus, "engine": SPEC, "batches": batches},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"greedy": _synth_requests()}},
+            {"name": "llama_orthrus_ar", "model": llama,
+             "batches": {"greedy": _greedy_requests()}},
+            {"name": "llama_orthrus_spec", "model": llama, "engine": SPEC,
+             "batches": {"greedy": _greedy_requests()}},
             {"name": "nld_ar", "model": nld, "batches": {"greedy": _greedy_requests()[:4]}},
             {"name": "nld_spec", "model": nld, "engine": NLD_SPEC,
              "batches": {"greedy": _greedy_requests()[:4]}},
@@ -202,9 +214,6 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
     steps as a histogram of accepted drafts, so the steps are compared as multisets (for a
     request that stopped at an EOS, all but the last step: the reference counts that
     step's drafts only up to the EOS)."""
-    from diffspec.core.checkpoint import inspect_checkpoint
-    from diffspec.core.reference import Request, speculative_generate
-
     if family == "nld":
         from diffspec.model_executors.nld import load_nld as load
         from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter as Drafter
@@ -212,16 +221,28 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
         from diffspec.model_executors.orthrus import load_orthrus as load
         from diffspec.spec_workers.orthrus import OrthrusDrafter as Drafter
     path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
-    model = load(path)
-    stop = inspect_checkpoint(path).eos_token_ids
-    spec = engine["runs"][f"{family}_spec"]["greedy"]
     requests = _synth_requests() if family == "synth" else _greedy_requests()
+    accepted_all = _accepted_drafts_per_step(
+        load(path), Drafter, path, requests, engine["runs"][f"{family}_spec"]["greedy"])
+    if family == "synth":  # the trained drafter is really used: long accepted runs
+        assert sum(accepted_all) / len(accepted_all) > 5
+
+
+def _accepted_drafts_per_step(model, drafter_class, path: Path, requests: list[dict],
+                              spec: dict) -> list[int]:
+    """Check each request's SGLang steps against the reference decoder (see
+    :func:`test_acceptance_per_step_equals_reference_decoder`); return the accepted drafts
+    of every SGLang step."""
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.core.reference import Request, speculative_generate
+
+    stop = inspect_checkpoint(path).eos_token_ids
     accepted_all = []
     for request, out, meta, finish in zip(requests, spec["outputs"], spec["meta"],
                                           spec["finish_reasons"]):
         # a longer budget keeps every reference step a full 31-draft block, as in SGLang
         ref = speculative_generate(
-            model.lm, Drafter(model),
+            model.lm, drafter_class(model),
             [Request(request["input_ids"] + out[:1], request["max_new_tokens"] + WIDTH,
                      stop_token_ids=stop)], WIDTH - 1)[0]
         assert ref.token_ids[: len(out) - 1] == out[1:]
@@ -235,8 +256,28 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
             reference_steps = Counter(a - 1 for a in ref.accept_lengths[: steps - 1])
             assert not reference_steps - sglang_steps, (reference_steps, sglang_steps)
         accepted_all += [k for k, c in sglang_steps.items() for _ in range(c)]
-    if family == "synth":  # the trained drafter is really used: long accepted runs
-        assert sum(accepted_all) / len(accepted_all) > 5
+    return accepted_all
+
+
+def test_llama_orthrus_greedy_equals_sglang_ar(engine, ckpts) -> None:
+    """The Llama-base Orthrus (``OrthrusLlamaForCausalLM``: tied embeddings, no q/k
+    norms) under ``--speculative-algorithm ORTHRUS``: greedy fp32 output equals SGLang's
+    own Llama AR output on the same checkpoint (mixed-length prompts, ``max_new_tokens``
+    mid-block), drafts are accepted, and each step's acceptance is the reference
+    decoder's."""
+    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.orthrus import OrthrusDrafter
+
+    ar = engine["runs"]["llama_orthrus_ar"]["greedy"]
+    spec = engine["runs"]["llama_orthrus_spec"]["greedy"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    assert "length" in ar["finish_reasons"]  # budgets end mid-block (none a multiple of 32)
+    assert all(m["spec_verify_ct"] for m in spec["meta"])  # every request was speculated
+    path = ckpts["llama_orthrus"]
+    accepted = _accepted_drafts_per_step(load_orthrus(path), OrthrusDrafter, path,
+                                         _greedy_requests(), spec)
+    assert sum(accepted) > 0  # the diffusion view's drafts are really accepted
 
 
 def test_avg_spec_accept_length_in_server_info(engine) -> None:
@@ -354,7 +395,7 @@ def test_plugin_registers_through_the_entry_point() -> None:
     assert info["registered"]
     assert info["algorithms"] == ["ORTHRUS", "LINEAR_SELF_SPEC"]
     assert info["architectures"] == ["NemotronLabsDiffusionModel", "OrthrusForCausalLM",
-                                     "OrthrusLM"]
+                                     "OrthrusLM", "OrthrusLlamaForCausalLM"]
     assert info["scheduler_api"] == [False, False, False, True, False, False]
 
 
