@@ -17,11 +17,8 @@ are unshifted (block position ``j`` predicts its own token) unless ``dlm_type ==
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterable
 
 import torch
 from sglang.srt.layers.linear import ReplicatedLinear, RowParallelLinear
@@ -32,15 +29,18 @@ from sglang.srt.models.ministral3 import (
 )
 from sglang.srt.utils import add_prefix
 
-from diffspec.core.checkpoint import LORA_DIR, CheckpointError, resolve_checkpoint
+from diffspec.core.checkpoint import LORA_DIR, CheckpointError
+from diffspec.model_executors.nld_weights import (
+    lora_folder,
+    lora_rank_and_scaling,
+    lora_weights,
+    renamed_weights,
+)
 from diffspec.model_executors.sglang_views import DiffusionViewMixin
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
 
 logger = logging.getLogger("diffspec")
-
-_PREFIXES = (("encoder.", "model."), ("diffusion_head.", "lm_head."))
-_PEFT_PREFIX = "base_model.model.encoder."
 
 
 class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, Ministral3ForCausalLM):
@@ -49,10 +49,10 @@ class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, Ministral3ForCausalLM
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
         self.draft_logits_shift = getattr(config, "dlm_type", None) == "dream"
-        self.lora_path = _lora_folder(getattr(config, "_name_or_path", ""))
+        self.lora_path = lora_folder(getattr(config, "_name_or_path", ""))
         self.lora_scaling = 0.0
         if self.lora_path is not None:
-            rank, self.lora_scaling = _lora_rank_and_scaling(self.lora_path)
+            rank, self.lora_scaling = lora_rank_and_scaling(self.lora_path)
             for i in range(self.model.start_layer, self.model.end_layer):
                 _add_lora(self.model.layers[i].self_attn, rank,
                           add_prefix(f"layers.{i}.self_attn", add_prefix("model", prefix)))
@@ -87,58 +87,13 @@ class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, Ministral3ForCausalLM
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         params = dict(self.named_parameters())
-        lora = list(self._lora_weights())
+        lora = list(lora_weights(self.lora_path))
         for name, tensor in lora:
             params[name].data.copy_(tensor.to(params[name].dtype))
         missing = sorted(n for n in params if "_lora_" in n and n not in dict(lora))
         if missing:
             raise CheckpointError(f"{self.lora_path}: no LoRA tensor for {missing[0]}")
-        return super().load_weights(_renamed(weights))
-
-    def _lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The PEFT adapter's tensors under this model's names (``o_proj_lora_{a,b}``)."""
-        if self.lora_path is None:
-            return
-        from safetensors import safe_open
-
-        with safe_open(str(self.lora_path / "adapter_model.safetensors"), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if not key.startswith(_PEFT_PREFIX) or ".o_proj.lora_" not in key:
-                    raise CheckpointError(f"{self.lora_path}: unsupported LoRA tensor {key} "
-                                          f"(NLD's drafter adapts o_proj only)")
-                name = "model." + key[len(_PEFT_PREFIX):]
-                name = name.replace(".o_proj.lora_A.", ".o_proj_lora_a.")
-                yield name.replace(".o_proj.lora_B.", ".o_proj_lora_b."), f.get_tensor(key)
-
-
-def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-        yield name, tensor
-
-
-def _lora_folder(model: str):
-    """The checkpoint's ``linear_spec_lora/`` folder, if it has one."""
-    try:
-        folder = resolve_checkpoint(model) / LORA_DIR
-    except CheckpointError:
-        return None
-    return folder if folder.is_dir() else None
-
-
-def _lora_rank_and_scaling(folder: Path) -> tuple[int, float]:
-    """The adapter's rank and ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
-    config = json.loads((folder / "adapter_config.json").read_text())
-    if list(config.get("target_modules") or []) != ["o_proj"]:
-        raise CheckpointError(f"{folder}: NLD's drafter LoRA targets o_proj only, got "
-                              f"target_modules={config.get('target_modules')}")
-    if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise CheckpointError(f"{folder}: DoRA and per-module rank/alpha patterns are not "
-                              f"supported")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        return super().load_weights(renamed_weights(weights))
 
 
 def _add_lora(attn: Ministral3Attention, rank: int, prefix: str) -> None:

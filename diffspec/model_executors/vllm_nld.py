@@ -19,23 +19,23 @@ same layers under the forward context's non-causal metadata, with
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterable
+from itertools import chain
 
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.models.mistral import MistralAttention, MistralForCausalLM
 
-from diffspec.core.checkpoint import LORA_DIR, CheckpointError, resolve_checkpoint
+from diffspec.model_executors.nld_weights import (
+    lora_folder,
+    lora_rank_and_scaling,
+    lora_weights,
+    renamed_weights,
+)
 from diffspec.model_executors.vllm_views import DiffusionViewMixin
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
-
-_PREFIXES = (("encoder.", "model."), ("diffusion_head.", "lm_head."))
-_PEFT_PREFIX = "base_model.model.encoder."
 
 
 class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, MistralForCausalLM):
@@ -51,10 +51,10 @@ class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, MistralForCausalLM):
             }
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.draft_logits_shift = getattr(config, "dlm_type", None) == "dream"
-        self.lora_path = _lora_folder(vllm_config.model_config.model)
+        self.lora_path = lora_folder(vllm_config.model_config.model)
         self.lora_scaling = 0.0
         if self.lora_path is not None:
-            rank, self.lora_scaling = _lora_rank_and_scaling(self.lora_path)
+            rank, self.lora_scaling = lora_rank_and_scaling(self.lora_path)
             for layer in self._layers():
                 _add_lora(layer.self_attn, rank)
 
@@ -79,57 +79,7 @@ class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, MistralForCausalLM):
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_chain(_renamed(weights), self._lora_weights()))
-
-    def _lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The PEFT adapter's tensors under this model's names (``o_proj_lora_{a,b}``)."""
-        if self.lora_path is None:
-            return
-        from safetensors import safe_open
-
-        with safe_open(str(self.lora_path / "adapter_model.safetensors"), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if not key.startswith(_PEFT_PREFIX) or ".o_proj.lora_" not in key:
-                    raise CheckpointError(f"{self.lora_path}: unsupported LoRA tensor {key} "
-                                          f"(NLD's drafter adapts o_proj only)")
-                name = "model." + key[len(_PEFT_PREFIX):]
-                name = name.replace(".o_proj.lora_A.", ".o_proj_lora_a.")
-                yield name.replace(".o_proj.lora_B.", ".o_proj_lora_b."), f.get_tensor(key)
-
-
-def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-        yield name, tensor
-
-
-def _chain(*iterables: Iterable) -> Iterator:
-    for iterable in iterables:
-        yield from iterable
-
-
-def _lora_folder(model: str) -> Path | None:
-    """The checkpoint's ``linear_spec_lora/`` folder, if it has one."""
-    try:
-        folder = resolve_checkpoint(model) / LORA_DIR
-    except CheckpointError:
-        return None
-    return folder if folder.is_dir() else None
-
-
-def _lora_rank_and_scaling(folder: Path) -> tuple[int, float]:
-    config = json.loads((folder / "adapter_config.json").read_text())
-    if list(config.get("target_modules") or []) != ["o_proj"]:
-        raise CheckpointError(f"{folder}: NLD's drafter LoRA targets o_proj only, got "
-                              f"target_modules={config.get('target_modules')}")
-    if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise CheckpointError(f"{folder}: DoRA and per-module rank/alpha patterns are not "
-                              f"supported")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, scaling
+        return super().load_weights(chain(renamed_weights(weights), lora_weights(self.lora_path)))
 
 
 def _add_lora(attn: MistralAttention, rank: int) -> None:
