@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# method -> what it is (the CLI's epilog and the docs list these)
-METHODS = {
-    "ar": "plain autoregressive decoding (the lossless oracle; always run first)",
-    "ngram": "prompt lookup (vLLM's ngram proposer; the reference decoder's n-gram drafter)",
-    "eagle3": "the engine's EAGLE-3 with a drafter checkpoint (--eagle3-drafter)",
-    "dflash": "the engine's DFlash with a drafter checkpoint (--dflash-drafter)",
-    "orthrus": "diffspec Orthrus self-speculation (draft + verify forwards per step)",
-    "linear_self_spec": "diffspec NLD linear self-speculation (draft + verify forwards per step)",
-    "tidar": "diffspec TiDAR (reference decoder only)",
-}
-SELF_SPEC = ("orthrus", "linear_self_spec")  # two forwards per step: draft + verify
-DRAFTER_METHODS = ("eagle3", "dflash")  # a separate drafter checkpoint
+from diffspec.methods import METHODS as REGISTRY
+
+# Every baseline is a method of diffspec's registry (diffspec/methods.py): diffspec's own
+# and the engines' (ar, ngram, eagle3, dflash).
+METHODS = {name: m.summary for name, m in REGISTRY.items()}
+SELF_SPEC = tuple(m.name for m in REGISTRY.values() if m.forwards_per_step == 2)
+DRAFTER_METHODS = tuple(m.name for m in REGISTRY.values() if m.needs_drafter)
+
+
+def engine_methods(engine: str) -> tuple[str, ...]:
+    """Baselines an engine runs: AR plus every registry method it serves."""
+    if engine == "reference":
+        return tuple(m.name for m in REGISTRY.values() if m.reference is not None)
+    return ("ar", *(m.name for m in REGISTRY.values() if m.engine(engine) is not None))
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Baseline:
 
     @property
     def forwards_per_step(self) -> int:
-        return 2 if self.method in SELF_SPEC else 1
+        return REGISTRY[self.method].forwards_per_step
 
 
 def parse(specs: list[str], default_k: int,

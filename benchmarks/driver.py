@@ -35,13 +35,14 @@ from benchmarks.datasets import DATASETS, DEFAULT_PATHS, SPEED_BENCH_SUBSETS, Pr
 from benchmarks.metrics import RunResult, category_table, markdown_table, summarize
 
 ENGINES = ("reference", "vllm", "sglang", "openai")
-REFERENCE_METHODS = ("ar", "ngram", "orthrus", "linear_self_spec", "tidar")
+REFERENCE_METHODS = baseline_specs.engine_methods("reference")
 
 
 def _default_model() -> str:
-    from diffspec.assets import SYNTH_ORTHRUS_DIR
+    from diffspec.assets import ASSETS_DIR
+    from diffspec.methods import METHODS as REGISTRY
 
-    return str(SYNTH_ORTHRUS_DIR)
+    return str(ASSETS_DIR / REGISTRY["orthrus"].bundled)
 
 
 def _csv(text: str) -> list[str]:

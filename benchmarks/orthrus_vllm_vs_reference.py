@@ -35,10 +35,10 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from diffspec.assets import SYNTH_ORTHRUS_DIR
-    from diffspec.core.reference import Request, speculative_generate
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
     from diffspec.core.sampling import SamplingParams
-    from diffspec.model_executors.orthrus import load_orthrus
-    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
     from diffspec.testing.synthetic import sample_prompts
 
     torch.set_num_threads(1)

@@ -15,21 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BUILT_METHODS = {
-    "ar": "plain autoregressive decoding, one token per forward",
-    "ngram": "speculative decoding with prompt lookup (n-gram) drafts, lossless",
-    "orthrus": "Orthrus checkpoint: diffusion-view drafts verified by the AR view, lossless",
-    "linear_self_spec": "NLD checkpoint: bidirectional (LoRA) drafts, causal verify, lossless",
-    "tidar": "TiDAR / NLD checkpoint: draft + verify in one forward (quadratic), lossless",
-    "refusion": "ReFusion checkpoint: slot plan-and-infill (greedy; not lossless)",
-    "fast_dllm": "LLaDA / Dream / Fast-dLLM v2 / NLD: block diffusion with KV cache and "
-                 "confidence-threshold unmasking (greedy; not lossless)",
-}
-NOT_BUILT_METHODS: tuple[str, ...] = ()
 
-_METHODS_HELP = "decoding methods:\n" + "".join(
-    f"  {name:<17} {text}\n" for name, text in BUILT_METHODS.items()
-) + "".join(f"  {name:<17} not built yet\n" for name in NOT_BUILT_METHODS)
+
+def _methods_help() -> str:
+    """The epilog's method list, from the registry (with each method's bundled model)."""
+    from diffspec.methods import METHODS
+
+    lines = ["decoding methods (bundled model used when --model is not given):"]
+    for m in METHODS.values():
+        if m.reference is None:
+            continue
+        lines.append(f"  {m.name:<17} {m.summary}{'' if m.lossless else ' (not lossless)'}")
+        lines.append(f"  {'':<17} bundled: {m.bundled}; options: "
+                     f"{', '.join('--' + k.replace('_', '-') for k in m.defaults) or 'none'}")
+    return "\n".join(lines) + "\n"
+
 
 _FORWARDS_HELP = (
     "Forwards count every model call after the prompt prefill (the prefill is not counted);\n"
@@ -38,153 +38,34 @@ _FORWARDS_HELP = (
 )
 
 
-def bundled_model_path() -> Path:
-    """The small bundled checkpoint: a tiny Qwen3 trained on the synthetic language, with
-    Orthrus diffusion heads distilled onto it (AR weights identical to synth-qwen3)."""
-    from diffspec.assets import SYNTH_ORTHRUS_DIR
+def bundled_model_path(method: str = "orthrus") -> Path:
+    """The small trained checkpoint bundled for ``method`` (registry ``Method.bundled``)."""
+    from diffspec.assets import ASSETS_DIR
+    from diffspec.methods import get_method
 
-    return SYNTH_ORTHRUS_DIR
+    bundled = get_method(method).bundled
+    if bundled is None:
+        raise _CliError(f"method {method!r} has no bundled model; pass --model")
+    return ASSETS_DIR / bundled
 
 
 class _CliError(Exception):
     """A user error: printed as ``diffspec: error: ...`` with exit code 2."""
 
 
-@dataclass
-class _Decoder:
-    """A loaded checkpoint ready to decode with one method."""
-
-    method: str
-    tokenizer: Any
-    decode: Callable[[list[Any]], list[Any]]  # requests -> RequestOutputs
-    stop_token_ids: tuple[int, ...]
-    max_len: int  # context length (positions)
-    vocab_size: int
+# generate's option -> the registry's decoding option it sets
+_DECODE_OPTIONS = ("num_draft_tokens", "block_size", "threshold", "cache", "slot_size",
+                   "num_blocks", "slot_threshold", "token_threshold")
 
 
-def _load_decoder(method: str, path: str | Path, num_draft_tokens: int,
-                  threshold: float = 0.9, cache: str = "prefix") -> _Decoder:
-    """Load ``path`` for ``method``, with clear errors when the checkpoint cannot serve it
-    (no diffusion weights, block too large, ...); never touches the network."""
-    if method in NOT_BUILT_METHODS:
-        raise _CliError(f"method {method!r} is not built yet (built: {', '.join(BUILT_METHODS)})")
-    if num_draft_tokens < 1:
-        raise _CliError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
-    if not (Path(path) / "config.json").is_file():
-        raise _CliError(f"model path {str(path)!r} is not a local checkpoint folder "
-                        "(no config.json there)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def _load_decoder(method: str, path: str | Path, **options: Any):
+    """:func:`diffspec.spec_workers.reference.load_decoder` with user errors as _CliError."""
+    from diffspec.spec_workers.reference import load_decoder
 
-    from diffspec.core import reference
-    from diffspec.core.checkpoint import (
-        CheckpointError,
-        inspect_checkpoint,
-        require_method,
-        validate_block_size,
-    )
-
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # config-class warnings for model types it does not know
-    k = num_draft_tokens
     try:
-        info = inspect_checkpoint(path)
-        tokenizer = AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False)
-        if method in ("ar", "ngram"):
-            model = _load_ar_view(info, torch.float32)
-            drafter = reference.NgramDrafter()
-            if method == "ar":
-                decode = lambda reqs: reference.ar_generate(model, reqs, tokenizer)
-            else:
-                decode = lambda reqs: reference.speculative_generate(
-                    model, drafter, reqs, k, tokenizer=tokenizer)
-            eos: tuple[int, ...] = info.eos_token_ids
-        elif method in ("orthrus", "linear_self_spec"):
-            require_method(info, method)
-            validate_block_size(info, k)
-            if method == "orthrus":
-                from diffspec.model_executors.orthrus import load_orthrus
-                from diffspec.spec_workers.orthrus import OrthrusDrafter
-
-                wrapped: Any = load_orthrus(info.path, dtype=torch.float32)
-                drafter = OrthrusDrafter(wrapped)
-            else:
-                from diffspec.model_executors.nld import load_nld
-                from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter
-
-                wrapped = load_nld(info.path, dtype=torch.float32)
-                drafter = LinearSelfSpecDrafter(wrapped)
-            model, eos = wrapped.lm, wrapped.eos_token_ids
-            decode = lambda reqs: reference.speculative_generate(
-                model, drafter, reqs, k, tokenizer=tokenizer)
-        elif method == "tidar":
-            from diffspec.spec_workers.tidar import load_quadratic, tidar_generate
-
-            require_method(info, "tidar")
-            quadratic = load_quadratic(info.path, dtype=torch.float32)
-            if k > quadratic.max_draft_tokens:
-                raise CheckpointError(f"checkpoint {info.path} drafts at most "
-                                      f"{quadratic.max_draft_tokens} tokens per step "
-                                      f"(block_size={quadratic.block_size}); {k} requested")
-            model, eos = quadratic.lm, quadratic.eos_token_ids
-            decode = lambda reqs: tidar_generate(quadratic, reqs, k, tokenizer=tokenizer)
-        elif method == "fast_dllm":
-            from diffspec.model_executors.dllm import load_dllm
-            from diffspec.spec_workers.fast_dllm import FastDLLMConfig, fast_dllm_generate
-
-            lm = load_dllm(info.path, dtype=torch.float32)
-            dllm_config = FastDLLMConfig(cache=cache, threshold=threshold, block_size=k)
-            decode = lambda reqs: fast_dllm_generate(lm, reqs, dllm_config)
-            stops = tuple(dict.fromkeys([*lm.eos_token_ids, *([tokenizer.eos_token_id]
-                                         if tokenizer.eos_token_id is not None else [])]))
-            return _Decoder(method, tokenizer, decode, stops, lm.max_positions,
-                            int(info.vocab_size or len(tokenizer)))
-        else:  # refusion
-            from diffspec.spec_workers.refusion import (
-                ReFusionConfig,
-                load_refusion,
-                refusion_generate,
-            )
-
-            model, info = load_refusion(info.path, dtype=torch.float32)
-            config = ReFusionConfig(slot_size=k, num_blocks=1)
-            mask_id = int(info.mask_token_id)
-            decode = lambda reqs: refusion_generate(model, reqs, config, mask_id)
-            eos = info.eos_token_ids
-    except (CheckpointError, ValueError) as e:
+        return load_decoder(method, path, **options)
+    except ValueError as e:  # CheckpointError included
         raise _CliError(str(e)) from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    stops = tuple(dict.fromkeys([*eos, *_stop_token_ids(model, tokenizer)]))
-    return _Decoder(method, tokenizer, decode, stops, model.config.max_position_embeddings,
-                    model.config.vocab_size)
-
-
-def _load_ar_view(info: Any, dtype: Any) -> Any:
-    """The plain causal LM of any checkpoint diffspec reads (Orthrus: its AR view)."""
-    if info.family == "orthrus":
-        from diffspec.model_executors.orthrus import load_orthrus
-
-        return load_orthrus(info.path, dtype=dtype).lm
-    if info.family == "nld":
-        from diffspec.model_executors.nld import load_nld
-
-        return load_nld(info.path, dtype=dtype, lora=False).lm
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype).eval()
-
-
-def _stop_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids from the generation config (a list or an int) and the tokenizer."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -197,7 +78,7 @@ def _sampling(args: argparse.Namespace) -> Any:
         raise _CliError(str(e)) from None
 
 
-def _timed(decoder: _Decoder, requests: list[Any]) -> tuple[list[Any], float]:
+def _timed(decoder: Any, requests: list[Any]) -> tuple[list[Any], float]:
     """Decode ``requests``; return the outputs and the wall time (s)."""
     start = time.perf_counter()
     try:
@@ -214,11 +95,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise _CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling = _sampling(args)
-    decoder = _load_decoder(args.method, args.model, args.num_draft_tokens, args.threshold,
-                            args.cache)
+    model = args.model or bundled_model_path(args.method)
+    decoder = _load_decoder(args.method, model,
+                            **{k: getattr(args, k) for k in _DECODE_OPTIONS})
     tokenizer = decoder.tokenizer
 
-    from diffspec.core.reference import Request
+    from diffspec.spec_workers.reference.decoder import Request
 
     text = args.prompt
     if args.chat:
@@ -248,11 +130,13 @@ DEMO_METHODS = ("ar", "ngram", "orthrus")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from diffspec.core.reference import Request
+    from diffspec.spec_workers.reference.decoder import Request
     from diffspec.core.sampling import SamplingParams
     from diffspec.testing.synthetic import sample_prompts
 
-    decoders = [_load_decoder(m, args.model, args.num_draft_tokens) for m in DEMO_METHODS]
+    decoders = [_load_decoder(m, args.model, **({} if m == "ar" else
+                                                 {"num_draft_tokens": args.num_draft_tokens}))
+                for m in DEMO_METHODS]
     tokenizer, stops = decoders[0].tokenizer, decoders[0].stop_token_ids
     prompts = sample_prompts(args.num_prompts, args.seed)
     settings = [
@@ -295,11 +179,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diffspec.methods import METHODS
+
     parser = argparse.ArgumentParser(
         prog="diffspec",
         description="Diffusion-drafted speculative decoding: reference decoder demo and "
         "generation (engine-free, CPU).",
-        epilog=_METHODS_HELP + "\n" + _FORWARDS_HELP,
+        epilog=_methods_help() + "\n" + _FORWARDS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from diffspec import __version__
@@ -329,21 +215,39 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate from a prompt with one method",
         description="Generate a completion with the reference decoder.",
-        epilog=_METHODS_HELP + "\n" + _FORWARDS_HELP,
+        epilog=_methods_help() + "\n" + _FORWARDS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gen.add_argument("--model", default=str(bundled_model_path()), help=model_help)
+    gen.add_argument("--model", default=None,
+                     help="local checkpoint folder (default: the method's bundled model, "
+                     "listed below)")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--method", default="ngram", choices=[*BUILT_METHODS, *NOT_BUILT_METHODS],
+    gen.add_argument("--method", default="ngram", choices=[m.name for m in METHODS.values() if m.reference],
                      help="decoding method (default: ngram); see the list below")
-    gen.add_argument("--num-draft-tokens", type=int, default=8,
-                     help="drafts per step (K); refusion: the slot size; fast_dllm: the block")
-    gen.add_argument("--threshold", type=float, default=0.9,
-                     help="fast_dllm: unmask every position with confidence > this (and at "
-                     "least the top-1); 1.0 = one token per step")
-    gen.add_argument("--cache", choices=("none", "prefix", "dual"), default="prefix",
-                     help="fast_dllm: KV cache mode (default: prefix)")
+    opts = gen.add_argument_group(
+        "decoding options (each applies to the methods listed below; default: the method's "
+        "own, from what the checkpoint was trained for)")
+    opts.add_argument("--num-draft-tokens", type=int, default=None,
+                      help="drafts per step (ngram: 8; orthrus / linear_self_spec: block_size"
+                      " - 1; tidar: one trained branch)")
+    opts.add_argument("--block-size", type=int, default=None,
+                      help="fast_dllm: tokens per block (default: the checkpoint's, else 32)")
+    opts.add_argument("--threshold", type=float, default=None,
+                      help="fast_dllm: unmask every position with confidence > this (and at "
+                      "least the top-1); 1.0 = one token per step (default 0.9)")
+    opts.add_argument("--cache", choices=("none", "prefix", "dual"), default=None,
+                      help="fast_dllm: KV cache mode (default: prefix)")
+    opts.add_argument("--slot-size", type=int, default=None,
+                      help="refusion: tokens per slot (default 8)")
+    opts.add_argument("--num-blocks", type=int, default=None,
+                      help="refusion: serial blocks (default 1)")
+    opts.add_argument("--slot-threshold", type=float, default=None,
+                      help="refusion: plan slots whose first-token probability is > this "
+                      "(default 0.9)")
+    opts.add_argument("--token-threshold", type=float, default=None,
+                      help="refusion: keep infilled tokens whose causal probability is > "
+                      "this (default 0.4)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=-1, help="-1 = off")

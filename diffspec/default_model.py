@@ -14,7 +14,7 @@ each skipped when its output is already there and its hashes match:
    tokenizer with its chat template: a normal HF Llama checkpoint (``base/``);
 4. **materialize** the Orthrus checkpoint (``orthrus/``) from ``base/`` and the heads
    shipped in ``diffspec/assets/smollm2-orthrus-heads`` (low-rank deltas against the AR
-   projections), with ``diffspec.model_executors.orthrus.materialize_orthrus``.
+   projections), with ``diffspec.model_executors.reference.orthrus.materialize_orthrus``.
 
 Layout under the cache (``$DIFFSPEC_CACHE``, default ``~/.cache/diffspec``)::
 
@@ -271,10 +271,10 @@ def _step(out: Path, previous: dict[str, Any] | None, log: Callable[[str], None]
 
 def _materialize(base: Path, heads: Path, out: Path) -> None:
     try:
-        from diffspec.model_executors.orthrus import materialize_orthrus
+        from diffspec.model_executors.reference.orthrus import materialize_orthrus
     except ImportError as exc:  # pragma: no cover - depends on the installed diffspec
         raise DefaultModelError("this diffspec has no materialize_orthrus "
-                                "(diffspec.model_executors.orthrus)") from exc
+                                "(diffspec.model_executors.reference.orthrus)") from exc
     materialize_orthrus(base, heads, out)
 
 

@@ -17,12 +17,15 @@ def run(spec: Baseline, model: str | Path, prompts: list[list[int]], max_tokens:
     fastest and steadiest on one; two threads contend with every other process)."""
     import torch
 
-    from diffspec.cli import _load_decoder
-    from diffspec.core.reference import Request
+    from diffspec.methods import get_method
+    from diffspec.spec_workers.reference import load_decoder
+    from diffspec.spec_workers.reference.decoder import Request
 
     baseline, num_draft_tokens = spec.method, max(1, spec.num_draft_tokens)
     torch.set_num_threads(threads)
-    decoder = _load_decoder(baseline, model, num_draft_tokens)
+    takes_k = "num_draft_tokens" in get_method(baseline).defaults
+    decoder = load_decoder(baseline, model,
+                           **({"num_draft_tokens": num_draft_tokens} if takes_k else {}))
     stops = () if ignore_eos else decoder.stop_token_ids
     decoder.decode([Request(prompts[0], max_tokens=8, stop_token_ids=stops)])  # warm-up, untimed
     completions, accepted_per_pos = [], [0] * num_draft_tokens
@@ -44,8 +47,8 @@ def run(spec: Baseline, model: str | Path, prompts: list[list[int]], max_tokens:
     tokens = sum(len(c.token_ids) for c in completions)
     return RunResult(
         engine="reference", baseline=spec.label,
-        launch={"decoder": "diffspec.cli._load_decoder", "method": baseline, "model": str(model),
-                "num_draft_tokens": num_draft_tokens, "dtype": "float32", "greedy": True,
+        launch={"decoder": "diffspec.spec_workers.reference.load_decoder", "method": baseline,
+                "model": str(model), **dict(decoder.options), "dtype": "float32", "greedy": True,
                 "ignore_eos": ignore_eos, "torch_threads": threads},
         completions=completions,
         system_tokens_per_s={1: tokens / latency if latency > 0 else 0.0},

@@ -16,15 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.baselines import DRAFTER_METHODS, SELF_SPEC, Baseline
+from benchmarks.baselines import DRAFTER_METHODS, REGISTRY, SELF_SPEC, Baseline, engine_methods
 from benchmarks.metrics import Completion, RunResult
 
 WORKER = Path(__file__).resolve().parent / "sglang_worker.py"
 ENV_RECORDED = ("SGLANG_USE_CPU_ENGINE", "OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND")
-METHODS = ("ar", "ngram", *DRAFTER_METHODS, *SELF_SPEC)
-# baseline method -> SGLang --speculative-algorithm (diffspec's come from its SGLang plugin)
-ALGORITHMS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "dflash": "DFLASH",
-              "orthrus": "ORTHRUS", "linear_self_spec": "LINEAR_SELF_SPEC"}
+METHODS = engine_methods("sglang")
+# baseline method -> SGLang --speculative-algorithm (the registry's SGLang entries)
+ALGORITHMS = {m.name: m.sglang.name for m in REGISTRY.values() if m.sglang is not None}
 BASE_KWARGS: dict[str, Any] = {"random_seed": 0, "log_level": "error"}
 
 

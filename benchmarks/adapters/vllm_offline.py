@@ -15,13 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.baselines import DRAFTER_METHODS, SELF_SPEC, Baseline
+from benchmarks.baselines import DRAFTER_METHODS, SELF_SPEC, Baseline, engine_methods
 from benchmarks.metrics import Completion, RunResult
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 BASE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "seed": 0,
                                "enforce_eager": True, "block_size": 32}
-METHODS = ("ar", "ngram", *DRAFTER_METHODS, *SELF_SPEC)
+METHODS = engine_methods("vllm")
 
 
 def speculative_config(b: Baseline) -> dict[str, Any] | None:

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffspec.methods import FAMILIES, METHODS
+
 __all__ = [
-    "METHODS",
     "CheckpointError",
     "CheckpointInfo",
     "inspect_checkpoint",
@@ -40,13 +41,9 @@ __all__ = [
 ]
 
 LORA_DIR = "linear_spec_lora"
-# Orthrus architecture -> its base model_type (the first per base is what diffspec writes).
-ORTHRUS_BASES = {
-    "OrthrusLM": "qwen3",
-    "OrthrusForCausalLM": "qwen3",
-    "OrthrusLlamaForCausalLM": "llama",
-}
-ORTHRUS_ARCHITECTURES = tuple(ORTHRUS_BASES)
+# Orthrus architecture (registry) -> its base model_type.
+ORTHRUS_BASES = {arch: "llama" if "Llama" in arch else "qwen3"
+                 for arch in FAMILIES["orthrus"].architectures}
 # The *_diff tensors of one layer, per base: Llama attention has no q/k norms.
 ORTHRUS_DIFF_WEIGHTS = {
     "qwen3": ("q_proj_diff.weight", "k_proj_diff.weight", "v_proj_diff.weight",
@@ -57,15 +54,6 @@ ORTHRUS_DIFF_WEIGHTS = {
 # Fast-dLLM v2 keeps its mask token in the tokenizer only (``|<MASK>|``), not in config.json.
 FAST_DLLM_V2_MASK_TOKEN = "|<MASK>|"
 
-# method -> families that can serve it
-METHODS: dict[str, tuple[str, ...]] = {
-    "orthrus": ("orthrus",),
-    "linear_self_spec": ("nld",),
-    "quadratic_self_spec": ("nld", "tidar"),
-    "tidar": ("tidar", "nld"),
-    "fast_dllm": ("llada", "dream", "fast_dllm_v2"),
-    "refusion": ("refusion",),
-}
 _SHIFTED_FAMILIES = ("orthrus", "dream", "fast_dllm_v2")
 
 
@@ -172,8 +160,11 @@ def inspect_checkpoint(name_or_path: str | Path) -> CheckpointInfo:
 
 def require_method(info: CheckpointInfo, method: str) -> None:
     """Raise :class:`CheckpointError` naming exactly what ``info`` lacks to serve ``method``."""
-    if method not in METHODS:
-        raise CheckpointError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+    known = [m.name for m in METHODS.values() if m.families]
+    if method not in known:
+        raise CheckpointError(f"unknown method {method!r}; methods that need a particular "
+                              f"checkpoint: {', '.join(known)}")
+    families = METHODS[method].families
     name = info.path
     if method == "orthrus" and (
         info.family in ("orthrus", "qwen3", "refusion") or info.orthrus_base == "llama"
@@ -184,13 +175,13 @@ def require_method(info: CheckpointInfo, method: str) -> None:
             f"checkpoint {name} is a Qwen3 checkpoint with no mask_token_id in config.json; "
             f"ReFusion needs the id of its <|mask|> token there"
         )
-    elif info.family not in METHODS[method]:
-        wanted = " or ".join(METHODS[method])
+    elif info.family not in families:
+        wanted = " or ".join(families)
         raise CheckpointError(
             f"method {method!r} needs a checkpoint of family {wanted}; checkpoint {name} is family "
             f"{info.family!r} (architecture {info.architecture!r}, model_type {info.model_type!r})"
         )
-    if method in ("linear_self_spec", "quadratic_self_spec", "tidar") and info.family == "nld":
+    if method in ("linear_self_spec", "tidar") and info.family == "nld":
         missing = [
             w
             for w in ("encoder.embed_tokens.weight", "diffusion_head.weight")
@@ -203,7 +194,7 @@ def require_method(info: CheckpointInfo, method: str) -> None:
         if info.lora_path is not None:
             _check_lora(info.lora_path)
     if (
-        method in ("orthrus", "linear_self_spec", "quadratic_self_spec", "tidar")
+        method in ("orthrus", "linear_self_spec", "tidar")
         or info.family == "fast_dllm_v2"
     ):
         key = "bd_size" if info.family == "fast_dllm_v2" else "block_size"
@@ -308,26 +299,16 @@ def _weight_names(path: Path) -> list[str]:
 def _family(
     architecture: str | None, model_type: str | None, config: dict[str, Any], names: list[str]
 ) -> str | None:
-    mt = (model_type or "").lower()
-    if (
-        architecture in ORTHRUS_ARCHITECTURES
-        or mt == "orthrus"
-        or any("_diff." in n for n in names)
-    ):
+    """The first registry family (:data:`diffspec.methods.FAMILIES`) whose architecture or
+    model_type the checkpoint has and whose required config keys it holds; Orthrus also by
+    its ``*_diff`` tensors (a Qwen3 / Llama config with diffusion weights)."""
+    if any("_diff." in n for n in names):
         return "orthrus"
-    if architecture == "NemotronLabsDiffusionModel" or mt == "nemotron_labs_diffusion":
-        return "nld"
-    if architecture == "LLaDAModelLM" or mt == "llada":
-        return "llada"
-    if architecture == "DreamModel" or mt == "dream":
-        return "dream"
-    if architecture == "Fast_dLLM_QwenForCausalLM" or mt == "fast_dllm_qwen":
-        return "fast_dllm_v2"
-    causal_qwen = architecture in ("Qwen3ForCausalLM", "Qwen2ForCausalLM") or mt in ("qwen3", "qwen2")
-    if causal_qwen and config.get("mask_token_id") is not None and config.get("block_size"):
-        return "tidar"
-    if architecture == "Qwen3ForCausalLM" or mt == "qwen3":
-        return "refusion" if config.get("mask_token_id") is not None else "qwen3"
+    mt = (model_type or "").lower()
+    for family in FAMILIES.values():
+        if architecture in family.architectures or mt in family.model_types:
+            if all(config.get(k) is not None for k in family.required_config):
+                return family.name
     return None
 
 

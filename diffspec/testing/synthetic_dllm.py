@@ -6,7 +6,7 @@ tokenizer has no ``<|im_start|>``). The checkpoint starts as the tiny random che
 :func:`~diffspec.testing.checkpoints.write_llada` or
 :func:`~diffspec.testing.checkpoints.write_fast_dllm_v2` (so the layout, config keys and
 tokenizer are the published ones), whose vocabulary is set to the language's words, and
-is then trained from scratch, loaded by :func:`diffspec.model_executors.dllm.load_dllm`:
+is then trained from scratch, loaded by :func:`diffspec.model_executors.reference.dllm.load_dllm`:
 
 * ``llada``: masked diffusion (LLaDA pretraining): per row t ~ U(eps, 1), every token
   masked with probability t, cross-entropy on masked tokens weighted by 1/t, summed over
@@ -86,7 +86,7 @@ def train_synthetic_dllm(
     import torch
     from safetensors.torch import save_file
 
-    from diffspec.model_executors.dllm import load_dllm
+    from diffspec.model_executors.reference.dllm import load_dllm
     from diffspec.testing.checkpoints import write_fast_dllm_v2, write_llada
 
     cfg = DLLMTrainConfig(layout=layout, steps=steps, seed=seed, **overrides)
@@ -203,7 +203,7 @@ def _llada_loss(model, x0, mask_id: int, gen, eps: float = 1e-3):
     import torch.nn.functional as F
 
     from diffspec.core.masks import block_diffusion_mask
-    from diffspec.model_executors.views import block_view_logits
+    from diffspec.model_executors.reference.views import block_view_logits
 
     b, length = x0.shape
     t = (1 - eps) * torch.rand(b, 1, generator=gen) + eps  # [batch, 1]
@@ -224,7 +224,7 @@ def _block_diffusion_loss(model, x0, mask_id: int, block: int, gen, eps: float =
     import torch.nn.functional as F
 
     from diffspec.core.masks import block_diffusion_training_mask
-    from diffspec.model_executors.views import block_view_logits
+    from diffspec.model_executors.reference.views import block_view_logits
 
     b, length = x0.shape
     t = (1 - eps) * torch.rand(b, length // block, generator=gen) + eps
@@ -258,9 +258,9 @@ def evaluate_fast_dllm(
     over the longer of the two outputs), requests whose output equals the reference,
     TPF, mean steps per block, and the share of adjacent token pairs that the language
     allows (a quality check that needs no reference)."""
-    from diffspec.core.reference import Request
-    from diffspec.model_executors.dllm import load_dllm
-    from diffspec.spec_workers.fast_dllm import CACHE_MODES, FastDLLMConfig, fast_dllm_generate
+    from diffspec.spec_workers.reference.decoder import Request
+    from diffspec.model_executors.reference.dllm import load_dllm
+    from diffspec.spec_workers.reference.fast_dllm import CACHE_MODES, FastDLLMConfig, fast_dllm_generate
     from diffspec.testing.synthetic import sample_prompts
 
     lm = load_dllm(model_dir)

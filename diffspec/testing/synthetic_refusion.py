@@ -225,8 +225,9 @@ def evaluate(model_dir: str | Path, slot_size: int, num_blocks: int, slot_thresh
     """ReFusion decoding of synthetic prompts: TPF, slots per plan, quality vs AR."""
     import torch
 
-    from diffspec.core.reference import Request, ar_generate
-    from diffspec.spec_workers.refusion import ReFusionConfig, load_refusion, refusion_generate
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+    from diffspec.model_executors.reference.refusion import load_refusion
+    from diffspec.spec_workers.reference.refusion import ReFusionConfig, refusion_generate
     from diffspec.testing.synthetic import build_tokenizer, sample_prompts
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ draft by one-step diffusion. Per row of ``L`` clean tokens ``x_0 .. x_{L-1}``:
   the copy, anchors ``0, K, 2K, ..``): the clean stream is causal and never sees the copy;
   the copy is cut into blocks of ``K``; a block's masks see the clean tokens before the
   block and every mask of their own block, never another block. At inference a branch of
-  the quadratic layout (:mod:`diffspec.spec_workers.tidar`) is exactly such a block: ``K``
+  the quadratic layout (:mod:`diffspec.spec_workers.reference.tidar`) is exactly such a block: ``K``
   masks right after the last token they see;
 * **loss**: ``(alpha * AR + diffusion) / (1 + alpha)``, ``alpha = 1``; AR = next-token
   cross-entropy on the clean stream, diffusion = cross-entropy on every mask (the full
@@ -25,7 +25,7 @@ exact block alignment (here blocks tile the row from position 0).
 
 The saved checkpoint is a stock ``Qwen3ForCausalLM`` whose ``config.json`` adds
 ``block_size``, ``mask_token_id`` and ``dlm_type`` (``"dream"`` = shifted draft logits), the
-layout :func:`diffspec.spec_workers.tidar.load_quadratic` reads.
+layout :func:`diffspec.model_executors.reference.tidar.load_quadratic` reads.
 
 CLI::
 
@@ -94,7 +94,7 @@ def tidar_loss(model, rows, mask_id: int, cfg: TiDARTrainConfig):
     import torch.nn.functional as F
 
     from diffspec.core.masks import orthrus_dual_pass_mask
-    from diffspec.model_executors.views import block_view_logits
+    from diffspec.model_executors.reference.views import block_view_logits
 
     length, k = cfg.seq_len, cfg.block_size
     clean = rows[:, :length]  # [batch, L]
@@ -184,9 +184,10 @@ def evaluate(model_dir: str | Path, num_prompts: int, seed: int, max_tokens: int
     length, and whether the output equals plain AR decoding token for token."""
     import torch
 
-    from diffspec.core.reference import Request, ar_generate
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.core.sampling import SamplingParams
-    from diffspec.spec_workers.tidar import load_quadratic, tidar_generate
+    from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.spec_workers.reference.tidar import tidar_generate
     from diffspec.testing.synthetic import build_tokenizer, sample_prompts
 
     torch.set_num_threads(1)

@@ -215,7 +215,7 @@ def _backward(loss, module, params: list, accelerator, max_grad_norm: float) -> 
 
 def measure_speculation(
     lm,  # the AR model (verifier), e.g. OrthrusModel.lm
-    drafter,  # a diffspec.core.reference.Drafter, e.g. OrthrusDrafter(model)
+    drafter,  # a diffspec.spec_workers.reference.decoder.Drafter, e.g. OrthrusDrafter(model)
     prompts: list[list[int]],
     num_draft_tokens: int,
     *,
@@ -228,7 +228,7 @@ def measure_speculation(
     whether every output equals AR token for token."""
     import torch
 
-    from diffspec.core.reference import Request, ar_generate, speculative_generate
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate, speculative_generate
 
     if stop_token_ids is None:
         eos = getattr(lm.generation_config, "eos_token_id", None)

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="low-rank heads: each *_diff projection = frozen AR weight + B @ A "
                         "(rank R, B = 0 at the start); --out then receives a compact heads "
                         "folder (heads.safetensors + heads.json, factors in bf16); make the "
-                        "full checkpoint with diffspec.model_executors.orthrus."
+                        "full checkpoint with diffspec.model_executors.reference.orthrus."
                         "materialize_orthrus(base, heads, out)")
     o.add_argument("--measure", action="store_true",
                    help="after training, measure TPF / acceptance with the reference decoder on "
@@ -177,7 +177,7 @@ def _orthrus(args: argparse.Namespace, command: str) -> int:
     _print_summary(result.record)
     if args.measure:
         from diffspec.core.checkpoint import resolve_checkpoint
-        from diffspec.model_executors.orthrus import orthrus_from_base
+        from diffspec.model_executors.reference.orthrus import orthrus_from_base
 
         base = resolve_checkpoint(args.base)
         untrained = orthrus_from_base(base, result.model.block_size, result.model.mask_token_id)

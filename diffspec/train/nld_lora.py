@@ -107,7 +107,7 @@ def _set_requires_grad(params: list[nn.Parameter], flag: bool) -> None:
 def save_linear_spec_lora(nld, folder: str | Path) -> Path:
     """Write the LoRA as NLD ships it: ``adapter_config.json`` + ``adapter_model.safetensors``
     (PEFT format, keys under NLD's module names ``base_model.model.encoder.*``), which
-    :func:`~diffspec.model_executors.nld.load_nld` and ``PeftModel.from_pretrained`` on the
+    :func:`~diffspec.model_executors.reference.nld.load_nld` and ``PeftModel.from_pretrained`` on the
     original NLD model both read."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -214,7 +214,7 @@ def train_nld_lora(
     greedy continuation (the recommended data for a lossless greedy drafter).
     """
     from diffspec.core.checkpoint import resolve_checkpoint
-    from diffspec.model_executors.nld import load_nld
+    from diffspec.model_executors.reference.nld import load_nld
 
     if self_generate_prefix is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("self-generated rows are made by the main process's data loader, "
@@ -301,7 +301,7 @@ def train_tiny_nld_base(
     (unshifted, as NLD predicts). A test-scale recipe, not NVIDIA's."""
     from safetensors.torch import save_file
 
-    from diffspec.model_executors.nld import load_nld
+    from diffspec.model_executors.reference.nld import load_nld
     from diffspec.testing.checkpoints import write_nld
     from diffspec.train.data import synthetic_documents
 
@@ -350,7 +350,7 @@ class _BaseStep(nn.Module):
 
     def forward(self, input_ids: Tensor) -> dict[str, Tensor]:  # input_ids: [B, L]
         from diffspec.core.masks import block_diffusion_training_mask
-        from diffspec.model_executors.views import block_view_logits
+        from diffspec.model_executors.reference.views import block_view_logits
 
         ar = self.lm(input_ids=input_ids, labels=input_ids).loss
         batch, seq_len = input_ids.shape
@@ -377,7 +377,7 @@ def measure_nld_lora(nld, **prompt_kwargs: Any) -> dict[str, dict[str, Any]]:
     """TPF / acceptance of linear self-speculation on the synthetic prompts, drafting with
     the plain backbone (``without_lora``) and with the trained LoRA (``with_lora``). For an
     NLD trained on the synthetic language (:func:`train_tiny_nld_base`)."""
-    from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter
+    from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
     from diffspec.train import measure_on_synthetic
 
     tokenizer = load_tokenizer(nld.source) if nld.source is not None else None

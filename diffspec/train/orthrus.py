@@ -8,7 +8,7 @@ The AR model is frozen and is its own teacher. One training step on a batch of c
 2. **anchors**: ``n`` random positions per row in ``1 .. L-K`` (as the official trainer
    samples them); each gives a block ``[x_a, <mask> x (K-1)]`` at positions ``a .. a+K-1``;
 3. **diffusion view**: every block of the batch in one
-   :func:`~diffspec.model_executors.views.block_view_logits` call over the AR cache, with
+   :func:`~diffspec.model_executors.reference.views.block_view_logits` call over the AR cache, with
    the block rows of :func:`~diffspec.core.masks.orthrus_dual_pass_mask` (a block sees the
    clean tokens strictly before its anchor, and itself bidirectionally);
 4. **loss**: Orthrus drafts from *shifted* logits, so block position ``j`` (0 .. K-2)
@@ -21,8 +21,8 @@ The AR model is frozen and is its own teacher. One training step on a batch of c
 Only :meth:`OrthrusModel.diffusion_parameters` get gradients; the AR weights stay
 bit-identical. With ``rank`` the ``*_diff`` projections are low-rank deltas on the frozen AR
 projections (``W + B @ A``, ``B = 0`` at the start) and the run saves a compact heads
-folder (:func:`~diffspec.model_executors.orthrus.save_orthrus_heads`) instead of a full
-checkpoint; :func:`~diffspec.model_executors.orthrus.materialize_orthrus` makes the full
+folder (:func:`~diffspec.model_executors.reference.orthrus.save_orthrus_heads`) instead of a full
+checkpoint; :func:`~diffspec.model_executors.reference.orthrus.materialize_orthrus` makes the full
 one. Qwen3 and Llama bases are both supported. This follows the public training code read for it (``ekonst41/orthrus-
 training`` ``src/train/qwen3/model.py`` and ``src/train/qwen3/loss.py``: warm start
 ``*_diff`` from the AR projections, freeze everything else, AR pass with cache, dual-pass
@@ -43,7 +43,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from diffspec.model_executors.views import block_view_logits
+from diffspec.model_executors.reference.views import block_view_logits
 from diffspec.train import FitResult, TrainConfig, TrainResult, fit
 from diffspec.train.data import anchor_blocks, make_dataloader, sample_anchors, training_rows
 from diffspec.train.losses import Divergence, DraftLoss, accepted_prefix_weights, draft_loss
@@ -215,7 +215,7 @@ def train_orthrus(
     trained = result.trained_state(lambda name: "_diff." in name)  # every process calls it
     out = None
     if out_dir is not None and result.is_main_process:
-        from diffspec.model_executors.orthrus import save_orthrus, save_orthrus_heads
+        from diffspec.model_executors.reference.orthrus import save_orthrus, save_orthrus_heads
 
         if result.distributed:  # the in-memory model is sharded: rebuild it whole
             model = _load_start(base, block_size, mask_token_id, rank, cfg.seed)
@@ -230,7 +230,7 @@ def train_orthrus(
 def _load_start(base: str | Path, block_size: int, mask_token_id: int | None,
                 rank: int | None = None, seed: int = 0):
     from diffspec.core.checkpoint import inspect_checkpoint
-    from diffspec.model_executors.orthrus import load_orthrus, orthrus_from_base
+    from diffspec.model_executors.reference.orthrus import load_orthrus, orthrus_from_base
 
     if inspect_checkpoint(base).family == "orthrus":
         if rank is not None:
@@ -268,10 +268,10 @@ def training_record(
 
 
 def measure_orthrus(model) -> dict[str, dict[str, Any]]:
-    """TPF / acceptance of :class:`~diffspec.spec_workers.orthrus.OrthrusDrafter` drafting
+    """TPF / acceptance of :class:`~diffspec.spec_workers.reference.orthrus.OrthrusDrafter` drafting
     ``block_size - 1`` tokens, greedy, on the synthetic prompt sets (synthetic-language
     models only; see :func:`diffspec.train.measure_on_synthetic`)."""
-    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
     from diffspec.train import measure_on_synthetic
 
     return measure_on_synthetic(model.lm, OrthrusDrafter(model), model.block_size - 1)

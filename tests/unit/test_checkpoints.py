@@ -304,7 +304,7 @@ def test_nld_without_lora_still_serves_linear_self_spec(tmp_path: Path) -> None:
     info = inspect_checkpoint(write_nld(tmp_path / "n", with_lora=False))
     assert info.lora_path is None
     require_method(info, "linear_self_spec")
-    require_method(info, "quadratic_self_spec")
+    require_method(info, "tidar")
 
 
 @pytest.mark.parametrize(
@@ -417,7 +417,7 @@ def test_fast_dllm_v2_without_tokenizer_mask_is_rejected(ckpt_root: Path, tmp_pa
     [
         ("llada", "orthrus", "needs a checkpoint of family orthrus;.* is family 'llada'"),
         ("dream", "linear_self_spec", "is family 'dream'"),
-        ("nld", "fast_dllm", "family llada or dream or fast_dllm_v2;"),
+        ("orthrus", "fast_dllm", "family llada or dream or fast_dllm_v2 or nld;"),
         ("orthrus", "refusion", "'OrthrusLM'"),
     ],
 )
@@ -516,7 +516,7 @@ def test_tidar_checkpoint_is_its_own_family() -> None:
     info = inspect_checkpoint(SYNTH_TIDAR_DIR)
     assert info.family == "tidar" and info.logits_shift is True
     require_method(info, "tidar")
-    require_method(info, "quadratic_self_spec")
+    require_method(info, "tidar")
     assert max_block_tokens(info) == info.block_size
     with pytest.raises(CheckpointError, match="block_size"):
         validate_block_size(info, info.block_size + 1)
@@ -530,9 +530,9 @@ def test_reference_loaders_refuse_a_checkpoint_missing_a_tensor(layout: str, tmp
     """transformers would random-initialise a missing tensor; the oracle's loaders refuse."""
     from safetensors.torch import load_file, save_file
 
-    from diffspec.model_executors.nld import load_nld
-    from diffspec.model_executors.orthrus import load_orthrus
-    from diffspec.spec_workers.refusion import load_refusion
+    from diffspec.model_executors.reference.nld import load_nld
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.model_executors.reference.refusion import load_refusion
 
     path = LAYOUTS[layout](tmp_path / layout)
     tensors = load_file(str(path / "model.safetensors"))

@@ -8,17 +8,19 @@ import sys
 import pytest
 
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_QWEN3_DIR, SYNTH_REFUSION_DIR, SYNTH_TIDAR_DIR
-from diffspec.cli import BUILT_METHODS, NOT_BUILT_METHODS, main
+from diffspec.cli import main
+from diffspec.methods import METHODS
 
 
-def test_help_lists_methods_and_imports_no_torch():
+def test_help_lists_methods_with_their_bundled_model_and_imports_no_torch():
     code = ("import sys, diffspec.cli; assert 'torch' not in sys.modules; "
             "diffspec.cli.main(['generate', '--help'])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    for method in (*BUILT_METHODS, *NOT_BUILT_METHODS):
-        assert method in result.stdout
-    assert ("not built yet" in result.stdout) == bool(NOT_BUILT_METHODS)
+    for method in METHODS.values():
+        if method.reference is not None:
+            assert f"  {method.name} " in result.stdout
+            assert f"bundled: {method.bundled};" in result.stdout
 
 
 def test_demo_runs_and_is_lossless(capsys):
@@ -52,8 +54,8 @@ BAD_GENERATE = {
     "prompt_too_long": (["--max-tokens", "100000"], "exceeds the model's context length"),
     "zero_max_tokens": (["--max-tokens", "0"], "--max-tokens must be >= 1"),
 }
-if NOT_BUILT_METHODS:
-    BAD_GENERATE["not_built_method"] = (["--method", NOT_BUILT_METHODS[0]], "not built yet")
+BAD_GENERATE["option_of_another_method"] = (["--method", "orthrus", "--slot-size", "4"],
+                                           "takes no option slot_size")
 
 
 @pytest.mark.parametrize("name", list(BAD_GENERATE))
@@ -65,19 +67,28 @@ def test_generate_bad_params_exit_2(name, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("method", [m for m, spec in METHODS.items() if spec.reference])
+def test_generate_runs_every_method_on_its_bundled_model(method, capsys):
+    """No --model: each method picks its bundled checkpoint from the registry."""
+    prompt = "the river carries the old stone"
+    assert main(["generate", "--prompt", prompt, "--method", method, "--max-tokens", "16"]) == 0
+    err = capsys.readouterr().err
+    assert f"[{method}] " in err and "TPF" in err
+
+
 @pytest.mark.parametrize(
-    ("method", "model", "k"),
+    ("method", "model", "options"),
     [
-        ("orthrus", None, 31),
-        ("tidar", SYNTH_TIDAR_DIR, 8),
-        ("refusion", SYNTH_REFUSION_DIR, 8),
-        ("fast_dllm", SYNTH_DLLM_DIR / "llada", 32),
-        ("fast_dllm", SYNTH_DLLM_DIR / "fast_dllm_v2", 32),
+        ("orthrus", None, ["--num-draft-tokens", "7"]),
+        ("tidar", SYNTH_TIDAR_DIR, ["--num-draft-tokens", "4"]),
+        ("refusion", SYNTH_REFUSION_DIR, ["--slot-size", "4", "--num-blocks", "2"]),
+        ("fast_dllm", SYNTH_DLLM_DIR / "llada", ["--block-size", "16", "--cache", "dual"]),
+        ("fast_dllm", SYNTH_DLLM_DIR / "fast_dllm_v2", ["--block-size", "32"]),
     ],
 )
-def test_generate_each_built_method(method, model, k, capsys):
+def test_generate_with_method_options(method, model, options, capsys):
     args = ["generate", "--prompt", "hello world", "--method", method, "--max-tokens", "16",
-            "--num-draft-tokens", str(k)]
+            *options]
     assert main(args + (["--model", str(model)] if model else [])) == 0
     err = capsys.readouterr().err
     assert f"[{method}]" in err and "TPF" in err

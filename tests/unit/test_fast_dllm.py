@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 from diffspec.assets import SYNTH_DLLM_DIR
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.core.masks import block_causal_mask, block_diffusion_mask, causal_mask
-from diffspec.core.reference import Request
+from diffspec.spec_workers.reference.decoder import Request
 from diffspec.core.sampling import SamplingParams
-from diffspec.model_executors.dllm import DiffusionLM, load_dllm
-from diffspec.model_executors.views import block_view_logits
-from diffspec.spec_workers.fast_dllm import FastDLLMConfig, FastDLLMOutput, fast_dllm_generate
+from diffspec.model_executors.reference.dllm import DiffusionLM, load_dllm
+from diffspec.model_executors.reference.views import block_view_logits
+from diffspec.spec_workers.reference.fast_dllm import FastDLLMConfig, FastDLLMOutput, fast_dllm_generate
 from diffspec.testing.checkpoints import tiny_checkpoint, write_fast_dllm_v2, write_llada
 
 FAMILIES = ("llada", "dream", "fast_dllm_v2", "nld")
@@ -128,7 +128,7 @@ def test_unsupported_llada_config_rejected(tmp_path: Path) -> None:
 def test_nld_diffusion_mode_is_the_backbone_without_lora(lms: dict[str, DiffusionLM]) -> None:
     """NLD's diffusion mode runs the plain backbone: same logits as load_nld(lora=False),
     different from the LoRA draft view; blocks come after a causal prompt."""
-    from diffspec.model_executors.nld import load_nld
+    from diffspec.model_executors.reference.nld import load_nld
 
     lm = lms["nld"]
     assert lm.causal_prefix and lm.block_size == 32 and not lm.logits_shift

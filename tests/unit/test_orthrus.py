@@ -20,15 +20,15 @@ from diffspec.assets import SYNTH_QWEN3_DIR
 from diffspec.cli import main
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, validate_block_size
 from diffspec.core.masks import causal_mask, orthrus_dual_pass_mask
-from diffspec.core.reference import Request, speculative_generate
-from diffspec.model_executors.orthrus import (
+from diffspec.spec_workers.reference.decoder import Request, speculative_generate
+from diffspec.model_executors.reference.orthrus import (
     DIFF_MODULES,
     load_orthrus,
     orthrus_from_base,
     save_orthrus,
 )
-from diffspec.model_executors.views import block_view_logits
-from diffspec.spec_workers.orthrus import OrthrusDrafter
+from diffspec.model_executors.reference.views import block_view_logits
+from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 from diffspec.testing.checkpoints import write_orthrus, write_qwen3
 
 

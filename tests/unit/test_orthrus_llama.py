@@ -3,7 +3,7 @@ an existing token) and low-rank heads (``W + B @ A``, heads folder, materializat
 
 Everything is fp32 and built offline: a tiny Llama Orthrus in the published layout
 (:func:`~diffspec.testing.checkpoints.write_llama_orthrus`) and a tiny base Llama. Lossless
-means token for token equal to :func:`~diffspec.core.reference.ar_generate`.
+means token for token equal to :func:`~diffspec.spec_workers.reference.decoder.ar_generate`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
-from diffspec.core.reference import Request, ar_generate, speculative_generate
-from diffspec.model_executors.orthrus import (
+from diffspec.spec_workers.reference.decoder import Request, ar_generate, speculative_generate
+from diffspec.model_executors.reference.orthrus import (
     HEADS_CONFIG,
     HEADS_WEIGHTS,
     PROJECTIONS,
@@ -32,7 +32,7 @@ from diffspec.model_executors.orthrus import (
     save_orthrus,
     save_orthrus_heads,
 )
-from diffspec.spec_workers.orthrus import OrthrusDrafter
+from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 from diffspec.testing.checkpoints import (
     LLAMA_ORTHRUS_MASK_TOKEN_ID,
     write_llama,
@@ -109,7 +109,7 @@ def test_llama_diffusion_view_uses_the_diff_weights(llama_orthrus, copies):
             model.lm(input_ids=torch.tensor([[5, 9, 30]]), past_key_values=cache, use_cache=True)
             block, positions = torch.tensor([12, 40, 41]), torch.arange(3, 6)
             causal = torch.ones(3, 6, dtype=torch.bool).tril(3)
-            from diffspec.model_executors.views import block_view_logits
+            from diffspec.model_executors.reference.views import block_view_logits
 
             ar = block_view_logits(model.lm, block, positions, cache, causal)
             diffusion = model.diffusion_logits(block, positions, cache, causal)
@@ -356,10 +356,10 @@ def test_save_heads_needs_low_rank(copies, tmp_path):
 
 def test_vllm_config_translation_accepts_a_llama_orthrus(llama_orthrus, llama_base):
     """The vLLM plugin's pure config check (no vLLM needed) serves OrthrusLlamaForCausalLM."""
-    from diffspec.plugin.vllm import SELF_SPEC_METHODS, translate_speculative_config
+    from diffspec.plugin.vllm.config import proposer_path, translate_speculative_config
 
     out = translate_speculative_config({"method": "orthrus"}, llama_orthrus.source)
-    assert out == {"method": "custom_class", "model": SELF_SPEC_METHODS["orthrus"].proposer,
+    assert out == {"method": "custom_class", "model": proposer_path("orthrus"),
                    "num_speculative_tokens": 31}
     with pytest.raises(CheckpointError, match="no diffusion weights"):
         translate_speculative_config({"method": "orthrus"}, llama_base)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from diffspec.assets import SYNTH_QWEN3_DIR
-from diffspec.core.reference import (
+from diffspec.spec_workers.reference.decoder import (
     NgramDrafter,
     Request,
     RequestOutput,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from diffspec.assets import SYNTH_QWEN3_DIR
-from diffspec.core.reference import (
+from diffspec.spec_workers.reference.decoder import (
     BlockDrafter,
     Request,
     RequestOutput,
@@ -26,10 +26,10 @@ from diffspec.core.reference import (
     speculative_generate,
 )
 from diffspec.core.sampling import SamplingParams, probs_from_logits
-from diffspec.model_executors.nld import load_nld
-from diffspec.model_executors.orthrus import load_orthrus, orthrus_from_base
-from diffspec.spec_workers.linear_self_spec import LinearSelfSpecDrafter
-from diffspec.spec_workers.orthrus import OrthrusDrafter
+from diffspec.model_executors.reference.nld import load_nld
+from diffspec.model_executors.reference.orthrus import load_orthrus, orthrus_from_base
+from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
+from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 from diffspec.testing.checkpoints import write_nld, write_orthrus
 from diffspec.testing.synthetic import sample_prompts
 from tests.unit.lossless_cases import GREEDY, SAMPLINGS

@@ -1,4 +1,4 @@
-"""TiDAR / NLD quadratic self-speculation (:mod:`diffspec.spec_workers.tidar`).
+"""TiDAR / NLD quadratic self-speculation (:mod:`diffspec.spec_workers.reference.tidar`).
 
 Lossless vs plain AR decoding in fp32 (greedy, two seeds, rejection sampling), the branch the
 decoder selects vs a brute-force recomputation (one forward per branch), the KV kept after
@@ -22,17 +22,17 @@ from torch import Tensor
 
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.core.masks import quadratic_branch_indices
-from diffspec.core.reference import Request, RequestOutput, ar_generate, sample_drafts
+from diffspec.spec_workers.reference.decoder import Request, RequestOutput, ar_generate, sample_drafts
 from diffspec.core.sampling import SamplingParams, probs_from_logits
-from diffspec.model_executors.views import block_view_logits
-from diffspec.spec_workers import tidar
-from diffspec.spec_workers.tidar import (
+from diffspec.model_executors.reference.views import block_view_logits
+from diffspec.model_executors.reference.tidar import (
     QuadraticModel,
     commit_kv,
     load_quadratic,
     quadratic_forward,
-    tidar_generate,
 )
+from diffspec.spec_workers.reference import tidar
+from diffspec.spec_workers.reference.tidar import tidar_generate
 from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
 from diffspec.testing.synthetic import build_tokenizer, sample_prompts
 from diffspec.testing.synthetic_tidar import SYNTH_TIDAR_DIR

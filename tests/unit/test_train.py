@@ -185,7 +185,7 @@ def _orthrus_distiller(model, seed=0):
 
 
 def test_orthrus_gradient_reaches_only_diff_params(tiny_qwen3):
-    from diffspec.model_executors.orthrus import orthrus_from_base
+    from diffspec.model_executors.reference.orthrus import orthrus_from_base
     from diffspec.train.orthrus import freeze_all_but
 
     model = orthrus_from_base(tiny_qwen3, block_size=8, mask_token_id=7)
@@ -201,7 +201,7 @@ def test_orthrus_gradient_reaches_only_diff_params(tiny_qwen3):
 
 @pytest.fixture(scope="module")
 def trained_orthrus(tiny_qwen3, token_data, tmp_path_factory):
-    from diffspec.model_executors.orthrus import orthrus_from_base
+    from diffspec.model_executors.reference.orthrus import orthrus_from_base
     from diffspec.train.orthrus import train_orthrus
 
     out = tmp_path_factory.mktemp("orthrus") / "trained"
@@ -232,7 +232,7 @@ def test_orthrus_training_reduces_the_loss_and_changes_only_diff_weights(
 def test_orthrus_save_load_round_trip(trained_orthrus, tiny_qwen3):
     from safetensors.torch import load_file
 
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     _, result = trained_orthrus
     loaded = load_orthrus(result.out_dir)
@@ -262,13 +262,13 @@ def test_orthrus_low_rank_heads_on_llama_train_only_the_factors(token_data, tmp_
     the run writes a heads folder, and materializing it gives the trained model's drafts."""
     from safetensors.torch import load_file
 
-    from diffspec.core.reference import Request, speculative_generate
-    from diffspec.model_executors.orthrus import (
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
+    from diffspec.model_executors.reference.orthrus import (
         load_orthrus,
         materialize_orthrus,
         orthrus_from_base,
     )
-    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
     from diffspec.testing.checkpoints import write_llama
     from diffspec.train.__main__ import main
 
@@ -296,7 +296,7 @@ def test_orthrus_low_rank_heads_on_llama_train_only_the_factors(token_data, tmp_
     assert len(changed) == 4 * 2  # every projection of both layers moved
 
     requests = [Request(list(range(20, 20 + n)), 10) for n in (3, 11)]
-    from diffspec.model_executors.orthrus import load_orthrus_heads
+    from diffspec.model_executors.reference.orthrus import load_orthrus_heads
 
     heads_model = load_orthrus_heads(base, out)
     a, b = (speculative_generate(m.lm, OrthrusDrafter(m), requests, 7)
@@ -320,7 +320,7 @@ def test_rank_refuses_an_orthrus_start(tmp_path, token_data):
 def test_nld_lora_trainer_writes_a_peft_folder_that_load_nld_reads(tmp_path, token_data):
     from safetensors.torch import load_file
 
-    from diffspec.model_executors.nld import load_nld
+    from diffspec.model_executors.reference.nld import load_nld
     from diffspec.testing.checkpoints import write_nld
     from diffspec.train.nld_lora import lora_parameters, train_nld_lora
 
@@ -352,7 +352,7 @@ def test_nld_lora_trainer_writes_a_peft_folder_that_load_nld_reads(tmp_path, tok
 
 
 def test_nld_lora_drafts_change_only_inside_the_draft_view(tmp_path, token_data):
-    from diffspec.model_executors.nld import load_nld
+    from diffspec.model_executors.reference.nld import load_nld
     from diffspec.testing.checkpoints import write_nld
     from diffspec.train.nld_lora import train_nld_lora
 
@@ -373,7 +373,7 @@ def test_orthrus_trains_under_two_processes(tiny_qwen3, token_data, tmp_path):
     import subprocess
     import sys
 
-    from diffspec.model_executors.orthrus import load_orthrus
+    from diffspec.model_executors.reference.orthrus import load_orthrus
 
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -401,8 +401,8 @@ def test_orthrus_trains_under_two_processes(tiny_qwen3, token_data, tmp_path):
 def test_shipped_synth_orthrus_drafts_are_accepted_and_lossless():
     from safetensors.torch import load_file
 
-    from diffspec.model_executors.orthrus import load_orthrus
-    from diffspec.spec_workers.orthrus import OrthrusDrafter
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
     from diffspec.testing.synthetic import build_tokenizer, sample_prompts
     from diffspec.train import measure_speculation
 

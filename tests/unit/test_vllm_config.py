@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 
 from diffspec.core.checkpoint import CheckpointError
-from diffspec.plugin.vllm import (
-    SELF_SPEC_METHODS,
+from diffspec.plugin.vllm.config import (
     is_self_spec_proposer,
+    proposer_path,
     translate_speculative_config,
 )
 from diffspec.testing.checkpoints import tiny_checkpoint
 
 pytestmark = pytest.mark.unit
 
-ORTHRUS_PROPOSER = SELF_SPEC_METHODS["orthrus"].proposer
-NLD_PROPOSER = SELF_SPEC_METHODS["linear_self_spec"].proposer
+ORTHRUS_PROPOSER = proposer_path("orthrus")
+NLD_PROPOSER = proposer_path("linear_self_spec")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_wrong_architecture_is_refused(tmp_path: Path, ckpts) -> None:
 
 
 def test_plan_blocks() -> None:
-    from diffspec.spec_workers.vllm_self_spec import DraftBlock, plan_blocks
+    from diffspec.spec_workers.vllm.self_spec import DraftBlock, plan_blocks
 
     blocks = plan_blocks(
         sampled_token_ids=[[5, 6], [], [7], [8], [9]],
@@ -162,11 +162,13 @@ def test_remote_code_model_types_load_without_remote_code(tmp_path: Path) -> Non
     from transformers import AutoConfig
 
     from diffspec.plugin.hf_configs import register_model_types
-    from diffspec.plugin.vllm import MODEL_TYPES
+    from diffspec.methods import FAMILIES
     from diffspec.testing.checkpoints import write_nld, write_orthrus
 
-    register_model_types(MODEL_TYPES)
-    register_model_types(MODEL_TYPES)  # idempotent
+    model_types = {t: c for f in FAMILIES.values() for t, c in f.hf_configs.items()}
+    assert set(model_types) == {"orthrus", "nemotron_labs_diffusion"}
+    register_model_types(model_types)
+    register_model_types(model_types)  # idempotent
     orthrus = AutoConfig.from_pretrained(write_orthrus(tmp_path / "o", model_type="orthrus"))
     assert (orthrus.model_type, orthrus.block_size, orthrus.head_dim) == ("orthrus", 32, 32)
     nld = AutoConfig.from_pretrained(write_nld(tmp_path / "n", with_lora=False))

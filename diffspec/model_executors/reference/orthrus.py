@@ -47,8 +47,8 @@ from diffspec.core.checkpoint import (
     inspect_checkpoint,
     require_method,
 )
-from diffspec.model_executors.loading import from_pretrained_strict
-from diffspec.model_executors.views import anchor_block, block_view_logits
+from diffspec.model_executors.reference.loading import from_pretrained_strict
+from diffspec.model_executors.reference.views import anchor_block, block_view_logits
 
 __all__ = [
     "DIFF_MODULES",
@@ -133,7 +133,7 @@ class OrthrusModel:
         attention_mask: Tensor | None = None,  # [n, cache_len + n] bool; None = bidirectional
         keep_kv: bool = False,
     ) -> Tensor:  # [n, vocab] or [batch, n, vocab]
-        """:func:`~diffspec.model_executors.views.block_view_logits` in the diffusion view.
+        """:func:`~diffspec.model_executors.reference.views.block_view_logits` in the diffusion view.
 
         Training (Orthrus dual pass): fill ``cache`` with the AR view over the clean
         sequence (``lm(clean, past_key_values=cache, use_cache=True)``, no grad needed: the
@@ -593,3 +593,9 @@ def materialize_orthrus(
                                   torch.float32)
     model = load_orthrus_heads(base, heads_dir, dtype)
     return save_orthrus(model, out_dir)
+
+
+def load_ar_view(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The AR view of an Orthrus checkpoint: the frozen base causal LM (registry
+    ``Family.ar_view``)."""
+    return load_orthrus(path, dtype=dtype).lm

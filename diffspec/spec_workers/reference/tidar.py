@@ -14,7 +14,7 @@ A step then reads top to bottom: **draft + verify** (:func:`quadratic_forward`),
 :mod:`diffspec.core.accept`), **commit** (:func:`commit_kv`: the accepted verify tokens come
 first in the layout, so keeping their KV and evicting every branch is moving the cache
 length), and the **next drafts** come from branch ``a``'s logits under the request's
-sampling (:func:`~diffspec.core.reference.sample_drafts`: argmax, the verifier's own
+sampling (:func:`~diffspec.spec_workers.reference.decoder.sample_drafts`: argmax, the verifier's own
 position-keyed Gumbel noise at the positions the drafts will occupy, or ``d ~ q`` with ``q``
 kept for rejection sampling). The recovered / bonus token lands on the branch's first
 position; its token comes from the verify logit of ``t_a``, never from the branch.
@@ -27,7 +27,7 @@ causal one). ``logits_shift=True`` (the TiDAR model of
 all ``K`` masks draft. Drafts per step: ``K - 1 + shift`` (:attr:`QuadraticModel.max_draft_tokens`).
 
 Bootstrap. The prompt but its last token is prefilled (not counted, as in
-:mod:`diffspec.core.reference`); the first step is a step with no drafts: the anchor (the
+:mod:`diffspec.spec_workers.reference.decoder`); the first step is a step with no drafts: the anchor (the
 last prompt token) and its single branch. Its verify logit gives the first token, as the
 first AR forward would, and its branch pre-drafts the second step. An engine fuses the two
 (a prefill chunk ending with ``K`` masks under the same rule); the counts are the same.
@@ -39,21 +39,21 @@ Limits. A branch holds ``K = num_draft_tokens + 1 - shift`` masks (the trained b
 by default). ``max_tokens``: a step verifies at most ``remaining - 1`` drafts, so it never
 emits past the limit. Context: the branches shrink so that no position reaches
 ``max_position_embeddings`` (``K' = min(K, max_len - 1 - (P + n))``, always >= 1 because
-:meth:`~diffspec.core.reference.Request.check_fits` holds). EOS inside the accepted block
+:meth:`~diffspec.spec_workers.reference.decoder.Request.check_fits` holds). EOS inside the accepted block
 cuts the output there (:func:`diffspec.core.accept.truncate_at_stop`). A batch runs one
 request at a time (lockstep per request), as the reference decoder does.
 
-Checkpoints (:func:`load_quadratic`):
+Checkpoints (:func:`~diffspec.model_executors.reference.tidar.load_quadratic`):
 
 * **TiDAR** on a stock transformers causal LM (Qwen3, Qwen2.5 ...) trained with the TiDAR
   recipe: ``config.json`` holds ``block_size`` (K) and ``mask_token_id``; ``dlm_type:
   "dream"`` marks shifted draft logits (the key NLD uses for the same choice).
-* **NLD** (``nemotron_labs_diffusion``) through :func:`~diffspec.model_executors.nld.load_nld`
+* **NLD** (``nemotron_labs_diffusion``) through :func:`~diffspec.model_executors.reference.nld.load_nld`
   without its LoRA: NLD's quadratic mode (``sbd_inference_diffusion_quadratic``) runs the
   plain backbone. Our layout is a permutation of NLD's interleaved ``[t_i, <mask> x B]``
   sub-blocks with the same mask and position ids; ``K = B`` masks, ``B - 1`` drafts.
 
-Lossless: output equals :func:`~diffspec.core.reference.ar_generate` token for token in fp32
+Lossless: output equals :func:`~diffspec.spec_workers.reference.decoder.ar_generate` token for token in fp32
 for greedy and seeded requests; rejection sampling equals it in distribution.
 
 Usage::
@@ -71,102 +71,20 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
 from diffspec.core.masks import quadratic_branch_indices, quadratic_mask
-from diffspec.core.reference import (
+from diffspec.spec_workers.reference.decoder import (
     AcceptMode,
     Request,
     RequestOutput,
     accept_drafts,
     accept_mode,
     commit_tokens,
-    rollback_kv,
     sample_drafts,
     start_request,
 )
-from diffspec.model_executors.views import block_view_logits
+from diffspec.model_executors.reference.tidar import QuadraticModel, commit_kv, quadratic_forward
 
-__all__ = ["QuadraticModel", "commit_kv", "load_quadratic", "quadratic_forward",
-           "tidar_generate"]
-
-
-@dataclass(eq=False)
-class QuadraticModel:
-    """One backbone that verifies (causal rows) and drafts (mask branches) in one forward."""
-
-    lm: nn.Module  # causal LM with sdpa / eager attention (a custom 4-D mask is applied)
-    block_size: int  # K: mask tokens per branch, as trained
-    mask_token_id: int
-    logits_shift: bool  # True: a mask at position p predicts p + 1; False: its own token
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or (self.block_size < 2 and not self.logits_shift):
-            raise ValueError(f"block_size={self.block_size} drafts nothing "
-                             f"(logits_shift={self.logits_shift})")
-
-    @property
-    def config(self):
-        return self.lm.config
-
-    @property
-    def max_draft_tokens(self) -> int:
-        """Drafts one branch yields: ``K`` shifted, ``K - 1`` unshifted."""
-        return self.block_size - 1 + int(self.logits_shift)
-
-
-def load_quadratic(path: str | Path, dtype: torch.dtype = torch.float32) -> QuadraticModel:
-    """Load a TiDAR checkpoint (a stock causal LM whose config names ``block_size`` and
-    ``mask_token_id``) or an NLD checkpoint (its plain backbone) for quadratic decoding."""
-    from transformers import AutoModelForCausalLM
-
-    from diffspec.model_executors.loading import from_pretrained_strict
-    from diffspec.model_executors.nld import load_nld
-
-    info = inspect_checkpoint(path)
-    if info.family == "nld":
-        nld = load_nld(info.path, dtype, lora=False)
-        return QuadraticModel(nld.lm, nld.block_size, nld.mask_token_id, nld.logits_shift,
-                              nld.eos_token_ids)
-    if info.family not in ("tidar", "qwen3", "refusion", None):
-        raise CheckpointError(f"checkpoint {info.path} is family {info.family!r}; quadratic "
-                              f"decoding needs an NLD checkpoint or a causal LM trained with "
-                              f"the TiDAR recipe")
-    missing = [k for k in ("block_size", "mask_token_id") if info.config.get(k) is None]
-    if missing:
-        raise CheckpointError(f"checkpoint {info.path} has no {' or '.join(missing)} in "
-                              f"config.json; a TiDAR checkpoint names its block size and mask "
-                              f"token there")
-    if info.vocab_size is not None and not 0 <= int(info.config["mask_token_id"]) < info.vocab_size:
-        raise CheckpointError(f"checkpoint {info.path} has mask_token_id="
-                              f"{info.config['mask_token_id']} outside its vocabulary")
-    lm = from_pretrained_strict(AutoModelForCausalLM, info.path, dtype=dtype)
-    return QuadraticModel(lm, int(info.config["block_size"]), int(info.config["mask_token_id"]),
-                          info.config.get("dlm_type") == "dream", info.eos_token_ids)
-
-
-@torch.inference_mode()
-def quadratic_forward(
-    model: QuadraticModel,
-    cache,  # DynamicCache with the KV of the P committed tokens before the anchor
-    anchor: int,
-    drafts: Sequence[int],  # [n] last step's drafts, for positions P+1 .. P+n
-    num_masks: int,  # K' mask tokens per branch
-) -> Tensor:  # [(n + 1) * (1 + K'), vocab] float32: verify rows, then branch 0 .. n
-    """Draft and verify in one forward; the KV of every new token is left in ``cache``
-    (:func:`commit_kv` keeps the accepted ones)."""
-    prefix_len, n = cache.get_seq_length(), len(drafts)
-    device = model.lm.device
-    mask, positions = quadratic_mask(prefix_len, n, num_masks, device=device)
-    ids = torch.tensor([anchor, *drafts] + [model.mask_token_id] * ((n + 1) * num_masks),
-                       device=device)
-    return block_view_logits(model.lm, ids, positions, cache, mask, keep_kv=True).float()
-
-
-def commit_kv(cache, prefix_len: int, num_accepted: int) -> None:
-    """Keep the KV of the verify tokens ``t_0 .. t_a`` (first in the layout) and evict the
-    rest (rejected drafts, every branch) by moving the length."""
-    rollback_kv(cache, prefix_len + num_accepted + 1)
+__all__ = ["tidar_generate"]
 
 
 def tidar_generate(
@@ -228,3 +146,25 @@ def _generate_one(model: QuadraticModel, request: Request, max_drafts: int, acce
         count = min(max_drafts, run.remaining - 1)
         drafts, draft_probs = sample_drafts(branch[skip:][:count], params, len(run.token_ids),
                                             generator)
+
+
+def decoder(info, options):
+    """The reference decoder of method ``tidar`` (registry factory): a TiDAR or NLD
+    checkpoint in quadratic mode, ``num_draft_tokens`` drafts per step (default: one
+    trained branch)."""
+    from diffspec.core.checkpoint import CheckpointError, require_method
+    from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.spec_workers.reference.decoder import causal_decoder
+
+    require_method(info, "tidar")
+    model = load_quadratic(info.path, dtype=options.get("dtype", torch.float32))
+    k = options.get("num_draft_tokens") or model.max_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1, got {k!r}")
+    if k > model.max_draft_tokens:
+        raise CheckpointError(f"checkpoint {info.path} drafts at most {model.max_draft_tokens} "
+                              f"tokens per step (block_size={model.block_size}); {k} requested")
+    return causal_decoder(
+        "tidar", info, model.lm,
+        lambda requests, tok: tidar_generate(model, requests, k, tokenizer=tok),
+        {**options, "num_draft_tokens": k}, model.eos_token_ids)

@@ -8,7 +8,7 @@ those prefixes to SGLang's (``model.*``, ``lm_head``). The drafter LoRA (PEFT,
 attention, ``o_proj_lora_a`` (``RowParallelLinear``, the same head-sharded input as
 ``o_proj``) and ``o_proj_lora_b`` (``ReplicatedLinear``), which the AR view (plain
 requests, every verify pass) never calls. The diffusion view
-(:class:`~diffspec.model_executors.sglang_views.DiffusionViewMixin`) runs the same
+(:class:`~diffspec.model_executors.sglang.views.DiffusionViewMixin`) runs the same
 projections, rotary and llama-4 query scaling with ``o_proj(x) + scaling *
 lora_b(lora_a(x))``, bidirectional over the prefix's AR K/V and the block. Draft logits
 are unshifted (block position ``j`` predicts its own token) unless ``dlm_type ==
@@ -30,13 +30,13 @@ from sglang.srt.models.ministral3 import (
 from sglang.srt.utils import add_prefix
 
 from diffspec.core.checkpoint import LORA_DIR, CheckpointError
-from diffspec.model_executors.nld_weights import (
+from diffspec.model_executors.reference.nld_weights import (
     lora_folder,
     lora_rank_and_scaling,
     lora_weights,
     renamed_weights,
 )
-from diffspec.model_executors.sglang_views import DiffusionViewMixin
+from diffspec.model_executors.sglang.views import DiffusionViewMixin
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
 

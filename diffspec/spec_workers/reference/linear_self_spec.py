@@ -1,14 +1,14 @@
 """NLD linear self-speculation: a bidirectional draft pass (LoRA on), a causal verify pass.
 
-One set of weights does both passes (:mod:`diffspec.model_executors.nld`). The step is the
-reference decoder's (:func:`diffspec.core.reference.speculative_generate`); the draft is:
+One set of weights does both passes (:mod:`diffspec.model_executors.reference.nld`). The step is the
+reference decoder's (:func:`diffspec.spec_workers.reference.decoder.speculative_generate`); the draft is:
 
 1. the block ``[anchor, <mask> x n]`` runs at positions ``cache_len .. cache_len + n``,
    bidirectional over the prefix KV cache and the block, with the draft LoRA enabled and
    no KV written (:meth:`NLDModel.draft_logits`);
 2. the logits are unshifted (block position ``j`` predicts its own token: the drafts are
    block positions ``1 .. n``), or shifted for ``dlm_type == "dream"`` checkpoints;
-3. :func:`~diffspec.core.reference.sample_drafts` turns them into draft tokens.
+3. :func:`~diffspec.spec_workers.reference.decoder.sample_drafts` turns them into draft tokens.
 
 The verify pass is the plain causal model (LoRA off) over ``[anchor, d_1 .. d_n]``.
 
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from diffspec.core.reference import BlockDrafter
-from diffspec.model_executors.nld import NLDModel
+from diffspec.spec_workers.reference.decoder import BlockDrafter
+from diffspec.model_executors.reference.nld import NLDModel
 
 __all__ = ["LinearSelfSpecDrafter"]
 
@@ -50,3 +50,26 @@ class LinearSelfSpecDrafter(BlockDrafter):
         super().__init__(model)
         self.accept_rule = accept_rule
         self.point_mass = accept_rule == "sample_and_match"
+
+
+def decoder(info, options):
+    """The reference decoder of method ``linear_self_spec`` (registry factory): the NLD
+    LoRA draft pass, AR verify, ``num_draft_tokens`` drafts per step (default: the block)."""
+    import torch
+
+    from diffspec.core.checkpoint import require_method
+    from diffspec.model_executors.reference.nld import load_nld
+    from diffspec.spec_workers.reference.decoder import (
+        causal_decoder,
+        draft_count,
+        speculative_generate,
+    )
+
+    require_method(info, "linear_self_spec")
+    k = draft_count(info, options)
+    model = load_nld(info.path, dtype=options.get("dtype", torch.float32))
+    drafter = LinearSelfSpecDrafter(model)
+    return causal_decoder(
+        "linear_self_spec", info, model.lm,
+        lambda requests, tok: speculative_generate(model.lm, drafter, requests, k, tokenizer=tok),
+        {**options, "num_draft_tokens": k}, model.eos_token_ids)

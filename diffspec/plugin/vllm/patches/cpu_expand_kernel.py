@@ -17,7 +17,7 @@ Triton kernel and never call this function; the patch is applied only on CPU.
 
 from __future__ import annotations
 
-from diffspec.plugin.vllm_patches import is_applied, mark
+from diffspec.plugin.vllm.patches import is_applied, mark
 
 __all__ = ["apply"]
 

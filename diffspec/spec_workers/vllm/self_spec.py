@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["DraftBlock", "LinearSelfSpecProposer", "OrthrusProposer", "SelfSpecProposer",
+__all__ = ["DraftBlock", "SelfSpecProposer",
            "plan_blocks"]
 
 
@@ -73,12 +73,17 @@ def plan_blocks(
 
 
 class SelfSpecProposer:
-    """The drafter vLLM's ``custom_class`` hook instantiates (``Proposer(vllm_config)``)."""
-
-    method = ""
+    """The drafter vLLM's ``custom_class`` hook instantiates (``Proposer(vllm_config)``) for
+    every diffspec self-speculative method (Orthrus, NLD linear self-speculation): the served
+    model's class supplies the diffusion view, so the step is the same for both."""
 
     def __init__(self, vllm_config) -> None:
+        from diffspec.methods import methods_for_engine
+
         spec = vllm_config.speculative_config
+        arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [""])[0]
+        self.method = next((m.name for m in methods_for_engine("vllm").values()
+                            if arch in m.architectures), "self-speculative")
         self.vllm_config = vllm_config
         self.num_speculative_tokens: int = spec.num_speculative_tokens
         self.mask_token_id = int(vllm_config.model_config.hf_config.mask_token_id)
@@ -192,19 +197,6 @@ class SelfSpecProposer:
                     f"one that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
             per_layer.update(dict.fromkeys(group.layer_names, metadata))
         return per_layer
-
-
-class OrthrusProposer(SelfSpecProposer):
-    """Orthrus: the diffusion view swaps in each layer's ``*_diff`` attention projections."""
-
-    method = "orthrus"
-
-
-class LinearSelfSpecProposer(SelfSpecProposer):
-    """NLD linear self-speculation: the diffusion view is the same weights, bidirectional,
-    with the drafter LoRA on."""
-
-    method = "linear_self_spec"
 
 
 def _chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from diffspec.plugin.vllm_patches import is_applied, mark
+from diffspec.plugin.vllm.patches import is_applied, mark
 
 __all__ = ["apply"]
 

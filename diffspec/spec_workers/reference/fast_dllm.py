@@ -1,6 +1,6 @@
 """Fast-dLLM: block-wise diffusion decoding with a KV cache and confidence-threshold
 parallel unmasking, for LLaDA, Dream, Fast-dLLM v2 and NLD's diffusion mode
-(:mod:`diffspec.model_executors.dllm`).
+(:mod:`diffspec.model_executors.reference.dllm`).
 
 A request's generation is cut into **blocks** of ``block_size`` slots, decoded one after
 the other. Inside a block each step runs one forward, reads the logits of the block's
@@ -63,7 +63,7 @@ slots past the limit are never decoded.
 
 **Counting.** Every model call counts one forward for each request that takes part in it
 (has slots to decode, or is prefilled, or has a block completed): unlike
-:mod:`diffspec.core.reference`, the block-causal prompt prefill is counted, and so is
+:mod:`diffspec.spec_workers.reference.decoder`, the block-causal prompt prefill is counted, and so is
 each completing forward (for unshifted NLD it commits nothing: the KV write is the price
 of its cache). A forward's ``accept_lengths`` entry is the number of tokens it committed.
 """
@@ -80,9 +80,10 @@ from torch import Tensor
 
 from diffspec.core.checkpoint import CheckpointError, validate_block_size
 from diffspec.core.masks import block_causal_mask, block_diffusion_mask
-from diffspec.core.reference import Request, RequestOutput, rollback_kv
+from diffspec.core.kv import rollback_kv
+from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 from diffspec.core.unmask import confidence_unmask, shift_logits
-from diffspec.model_executors.dllm import DiffusionLM
+from diffspec.model_executors.reference.dllm import DiffusionLM
 
 __all__ = ["CACHE_MODES", "Canvas", "FastDLLMConfig", "FastDLLMOutput", "KVState",
            "decode_block", "fast_dllm_generate"]
@@ -458,3 +459,23 @@ def _layout(lm: DiffusionLM, requests: Sequence[Request], config: FastDLLMConfig
         stop_ids=[torch.tensor(r.stop_token_ids, dtype=torch.long) for r in requests],
         outputs=[FastDLLMOutput() for _ in requests],
     )
+
+
+def decoder(info, options):
+    """The reference decoder of method ``fast_dllm`` (registry factory): ``block_size``
+    (default: the checkpoint's bd_size, else 32),
+    ``threshold`` and ``cache`` as :class:`FastDLLMConfig` takes them."""
+    from diffspec.model_executors.reference.dllm import load_dllm
+    from diffspec.spec_workers.reference import Decoder
+    from diffspec.spec_workers.reference.decoder import load_tokenizer
+
+    lm = load_dllm(info.path, dtype=options.get("dtype", torch.float32))
+    config = FastDLLMConfig(cache=options["cache"], threshold=options["threshold"],
+                            block_size=options.get("block_size"))
+    block, _ = config.sizes(lm)  # checks the block against the checkpoint
+    tokenizer = options.get("tokenizer") or load_tokenizer(info)
+    stops = tuple(dict.fromkeys([*lm.eos_token_ids, *([tokenizer.eos_token_id]
+                                 if tokenizer.eos_token_id is not None else [])]))
+    return Decoder("fast_dllm", tokenizer, lambda requests: fast_dllm_generate(lm, requests, config),
+                   stops, lm.max_positions, int(info.vocab_size or len(tokenizer)),
+                   {**{k: v for k, v in options.items() if k != "tokenizer"}, "block_size": block})

@@ -13,11 +13,11 @@ ones:
 * ``o_proj_diff`` (``RowParallelLinear``),
 * Qwen3 only: ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``); Llama has no q/k norms.
 
-The diffusion view (:class:`~diffspec.model_executors.sglang_views.DiffusionViewMixin`)
+The diffusion view (:class:`~diffspec.model_executors.sglang.views.DiffusionViewMixin`)
 runs a block ``[anchor, <mask> x n]`` through the same embeddings, norms, MLPs, rotary and
 LM head with every attention computed by the ``*_diff`` modules, non-causally over the AR
 K/V of the committed prefix (read from the pool) and the block's own diffusion K/V, which
-is the reference's attention (:mod:`diffspec.model_executors.orthrus`). Drafts are read
+is the reference's attention (:mod:`diffspec.model_executors.reference.orthrus`). Drafts are read
 from shifted logits: block position ``j`` predicts token ``j + 1``.
 """
 
@@ -35,7 +35,7 @@ from sglang.srt.models.utils import apply_qk_norm
 from sglang.srt.utils import add_prefix
 from torch import nn
 
-from diffspec.model_executors.sglang_views import DiffusionViewMixin
+from diffspec.model_executors.sglang.views import DiffusionViewMixin
 
 __all__ = ["OrthrusForCausalLM", "OrthrusLlamaForCausalLM"]
 

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
-from diffspec.model_executors.loading import from_pretrained_strict
-from diffspec.model_executors.views import anchor_block, block_view_logits
+from diffspec.model_executors.reference.loading import from_pretrained_strict
+from diffspec.model_executors.reference.views import anchor_block, block_view_logits
 
 __all__ = ["NLDModel", "load_nld"]
 
@@ -143,3 +143,8 @@ def load_nld(path: str | Path, dtype: torch.dtype = torch.float32, lora: bool = 
     return NLDModel(lm, info.block_size, info.mask_token_id, info.eos_token_ids,
                     info.logits_shift, peft_model, info.path)
 
+
+def load_ar_view(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The AR view of an NLD checkpoint: its causal backbone without the draft LoRA
+    (registry ``Family.ar_view``)."""
+    return load_nld(path, dtype=dtype, lora=False).lm

@@ -3,7 +3,7 @@
 Each loads a checkpoint in its published layout and runs one forward of any token layout
 under any boolean attention mask, on top of an optional KV cache (a transformers
 ``DynamicCache``, rolled back by moving its length): :meth:`DiffusionLM.forward`, which
-is :func:`diffspec.model_executors.views.block_view_logits`, the call every method uses.
+is :func:`diffspec.model_executors.reference.views.block_view_logits`, the call every method uses.
 
 ===============  ======================================  =========  =====================
 family           weights                                 logits     trained attention
@@ -13,7 +13,7 @@ family           weights                                 logits     trained atte
 ``dream``        transformers ``Qwen2ForCausalLM``       shifted    bidirectional
 ``fast_dllm_v2`` transformers ``Qwen2ForCausalLM``       shifted    block-causal (bd_size),
                                                                     blocks from position 0
-``nld``          :func:`~diffspec.model_executors.nld.    unshifted  causal prompt, then
+``nld``          :func:`~diffspec.model_executors.reference.nld.    unshifted  causal prompt, then
                  load_nld` without the draft LoRA                   block-causal blocks
                  (diffusion mode)                                   (block_size)
 ===============  ======================================  =========  =====================
@@ -32,7 +32,7 @@ fp32, RoPE on ``d_model // n_heads`` dims with the half-split rotation and
 the attention mask it is given (theirs ignores it), which batching with padding needs;
 with an all-True mask the two are the same computation.
 
-NLD's diffusion mode is the Ministral3 backbone of :func:`diffspec.model_executors.nld.
+NLD's diffusion mode is the Ministral3 backbone of :func:`diffspec.model_executors.reference.nld.
 load_nld` with ``lora=False`` (the LoRA belongs to linear self-speculation's draft pass):
 the prompt runs causally, then blocks of ``block_size`` masks start right after it, each
 seeing the prompt, the earlier blocks and itself (:func:`diffspec.core.masks.
@@ -59,7 +59,7 @@ from diffspec.core.checkpoint import (
     inspect_checkpoint,
     require_method,
 )
-from diffspec.model_executors.views import block_view_logits
+from diffspec.model_executors.reference.views import block_view_logits
 
 __all__ = ["DiffusionLM", "LLaDAModelLM", "llada_dims", "load_dllm"]
 
@@ -145,7 +145,7 @@ def load_dllm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Diffus
 
 def _load_nld_diffusion(info: CheckpointInfo, dtype: torch.dtype) -> DiffusionLM:
     """NLD's diffusion mode: the backbone without the draft LoRA."""
-    from diffspec.model_executors.nld import load_nld
+    from diffspec.model_executors.reference.nld import load_nld
 
     nld = load_nld(info.path, dtype=dtype, lora=False)
     published = {_NLD_PREFIXES[k.split(".", 1)[0]] + k.split(".", 1)[1]
@@ -360,7 +360,7 @@ class _LLaDABlock(nn.Module):
 class LLaDAModelLM(nn.Module):
     """LLaDA (``LLaDAModelLM``): state-dict names ``model.transformer.{wte, blocks.N.*, ln_f,
     ff_out}`` as in ``GSAI-ML/LLaDA-8B-*``. Called like a transformers causal LM by
-    :func:`~diffspec.model_executors.views.block_view_logits` (``input_ids``,
+    :func:`~diffspec.model_executors.reference.views.block_view_logits` (``input_ids``,
     ``position_ids``, additive 4-D ``attention_mask``, ``past_key_values``)."""
 
     def __init__(self, dims: LLaDADims) -> None:

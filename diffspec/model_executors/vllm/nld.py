@@ -27,13 +27,13 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.models.mistral import MistralAttention, MistralForCausalLM
 
-from diffspec.model_executors.nld_weights import (
+from diffspec.model_executors.reference.nld_weights import (
     lora_folder,
     lora_rank_and_scaling,
     lora_weights,
     renamed_weights,
 )
-from diffspec.model_executors.vllm_views import DiffusionViewMixin
+from diffspec.model_executors.vllm.views import DiffusionViewMixin
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
 

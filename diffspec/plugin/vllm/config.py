@@ -1,30 +1,17 @@
-"""vLLM registration (entry point ``vllm.general_plugins: diffspec``).
+"""vLLM config translation: a diffspec method's ``speculative_config`` checked against the
+served checkpoint (one place, clear errors) and rewritten to vLLM's official extension
+point, ``{"method": "custom_class", "model": <proposer class>}``, so every other part of
+vLLM (scheduler, rejection sampler, metrics, the choice of the V1 runner, async scheduling
+off) treats it as the custom proposer it is. Which methods exist, which architectures serve
+them and their proposer classes come from the registry (:mod:`diffspec.methods`).
 
-vLLM loads general plugins in every process it starts (API server, engine core,
-workers), so :func:`register` is idempotent. It refuses unsupported vLLM versions, then
-
-* registers diffspec's model architectures as lazy ``"module:Class"`` strings
-  (:data:`MODEL_ARCHITECTURES`) and the checkpoints' ``model_type`` names with transformers'
-  ``AutoConfig`` (so ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load without remote code);
-* makes the two self-speculative methods (:data:`SELF_SPEC_METHODS`) selectable with vLLM's
-  own flag, ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": 31}'``,
-  by applying the patches listed in ``diffspec/plugin/patches.md``
-  (:mod:`diffspec.plugin.vllm_patches`).
-
-How a method reaches vLLM: :func:`translate_speculative_config` validates the user's
-speculative config against the checkpoint (one place, clear errors) and rewrites it to
-vLLM's official extension point, ``{"method": "custom_class", "model": <proposer class>}``,
-so every other part of vLLM (scheduler, rejection sampler, metrics, the choice of the V1
-runner, async scheduling off) treats it as the custom proposer it is.
-
-This module imports neither torch, transformers nor vLLM at import time.
+This module imports neither torch, transformers nor vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,58 +21,24 @@ from diffspec.core.checkpoint import (
     require_method,
     validate_block_size,
 )
-from diffspec.plugin.versions import check_engine_version
+from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("diffspec")
 
-__all__ = [
-    "MODEL_ARCHITECTURES",
-    "SELF_SPEC_METHODS",
-    "SelfSpecMethod",
-    "is_self_spec_proposer",
-    "register",
-    "translate_speculative_config",
-]
+__all__ = ["is_self_spec_proposer", "proposer_path", "self_spec_methods",
+           "translate_speculative_config"]
 
-# Architecture name (config.json "architectures") -> "module:Class".
-MODEL_ARCHITECTURES: dict[str, str] = {
-    "OrthrusLM": "diffspec.model_executors.vllm_orthrus:OrthrusForCausalLM",
-    "OrthrusForCausalLM": "diffspec.model_executors.vllm_orthrus:OrthrusForCausalLM",
-    "OrthrusLlamaForCausalLM": "diffspec.model_executors.vllm_orthrus:OrthrusLlamaForCausalLM",
-    "NemotronLabsDiffusionModel":
-        "diffspec.model_executors.vllm_nld:NemotronLabsDiffusionForCausalLM",
-}
-
-# config.json "model_type" -> transformers config class ("module:Class"), for model types
-# transformers does not know (the published repos ship them as remote code).
-MODEL_TYPES: dict[str, str] = {
-    "orthrus": "diffspec.plugin.hf_configs:OrthrusConfig",
-    "nemotron_labs_diffusion": "diffspec.plugin.hf_configs:NemotronLabsDiffusionConfig",
-}
+def self_spec_methods() -> dict[str, Method]:
+    """diffspec's methods served through vLLM's ``speculative_config``, by method name."""
+    return methods_for_engine("vllm")
 
 
-@dataclass(frozen=True)
-class SelfSpecMethod:
-    """A self-speculative method as vLLM sees it: which checkpoints serve it (their
-    architectures) and the proposer class handed to vLLM's ``custom_class`` hook."""
+def proposer_path(method: str) -> str:
+    """The dotted path of a method's proposer, the form vLLM's ``custom_class`` loader takes."""
+    entry = self_spec_methods()[method].vllm
+    assert entry is not None and entry.worker is not None
+    return entry.worker.replace(":", ".")
 
-    name: str
-    architectures: tuple[str, ...]
-    proposer: str  # dotted path, the form vLLM's custom_class loader takes
-
-
-SELF_SPEC_METHODS: dict[str, SelfSpecMethod] = {
-    "orthrus": SelfSpecMethod(
-        "orthrus",
-        ("OrthrusLM", "OrthrusForCausalLM", "OrthrusLlamaForCausalLM"),
-        "diffspec.spec_workers.vllm_self_spec.OrthrusProposer",
-    ),
-    "linear_self_spec": SelfSpecMethod(
-        "linear_self_spec",
-        ("NemotronLabsDiffusionModel",),
-        "diffspec.spec_workers.vllm_self_spec.LinearSelfSpecProposer",
-    ),
-}
 
 # speculative_config keys a self-speculative method honours -> accepted values (None: any).
 _ALLOWED_OPTIONS: dict[str, tuple[Any, ...] | None] = {
@@ -97,16 +50,13 @@ _ALLOWED_OPTIONS: dict[str, tuple[Any, ...] | None] = {
     "rejection_sample_method": ("standard",),
 }
 
-_registered = False
-
-
 def is_self_spec_proposer(speculative_config: Any) -> bool:
     """True when a vLLM ``SpeculativeConfig`` is one :func:`translate_speculative_config` made."""
     return (
         speculative_config is not None
         and getattr(speculative_config, "method", None) == "custom_class"
         and getattr(speculative_config, "model", None)
-        in {m.proposer for m in SELF_SPEC_METHODS.values()}
+        in {proposer_path(name) for name in self_spec_methods()}
     )
 
 
@@ -126,12 +76,13 @@ def translate_speculative_config(
     diffusion weights, or more drafts than the checkpoint's block holds.
     """
     name = spec.get("method")
-    if name not in SELF_SPEC_METHODS:
+    methods = self_spec_methods()
+    if name not in methods:
         raise CheckpointError(
             f"unknown diffspec speculative method {name!r}; diffspec serves "
-            f"{', '.join(sorted(SELF_SPEC_METHODS))}"
+            f"{', '.join(sorted(methods))} in vLLM"
         )
-    method = SELF_SPEC_METHODS[name]
+    method = methods[name]
     for key, value in spec.items():
         if key not in _ALLOWED_OPTIONS:
             raise CheckpointError(
@@ -183,7 +134,7 @@ def translate_speculative_config(
                               f"{num} requested")
 
     out = {k: v for k, v in spec.items() if k not in ("method", "model")}
-    out.update(method="custom_class", model=method.proposer, num_speculative_tokens=num)
+    out.update(method="custom_class", model=proposer_path(name), num_speculative_tokens=num)
     return out
 
 
@@ -207,28 +158,3 @@ def _inspect(checkpoint: str | Path, hf_config: Mapping[str, Any] | None):
         return None
 
 
-def register() -> None:
-    """Register diffspec with the running vLLM. Safe to call any number of times."""
-    global _registered
-    if _registered:
-        return
-    import vllm
-
-    check_engine_version("vllm", vllm.__version__)
-    from vllm import ModelRegistry
-
-    from diffspec.plugin.hf_configs import register_model_types
-    from diffspec.plugin.vllm_patches import apply_all
-
-    register_model_types(MODEL_TYPES)
-    for arch, target in MODEL_ARCHITECTURES.items():
-        if arch not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(arch, target)
-    apply_all(vllm.__version__)
-    _registered = True
-    logger.info(
-        "diffspec plugin loaded into vLLM %s (architectures: %s; speculative methods: %s)",
-        vllm.__version__,
-        ", ".join(MODEL_ARCHITECTURES),
-        ", ".join(SELF_SPEC_METHODS),
-    )

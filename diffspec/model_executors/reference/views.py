@@ -6,7 +6,7 @@ LM, attending to the KV cache of the committed tokens (the AR KV) and to the blo
 given attention mask, then roll the cache back to its committed length. What differs per
 method is only *which weights* run (Orthrus swaps in its diffusion attention projections,
 NLD turns its LoRA on) and *how logits become drafts* (shifted or not); those live in
-:mod:`diffspec.model_executors.orthrus` and :mod:`diffspec.model_executors.nld`.
+:mod:`diffspec.model_executors.reference.orthrus` and :mod:`diffspec.model_executors.reference.nld`.
 
 How the mask reaches the model (transformers 5.19, Qwen3 and Ministral3): the decoder's
 ``create_causal_mask`` returns a 4-D ``attention_mask`` unchanged
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from diffspec.core.reference import rollback_kv
+from diffspec.core.kv import rollback_kv
 
 __all__ = ["SUPPORTED_ATTENTION", "anchor_block", "block_view_logits"]
 

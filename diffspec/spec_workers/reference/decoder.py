@@ -42,6 +42,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from diffspec.core.kv import rollback_kv
 from diffspec.core.accept import (
     AcceptOutput,
     coupled_accept,
@@ -66,7 +67,6 @@ __all__ = [
     "Request",
     "RequestOutput",
     "ar_generate",
-    "rollback_kv",
     "sample_drafts",
     "speculative_generate",
 ]
@@ -317,13 +317,6 @@ def _forward(model, cache, token_ids: list[int]) -> Tensor:  # -> [len(token_ids
     return out.logits[0].float()
 
 
-def rollback_kv(cache, length: int) -> None:
-    """Roll the KV cache back to ``length`` tokens by moving its length (no copy)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # transformers >= 5: a negative count removes that many tokens
-
-
 def start_request(model, request: Request) -> _Run:
     """Validate ``request`` against the model and prefill all prompt tokens but the anchor."""
     from transformers import DynamicCache
@@ -504,3 +497,85 @@ def speculative_generate(
             rollback_kv(run.cache, len(run.token_ids) - 1)
         outputs.append(run.output)
     return outputs
+
+
+# ---------------------------------------------------------------- decoder factories
+# The registry (diffspec.methods) names these as the reference decoder of "ar" / "ngram";
+# each method file has its own ``decoder(info, options)``.
+
+
+def load_tokenizer(info):
+    """The checkpoint's own tokenizer (local files only, no remote code)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False)
+
+
+def load_ar_view(info, dtype: torch.dtype = torch.float32):
+    """The plain causal LM of any checkpoint diffspec reads: the family's AR view
+    (registry ``Family.ar_view``, e.g. Orthrus without its diffusion heads) or a stock
+    transformers causal LM."""
+    from diffspec.methods import FAMILIES, load_object
+
+    family = FAMILIES.get(info.family)
+    if family is not None and family.ar_view is not None:
+        return load_object(family.ar_view)(info.path, dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(info.path), dtype=dtype).eval()
+
+
+def stop_token_ids(eos: tuple[int, ...], model, tokenizer) -> tuple[int, ...]:
+    """``eos`` (the checkpoint's), then the generation config's and the tokenizer's EOS."""
+    ids = list(eos)
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else (
+        [] if gen_eos is None else [gen_eos])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def causal_decoder(method: str, info, model, decode, options, eos: tuple[int, ...] = ()):
+    """A :class:`~diffspec.spec_workers.reference.Decoder` around a causal LM ``model``."""
+    from diffspec.spec_workers.reference import Decoder
+
+    tokenizer = options.get("tokenizer") or load_tokenizer(info)
+    return Decoder(method, tokenizer, lambda requests: decode(requests, tokenizer),
+                   stop_token_ids(eos or info.eos_token_ids, model, tokenizer),
+                   model.config.max_position_embeddings, model.config.vocab_size,
+                   {k: v for k, v in options.items() if k != "tokenizer"})
+
+
+def draft_count(info, options, default: int | None = None) -> int:
+    """``options["num_draft_tokens"]``, else ``default``, else what the checkpoint's block
+    allows; checked against the trained block (a clear error when it is larger)."""
+    from diffspec.core.checkpoint import max_block_tokens, validate_block_size
+
+    k = options.get("num_draft_tokens")
+    if k is None:
+        k = default if default is not None else max_block_tokens(info)
+    if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1, got {k!r}")
+    validate_block_size(info, k)
+    return k
+
+
+def ar_decoder(info, options):
+    """Plain AR decoding of any causal checkpoint (the lossless oracle)."""
+    model = load_ar_view(info, options.get("dtype", torch.float32))
+    return causal_decoder("ar", info, model,
+                          lambda requests, tok: ar_generate(model, requests, tok), options)
+
+
+def ngram_decoder(info, options):
+    """Prompt-lookup (n-gram) speculation on any causal checkpoint."""
+    model = load_ar_view(info, options.get("dtype", torch.float32))
+    k = options.get("num_draft_tokens") or 8
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1, got {k!r}")
+    drafter = NgramDrafter()
+    return causal_decoder(
+        "ngram", info, model,
+        lambda requests, tok: speculative_generate(model, drafter, requests, k, tokenizer=tok),
+        {**options, "num_draft_tokens": k})

@@ -1,26 +1,15 @@
-"""SGLang registration (entry point ``sglang.srt.plugins: diffspec``).
+"""SGLang config: the ``CustomSpecAlgo`` subclass (:func:`spec_class`) that answers what
+SGLang's scheduler asks of diffspec's speculative algorithms and fixes the server
+arguments they need, and :func:`validate_server_args`, which checks a launch against the
+served checkpoint (one place, clear errors). The algorithms themselves (names, methods,
+architectures, workers) come from the registry (:mod:`diffspec.methods`).
 
-SGLang loads plugins once per process (server, scheduler, detokenizer, data-parallel
-workers), so :func:`register` is idempotent. It refuses unsupported SGLang versions, then
-
-* registers the checkpoints' ``model_type`` names with transformers' ``AutoConfig`` (so
-  ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load without remote code) and diffspec's
-  model classes in SGLang's ``ModelRegistry`` (:data:`MODEL_ARCHITECTURES`);
-* registers the two self-speculative algorithms (:data:`SELF_SPEC_ALGORITHMS`) through
-  SGLang's own plugin API, ``SpeculativeAlgorithm.register``, with a ``CustomSpecAlgo``
-  subclass (:class:`SelfSpecAlgo`) that answers what the scheduler asks of an algorithm,
-  fixes the server arguments they need and validates the rest against the checkpoint
-  (:func:`validate_server_args`: one place, clear errors).
-
-No hook (``HookRegistry``) and no patch is needed: see ``diffspec/plugin/patches.md``.
 This module imports neither torch nor SGLang at import time.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-from dataclasses import dataclass
 
 from diffspec.core.checkpoint import (
     CheckpointError,
@@ -28,55 +17,16 @@ from diffspec.core.checkpoint import (
     require_method,
     validate_block_size,
 )
-from diffspec.plugin.versions import check_engine_version
+from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["MODEL_ARCHITECTURES", "SELF_SPEC_ALGORITHMS", "SelfSpecAlgorithm", "register",
-           "validate_server_args"]
-
-# Architecture name (config.json "architectures") -> "module:Class".
-MODEL_ARCHITECTURES: dict[str, str] = {
-    "OrthrusLM": "diffspec.model_executors.sglang_orthrus:OrthrusForCausalLM",
-    "OrthrusForCausalLM": "diffspec.model_executors.sglang_orthrus:OrthrusForCausalLM",
-    "OrthrusLlamaForCausalLM":
-        "diffspec.model_executors.sglang_orthrus:OrthrusLlamaForCausalLM",
-    "NemotronLabsDiffusionModel":
-        "diffspec.model_executors.sglang_nld:NemotronLabsDiffusionForCausalLM",
-}
-
-MODEL_TYPES: dict[str, str] = {
-    "orthrus": "diffspec.plugin.hf_configs:OrthrusConfig",
-    "nemotron_labs_diffusion": "diffspec.plugin.hf_configs:NemotronLabsDiffusionConfig",
-}
+__all__ = ["self_spec_algorithms", "spec_class", "validate_server_args"]
 
 
-@dataclass(frozen=True)
-class SelfSpecAlgorithm:
-    """A self-speculative algorithm as SGLang sees it: its ``--speculative-algorithm``
-    name, diffspec's method name, the architectures that serve it and its worker."""
-
-    name: str
-    method: str
-    architectures: tuple[str, ...]
-    worker: str  # "module:Class"
-
-
-SELF_SPEC_ALGORITHMS: dict[str, SelfSpecAlgorithm] = {
-    "ORTHRUS": SelfSpecAlgorithm(
-        "ORTHRUS", "orthrus", ("OrthrusLM", "OrthrusForCausalLM", "OrthrusLlamaForCausalLM"),
-        "diffspec.spec_workers.sglang_self_spec:OrthrusWorker"),
-    "LINEAR_SELF_SPEC": SelfSpecAlgorithm(
-        "LINEAR_SELF_SPEC", "linear_self_spec", ("NemotronLabsDiffusionModel",),
-        "diffspec.spec_workers.sglang_self_spec:LinearSelfSpecWorker"),
-}
-
-_registered = False
-
-
-def _load(target: str):
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+def self_spec_algorithms() -> dict[str, Method]:
+    """diffspec's methods served through ``--speculative-algorithm``, by algorithm name."""
+    return methods_for_engine("sglang")
 
 
 def validate_server_args(server_args) -> None:
@@ -86,14 +36,14 @@ def validate_server_args(server_args) -> None:
     tokens than its block holds, a separate draft model, or a parallel layout the worker
     does not support."""
     name = str(server_args.speculative_algorithm).upper()
-    algo = SELF_SPEC_ALGORITHMS[name]
+    method = self_spec_algorithms()[name]
     model = server_args.model_path
     info = inspect_checkpoint(model)
-    require_method(info, algo.method)
-    if info.architecture not in algo.architectures:
+    require_method(info, method.name)
+    if info.architecture not in method.architectures:
         raise CheckpointError(
             f"checkpoint {model} has architecture {info.architecture!r}; "
-            f"--speculative-algorithm {name} is served by {', '.join(algo.architectures)}")
+            f"--speculative-algorithm {name} is served by {', '.join(method.architectures)}")
     draft = server_args.speculative_draft_model_path
     if draft is not None and str(draft) != str(model):
         raise CheckpointError(
@@ -119,7 +69,7 @@ def validate_server_args(server_args) -> None:
                               f"--speculative-eagle-topk must be 1")
 
 
-def _spec_class():
+def spec_class():
     """The ``CustomSpecAlgo`` subclass (built lazily: SGLang is imported only here)."""
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
@@ -168,33 +118,3 @@ def _spec_class():
             return self.factory(server_args)
 
     return SelfSpecAlgo
-
-
-def register() -> None:
-    """Register diffspec with the running SGLang. Safe to call any number of times."""
-    global _registered
-    if _registered:
-        return
-    from importlib.metadata import version
-
-    check_engine_version("sglang", version("sglang"))
-    from sglang.srt.models.registry import ModelRegistry
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_registry import get_spec
-
-    from diffspec.plugin.hf_configs import register_model_types
-
-    register_model_types(MODEL_TYPES)
-    for arch, target in MODEL_ARCHITECTURES.items():
-        ModelRegistry.models.setdefault(arch, _load(target))
-    spec_class = _spec_class()
-    for name, algo in SELF_SPEC_ALGORITHMS.items():
-        if get_spec(name) is None:
-            worker = algo.worker
-            SpeculativeAlgorithm.register(
-                name, supports_overlap=False, validate_server_args=validate_server_args,
-                spec_class=spec_class)(lambda server_args, worker=worker: _load(worker))
-    _registered = True
-    logger.info("diffspec plugin loaded into SGLang %s (architectures: %s; speculative "
-                "algorithms: %s)", version("sglang"), ", ".join(MODEL_ARCHITECTURES),
-                ", ".join(SELF_SPEC_ALGORITHMS))

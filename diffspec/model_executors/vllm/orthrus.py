@@ -18,7 +18,7 @@ embeddings, layer norms, MLPs, rotary and LM head, with every attention computed
 ``*_diff`` modules through the layer's own ``Attention`` (so the same KV cache). Under
 non-causal attention metadata whose slots are the block's positions, a block
 ``[anchor, <mask> x n]`` reads the AR K/V of the committed prefix and its own diffusion
-K/V, which is the reference's attention (``diffspec.model_executors.orthrus``); the block's
+K/V, which is the reference's attention (``diffspec.model_executors.reference.orthrus``); the block's
 K/V land in slots the next verify pass overwrites. The view runs eagerly (it bypasses the
 compiled ``Qwen3Model.forward``), so the AR graph is never traced with it.
 """
@@ -35,7 +35,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLine
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-from diffspec.model_executors.vllm_views import DiffusionViewMixin
+from diffspec.model_executors.vllm.views import DiffusionViewMixin
 
 __all__ = ["OrthrusForCausalLM", "OrthrusLlamaForCausalLM"]
 

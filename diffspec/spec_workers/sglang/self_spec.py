@@ -17,7 +17,7 @@ the pool; its last emitted token, the **anchor**, is at position ``C`` and has n
   1. *draft*: one diffusion-view forward over the block ``[anchor, <mask> x (W - 1)]`` at
      positions ``C .. C + W - 1``, non-causal over the committed prefix's AR K/V, read
      from the pool through ``req_to_token`` (no KV written:
-     :mod:`diffspec.model_executors.sglang_views`); the drafts are the argmax of the
+     :mod:`diffspec.model_executors.sglang.views`); the drafts are the argmax of the
      ``W - 1`` logits that predict positions ``C + 1 .. C + W - 1``;
   2. *verify*: one causal AR forward of ``[anchor, d_1 .. d_{W-1}]`` by SGLang's model
      runner (TARGET_VERIFY), writing its K/V into the slots ``req_to_token`` maps
@@ -56,7 +56,7 @@ from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 from diffspec.core.accept import AcceptOutput, greedy_accept, rejection_sample_accept
 from diffspec.core.sampling import process_logits
-from diffspec.model_executors.sglang_views import DraftBlocks
+from diffspec.model_executors.sglang.views import DraftBlocks
 
 __all__ = ["SelfSpecDraftInput", "SelfSpecVerifyInput", "SelfSpecWorker"]
 
@@ -114,10 +114,9 @@ class SelfSpecVerifyInput(SpecInput):
 class SelfSpecWorker(BaseSpecWorker):
     """Draft with the served model's diffusion view, verify with its AR view."""
 
-    method = ""
-
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
         super().__init__()
+        self.method = str(server_args.speculative_algorithm).lower()  # orthrus, ...
         from sglang.srt.runtime_context import get_spec
 
         self.server_args = server_args
@@ -287,15 +286,3 @@ def _adapt_torch_native_verify(model_runner, forward_batch: ForwardBatch, width:
     if forward_batch.seq_lens_cpu is not None:
         forward_batch.seq_lens_cpu = forward_batch.seq_lens_cpu + width
         forward_batch.seq_lens_sum = int(forward_batch.seq_lens_cpu.sum())
-
-
-class OrthrusWorker(SelfSpecWorker):
-    """Orthrus: the diffusion view swaps in each layer's ``*_diff`` attention."""
-
-    method = "orthrus"
-
-
-class LinearSelfSpecWorker(SelfSpecWorker):
-    """NLD linear self-speculation: the same weights, bidirectional, draft LoRA on."""
-
-    method = "linear_self_spec"

@@ -60,7 +60,8 @@ import torch
 from torch import Tensor
 
 from diffspec.core.checkpoint import CheckpointInfo, inspect_checkpoint, require_method
-from diffspec.core.reference import Request, RequestOutput, rollback_kv
+from diffspec.core.kv import rollback_kv
+from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 from diffspec.core.slots import first_stop_in_slots, score_slots, select_slots, verify_slot_drafts
 
 __all__ = ["ReFusionConfig", "ReFusionOutput", "load_refusion", "refusion_generate"]
@@ -128,19 +129,6 @@ class _Run:
     device: torch.device
     stopped: bool
     output: ReFusionOutput
-
-
-def load_refusion(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a ReFusion checkpoint (stock Qwen3 + ``<|mask|>``) as a transformers
-    ``Qwen3ForCausalLM``; returns ``(model, info)``. Raises ``CheckpointError`` naming what
-    the folder lacks (e.g. ``mask_token_id`` in config.json)."""
-    from transformers import Qwen3ForCausalLM
-
-    info: CheckpointInfo = inspect_checkpoint(path)
-    require_method(info, "refusion")
-    from diffspec.model_executors.loading import from_pretrained_strict
-
-    return from_pretrained_strict(Qwen3ForCausalLM, info.path, dtype=dtype), info
 
 
 def refusion_generate(
@@ -339,3 +327,18 @@ def _finish(run: _Run, request: Request) -> ReFusionOutput:
     out.finish_reason = "stop" if stopped else "length"
     out.cache_position_ids = list(run.position_ids)
     return out
+
+
+def decoder(info, options):
+    """The reference decoder of method ``refusion`` (registry factory): slot size, serial
+    blocks and thresholds as :class:`ReFusionConfig` takes them."""
+    from diffspec.model_executors.reference.refusion import load_refusion
+    from diffspec.spec_workers.reference.decoder import causal_decoder
+
+    model, info = load_refusion(info.path, dtype=options.get("dtype", torch.float32))
+    config = ReFusionConfig(**{k: options[k] for k in ("slot_size", "num_blocks",
+                                                       "slot_threshold", "token_threshold")})
+    mask_id = int(info.mask_token_id)
+    return causal_decoder(
+        "refusion", info, model,
+        lambda requests, tok: refusion_generate(model, requests, config, mask_id), options)

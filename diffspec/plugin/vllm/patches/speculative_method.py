@@ -8,7 +8,7 @@ How: wrap the method that turns the user's dict (``--speculative-config`` /
 ``LLM(speculative_config=...)``, plus the ``--spec-method`` flags) into a
 ``SpeculativeConfig``. For diffspec's methods the dict is checked against the served
 checkpoint and rewritten to the ``custom_class`` hook
-(:func:`diffspec.plugin.vllm.translate_speculative_config`), and the engine options the
+(:func:`diffspec.plugin.vllm.config.translate_speculative_config`), and the engine options the
 drafter cannot work with are refused here, in the process the user launched. An unknown
 method name gets an error listing vLLM's methods and diffspec's. Anything else goes to
 vLLM untouched.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import get_args
 
-from diffspec.plugin.vllm_patches import is_applied, mark
+from diffspec.plugin.vllm.patches import is_applied, mark
 
 __all__ = ["apply"]
 
@@ -71,7 +71,7 @@ def _check_engine(target_model_config, target_parallel_config, method: str) -> N
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from diffspec.plugin.vllm import SELF_SPEC_METHODS, translate_speculative_config
+    from diffspec.plugin.vllm.config import self_spec_methods, translate_speculative_config
 
     original = EngineArgs.create_speculative_config
     if is_applied(original):
@@ -81,7 +81,7 @@ def apply() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         spec = _merged_flags(self)
         method = None if spec is None else spec.get("method")
-        if isinstance(method, str) and method in SELF_SPEC_METHODS:
+        if isinstance(method, str) and method in self_spec_methods():
             _check_engine(target_model_config, target_parallel_config, method)
             hf_config = target_model_config.hf_config.to_dict()
             self.speculative_config = translate_speculative_config(
@@ -91,7 +91,7 @@ def apply() -> None:
             raise ValueError(
                 f"unknown speculative method {method!r}: vLLM's are "
                 f"{', '.join(sorted(_vllm_methods()))}; diffspec adds "
-                f"{', '.join(sorted(SELF_SPEC_METHODS))}")
+                f"{', '.join(sorted(self_spec_methods()))}")
         return original(self, target_model_config, target_parallel_config)
 
     EngineArgs.create_speculative_config = mark(create_speculative_config, __name__)

@@ -1,14 +1,14 @@
 """Orthrus drafting: one diffusion-view forward drafts up to ``block_size - 1`` tokens.
 
 The step (draft -> verify -> accept -> commit) is the reference decoder's
-(:func:`diffspec.core.reference.speculative_generate`); the draft is:
+(:func:`diffspec.spec_workers.reference.decoder.speculative_generate`); the draft is:
 
 1. the block ``[anchor, <mask> x n]`` runs at positions ``cache_len .. cache_len + n`` in
    the diffusion view (every layer's attention uses its ``*_diff`` projections and norms),
    non-causal over the request's AR KV cache and the block; the block's K/V are not kept
    (:meth:`OrthrusModel.draft_logits`);
 2. the logits are shifted: block position ``j`` predicts token ``j + 1``, so ``n`` drafts;
-3. :func:`~diffspec.core.reference.sample_drafts` turns them into draft tokens under the
+3. :func:`~diffspec.spec_workers.reference.decoder.sample_drafts` turns them into draft tokens under the
    request's sampling (argmax; the verifier's coupled noise for seeded requests; ``d ~ q``
    returned with ``q`` for rejection sampling).
 
@@ -25,8 +25,8 @@ Usage::
 
 from __future__ import annotations
 
-from diffspec.core.reference import BlockDrafter
-from diffspec.model_executors.orthrus import OrthrusModel
+from diffspec.spec_workers.reference.decoder import BlockDrafter
+from diffspec.model_executors.reference.orthrus import OrthrusModel
 
 __all__ = ["OrthrusDrafter"]
 
@@ -38,3 +38,26 @@ class OrthrusDrafter(BlockDrafter):
 
     def __init__(self, model: OrthrusModel) -> None:
         super().__init__(model)
+
+
+def decoder(info, options):
+    """The reference decoder of method ``orthrus`` (registry factory): the Orthrus drafter
+    on the checkpoint's AR view, ``num_draft_tokens`` drafts per step (default: the block)."""
+    import torch
+
+    from diffspec.core.checkpoint import require_method
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import (
+        causal_decoder,
+        draft_count,
+        speculative_generate,
+    )
+
+    require_method(info, "orthrus")
+    k = draft_count(info, options)
+    model = load_orthrus(info.path, dtype=options.get("dtype", torch.float32))
+    drafter = OrthrusDrafter(model)
+    return causal_decoder(
+        "orthrus", info, model.lm,
+        lambda requests, tok: speculative_generate(model.lm, drafter, requests, k, tokenizer=tok),
+        {**options, "num_draft_tokens": k}, model.eos_token_ids)

@@ -17,7 +17,7 @@ draft K/V.
 
 from __future__ import annotations
 
-from diffspec.plugin.vllm_patches import is_applied, mark
+from diffspec.plugin.vllm.patches import is_applied, mark
 
 __all__ = ["apply"]
 
@@ -25,7 +25,7 @@ __all__ = ["apply"]
 def apply() -> None:
     from vllm.config.vllm import VllmConfig
 
-    from diffspec.plugin.vllm import is_self_spec_proposer
+    from diffspec.plugin.vllm.config import is_self_spec_proposer
 
     original = VllmConfig.num_lookahead_tokens
     if is_applied(original.fget):

@@ -1,0 +1,263 @@
+"""The registry: every decoding method and checkpoint family diffspec knows, in one place.
+
+A **method** is a way of decoding (``orthrus``, ``tidar``, ...): its flag per engine, the
+checkpoint families that serve it, whether it is lossless, its defaults, the factory of
+its reference decoder and the lazy ``"module:Class"`` of its engine classes. A **family**
+is a published checkpoint layout (``orthrus``, ``nld``, ``llada``, ...): the
+``architectures`` / ``model_type`` that mark it and its model class per engine.
+
+Both engine plugins, the CLI, checkpoint validation, the benchmarks and the README's
+status and layout tables read these two tables and keep no list of their own; adding a
+method is one :class:`Method` entry plus its files. This module is plain data: importing
+it imports neither torch nor an engine (classes are named by string and imported lazily
+with :func:`load_object`).
+
+The code of a method on an engine is found at one predictable path:
+``diffspec/spec_workers/{reference,vllm,sglang}/<method or shared file>.py`` for the
+decoding step, ``diffspec/model_executors/{reference,vllm,sglang}/<family>.py`` for the
+model, ``diffspec/plugin/{vllm,sglang}/`` for registration and config translation.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+__all__ = [
+    "FAMILIES",
+    "METHODS",
+    "EngineEntry",
+    "Family",
+    "Method",
+    "diffspec_methods",
+    "family_of_architecture",
+    "get_method",
+    "load_object",
+    "methods_for_engine",
+]
+
+Engine = Literal["vllm", "sglang"]
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang")
+
+
+def load_object(target: str) -> Any:
+    """Import ``"package.module:Name"`` (or the dotted ``"package.module.Name"``)."""
+    module, sep, name = target.partition(":")
+    if not sep:
+        module, _, name = target.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _frozen(mapping: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
+class Family:
+    """A published checkpoint layout and the model class that reads it on each engine."""
+
+    name: str
+    summary: str
+    # config.json "architectures"[0] / "model_type" values that mark the family (either one)
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...] = ()
+    # stock architectures (Qwen3ForCausalLM ...) are told apart by config.json keys
+    required_config: tuple[str, ...] = ()
+    # model_type -> transformers config class, for types transformers does not know
+    hf_configs: Mapping[str, str] = field(default_factory=_frozen)
+    # "module:function(path, dtype) -> causal LM": the AR view (None: AutoModelForCausalLM)
+    ar_view: str | None = None
+    # architecture -> "module:Class" registered with the engine's model registry
+    vllm_models: Mapping[str, str] = field(default_factory=_frozen)
+    sglang_models: Mapping[str, str] = field(default_factory=_frozen)
+    reference_model: str | None = None  # "module" holding the reference (transformers) model
+
+    def engine_models(self, engine: Engine) -> Mapping[str, str]:
+        return self.vllm_models if engine == "vllm" else self.sglang_models
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """How a user selects a method on one engine, and diffspec's class behind it."""
+
+    flag: str  # the engine option that selects it
+    name: str  # its value: vLLM speculative_config "method", SGLang algorithm name
+    worker: str | None  # "module:Class" (vLLM proposer / SGLang spec worker); None: engine's own
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method (see the module docstring)."""
+
+    name: str
+    summary: str
+    lossless: bool
+    origin: Literal["diffspec", "engine"]  # "engine": the engines' own (baselines)
+    families: tuple[str, ...] = ()  # () = any causal checkpoint
+    reference: str | None = None  # "module:function(info, options) -> Decoder"
+    vllm: EngineEntry | None = None  # None: not in vLLM (yet)
+    sglang: EngineEntry | None = None
+    # decoding defaults; num_draft_tokens / block_size None = what the checkpoint was trained
+    # for (Orthrus / NLD: block_size - 1 drafts; TiDAR: one branch; Fast-dLLM: bd_size or 32)
+    defaults: Mapping[str, Any] = field(default_factory=_frozen)
+    forwards_per_step: int = 1  # model forwards per draft + verify step
+    bundled: str | None = None  # folder under diffspec/assets/ it runs on by default
+    needs_drafter: bool = False  # a separate drafter checkpoint (EAGLE-3, DFlash)
+
+    def engine(self, engine: Engine) -> EngineEntry | None:
+        return self.vllm if engine == "vllm" else self.sglang
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """Every ``config.json`` architecture whose checkpoints serve this method."""
+        return tuple(a for f in self.families for a in FAMILIES[f].architectures)
+
+    def code_path(self, engine: Literal["reference", "vllm", "sglang"]) -> str | None:
+        """The file of this method's decoding step on ``engine`` (repository-relative)."""
+        if engine == "reference":
+            target = self.reference
+        else:
+            entry = self.engine(engine)
+            target = entry.worker if entry is not None else None
+        if target is None or not target.startswith("diffspec."):
+            return None
+        module = target.partition(":")[0]
+        return module.replace(".", "/") + ".py"
+
+
+_VLLM = "diffspec.model_executors.vllm"
+_SGLANG = "diffspec.model_executors.sglang"
+_REF = "diffspec.model_executors.reference"
+_SPEC_FLAG = "--speculative-config"
+_ALGO_FLAG = "--speculative-algorithm"
+
+# Order matters: the first family whose marks a checkpoint matches is its family (stock
+# Qwen architectures: TiDAR (mask + block) before ReFusion (mask) before plain Qwen3).
+FAMILIES: Mapping[str, Family] = _frozen({f.name: f for f in (
+    Family(
+        "orthrus", "frozen AR model (Qwen3 or Llama) + per-layer *_diff attention projections",
+        ("OrthrusLM", "OrthrusForCausalLM", "OrthrusLlamaForCausalLM"), ("orthrus",),
+        hf_configs=_frozen({"orthrus": "diffspec.plugin.hf_configs:OrthrusConfig"}),
+        ar_view=f"{_REF}.orthrus:load_ar_view",
+        vllm_models=_frozen({
+            "OrthrusLM": f"{_VLLM}.orthrus:OrthrusForCausalLM",
+            "OrthrusForCausalLM": f"{_VLLM}.orthrus:OrthrusForCausalLM",
+            "OrthrusLlamaForCausalLM": f"{_VLLM}.orthrus:OrthrusLlamaForCausalLM"}),
+        sglang_models=_frozen({
+            "OrthrusLM": f"{_SGLANG}.orthrus:OrthrusForCausalLM",
+            "OrthrusForCausalLM": f"{_SGLANG}.orthrus:OrthrusForCausalLM",
+            "OrthrusLlamaForCausalLM": f"{_SGLANG}.orthrus:OrthrusLlamaForCausalLM"}),
+        reference_model=f"{_REF}.orthrus"),
+    Family(
+        "nld", "Nemotron-Labs-Diffusion: encoder.* + diffusion_head, draft LoRA in "
+        "linear_spec_lora/", ("NemotronLabsDiffusionModel",), ("nemotron_labs_diffusion",),
+        hf_configs=_frozen({"nemotron_labs_diffusion":
+                            "diffspec.plugin.hf_configs:NemotronLabsDiffusionConfig"}),
+        ar_view=f"{_REF}.nld:load_ar_view",
+        vllm_models=_frozen({"NemotronLabsDiffusionModel":
+                             f"{_VLLM}.nld:NemotronLabsDiffusionForCausalLM"}),
+        sglang_models=_frozen({"NemotronLabsDiffusionModel":
+                               f"{_SGLANG}.nld:NemotronLabsDiffusionForCausalLM"}),
+        reference_model=f"{_REF}.nld"),
+    Family("llada", "LLaDA masked diffusion LM", ("LLaDAModelLM",), ("llada",),
+           reference_model=f"{_REF}.dllm"),
+    Family("dream", "Dream masked diffusion LM (shifted logits)", ("DreamModel",), ("dream",),
+           reference_model=f"{_REF}.dllm"),
+    Family("fast_dllm_v2", "Fast-dLLM v2 block diffusion on Qwen2.5 (bd_size, |<MASK>|)",
+           ("Fast_dLLM_QwenForCausalLM",), ("fast_dllm_qwen",), reference_model=f"{_REF}.dllm"),
+    Family("tidar", "stock causal Qwen trained with the TiDAR recipe (block_size + "
+           "mask_token_id in config.json)", ("Qwen3ForCausalLM", "Qwen2ForCausalLM"),
+           ("qwen3", "qwen2"), required_config=("mask_token_id", "block_size"),
+           reference_model=f"{_REF}.tidar"),
+    Family("refusion", "stock causal Qwen3 fine-tune with <|mask|> (mask_token_id in "
+           "config.json)", ("Qwen3ForCausalLM",), ("qwen3",),
+           required_config=("mask_token_id",), reference_model=f"{_REF}.refusion"),
+    Family("qwen3", "plain Qwen3 causal LM", ("Qwen3ForCausalLM",), ("qwen3",)),
+)})
+
+_SPEC = "diffspec.spec_workers"
+METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
+    Method("ar", "plain autoregressive decoding, one token per forward (the lossless oracle)",
+           lossless=True, origin="engine", reference=f"{_SPEC}.reference.decoder:ar_decoder",
+           bundled="synth-orthrus"),
+    Method("ngram", "prompt lookup (n-gram) drafts verified by the model", lossless=True,
+           origin="engine", reference=f"{_SPEC}.reference.decoder:ngram_decoder",
+           vllm=EngineEntry(_SPEC_FLAG, "ngram", None),
+           sglang=EngineEntry(_ALGO_FLAG, "NGRAM", None),
+           defaults=_frozen({"num_draft_tokens": 8}), bundled="synth-orthrus"),
+    Method("eagle3", "the engine's EAGLE-3 with a drafter checkpoint", lossless=True,
+           origin="engine", vllm=EngineEntry(_SPEC_FLAG, "eagle3", None),
+           sglang=EngineEntry(_ALGO_FLAG, "EAGLE3", None), needs_drafter=True),
+    Method("dflash", "the engine's DFlash with a drafter checkpoint", lossless=True,
+           origin="engine", vllm=EngineEntry(_SPEC_FLAG, "dflash", None),
+           sglang=EngineEntry(_ALGO_FLAG, "DFLASH", None), needs_drafter=True),
+    Method("orthrus", "Orthrus: diffusion-view drafts verified by the AR view (two "
+           "forwards per step)", lossless=True, origin="diffspec", families=("orthrus",),
+           reference=f"{_SPEC}.reference.orthrus:decoder",
+           vllm=EngineEntry(_SPEC_FLAG, "orthrus", f"{_SPEC}.vllm.self_spec:SelfSpecProposer"),
+           sglang=EngineEntry(_ALGO_FLAG, "ORTHRUS", f"{_SPEC}.sglang.self_spec:SelfSpecWorker"),
+           defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
+           bundled="synth-orthrus"),
+    Method("linear_self_spec", "NLD linear self-speculation: bidirectional (LoRA) drafts, "
+           "causal verify (two forwards per step)", lossless=True, origin="diffspec",
+           families=("nld",), reference=f"{_SPEC}.reference.linear_self_spec:decoder",
+           vllm=EngineEntry(_SPEC_FLAG, "linear_self_spec",
+                            f"{_SPEC}.vllm.self_spec:SelfSpecProposer"),
+           sglang=EngineEntry(_ALGO_FLAG, "LINEAR_SELF_SPEC",
+                              f"{_SPEC}.sglang.self_spec:SelfSpecWorker"),
+           defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
+           bundled="synth-nld"),
+    Method("tidar", "TiDAR / NLD quadratic: draft and verify in one forward (structured "
+           "mask)", lossless=True, origin="diffspec", families=("tidar", "nld"),
+           reference=f"{_SPEC}.reference.tidar:decoder",
+           defaults=_frozen({"num_draft_tokens": None}), bundled="synth-tidar"),
+    Method("fast_dllm", "Fast-dLLM: block diffusion with KV cache and confidence-threshold "
+           "unmasking (LLaDA, Dream, Fast-dLLM v2, NLD diffusion mode)", lossless=False,
+           origin="diffspec", families=("llada", "dream", "fast_dllm_v2", "nld"),
+           reference=f"{_SPEC}.reference.fast_dllm:decoder",
+           defaults=_frozen({"block_size": None, "threshold": 0.9, "cache": "prefix"}),
+           bundled="synth-dllm/llada"),
+    Method("refusion", "ReFusion: slot-level plan-and-infill (greedy)", lossless=False,
+           origin="diffspec", families=("refusion",),
+           reference=f"{_SPEC}.reference.refusion:decoder",
+           defaults=_frozen({"slot_size": 8, "num_blocks": 1, "slot_threshold": 0.9,
+                             "token_threshold": 0.4}),
+           bundled="synth-refusion"),
+)})
+
+
+def get_method(name: str) -> Method:
+    """The method called ``name``; a ``ValueError`` listing the known ones otherwise."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; known methods: "
+                         f"{', '.join(METHODS)}") from None
+
+
+def diffspec_methods() -> tuple[Method, ...]:
+    """The methods diffspec itself implements (not the engines' own baselines)."""
+    return tuple(m for m in METHODS.values() if m.origin == "diffspec")
+
+
+def methods_for_engine(engine: Engine, origin: str = "diffspec") -> dict[str, Method]:
+    """Methods of ``origin`` (``"diffspec"``, ``"engine"`` or ``"any"``) served on
+    ``engine``, by their engine name (``"orthrus"`` on vLLM, ``"ORTHRUS"`` on SGLang)."""
+    out = {}
+    for method in METHODS.values():
+        entry = method.engine(engine)
+        if entry is not None and origin in ("any", method.origin):
+            out[entry.name] = method
+    return out
+
+
+def family_of_architecture(architecture: str | None) -> Family | None:
+    """The first family whose architectures list ``architecture`` (stock architectures
+    such as ``Qwen3ForCausalLM`` need :func:`diffspec.core.checkpoint.inspect_checkpoint`)."""
+    for family in FAMILIES.values():
+        if architecture in family.architectures:
+            return family
+    return None

@@ -1,0 +1,65 @@
+"""SGLang registration (entry point ``sglang.srt.plugins: diffspec``).
+
+SGLang loads plugins once per process (server, scheduler, detokenizer, data-parallel
+workers), so :func:`register` is idempotent. It refuses unsupported SGLang versions, then
+
+* registers the checkpoints' ``model_type`` names with transformers' ``AutoConfig`` (so
+  ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load without remote code) and every
+  registry family's SGLang model class in SGLang's ``ModelRegistry``
+  (:data:`diffspec.methods.FAMILIES`);
+* registers diffspec's speculative algorithms (registry methods with an SGLang entry)
+  through SGLang's own plugin API, ``SpeculativeAlgorithm.register``, with the
+  ``CustomSpecAlgo`` subclass and validation of :mod:`diffspec.plugin.sglang.config`.
+
+No hook (``HookRegistry``) and no patch is needed: see ``diffspec/plugin/patches.md``.
+This module imports neither torch nor SGLang at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from diffspec.methods import FAMILIES, load_object
+from diffspec.plugin.sglang.config import self_spec_algorithms, validate_server_args
+from diffspec.plugin.versions import check_engine_version
+
+logger = logging.getLogger("diffspec")
+
+__all__ = ["register", "validate_server_args"]
+
+_registered = False
+
+
+def register() -> None:
+    """Register diffspec with the running SGLang. Safe to call any number of times."""
+    global _registered
+    if _registered:
+        return
+    from importlib.metadata import version
+
+    check_engine_version("sglang", version("sglang"))
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from diffspec.plugin.hf_configs import register_model_types
+    from diffspec.plugin.sglang.config import spec_class
+
+    architectures = {}
+    for family in FAMILIES.values():
+        register_model_types(family.hf_configs)
+        architectures.update(family.sglang_models)
+    for arch, target in architectures.items():
+        ModelRegistry.models.setdefault(arch, load_object(target))
+    algo_class = spec_class()
+    algorithms = self_spec_algorithms()
+    for name, method in algorithms.items():
+        if get_spec(name) is None:
+            worker = method.sglang.worker
+            SpeculativeAlgorithm.register(
+                name, supports_overlap=False, validate_server_args=validate_server_args,
+                spec_class=algo_class)(lambda server_args, worker=worker: load_object(worker))
+    _registered = True
+    logger.info("diffspec plugin loaded into SGLang %s (architectures: %s; speculative "
+                "algorithms: %s)", version("sglang"), ", ".join(architectures),
+                ", ".join(algorithms))

@@ -1,0 +1,65 @@
+"""vLLM registration (entry point ``vllm.general_plugins: diffspec``).
+
+vLLM loads general plugins in every process it starts (API server, engine core,
+workers), so :func:`register` is idempotent. It refuses unsupported vLLM versions, then
+
+* registers every registry family's vLLM model class (:data:`diffspec.methods.FAMILIES`,
+  lazy ``"module:Class"`` strings) and the checkpoints' ``model_type`` names with
+  transformers' ``AutoConfig`` (so ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load
+  without remote code);
+* makes diffspec's speculative methods selectable with vLLM's own flag,
+  ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": 31}'``, by
+  applying the patches listed in ``diffspec/plugin/patches.md``
+  (:mod:`diffspec.plugin.vllm.patches`); :mod:`diffspec.plugin.vllm.config` translates
+  and validates the config.
+
+This module imports neither torch, transformers nor vLLM at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from diffspec.methods import FAMILIES
+from diffspec.plugin.versions import check_engine_version
+from diffspec.plugin.vllm.config import (
+    is_self_spec_proposer,
+    self_spec_methods,
+    translate_speculative_config,
+)
+
+logger = logging.getLogger("diffspec")
+
+__all__ = ["is_self_spec_proposer", "register", "translate_speculative_config"]
+
+_registered = False
+
+
+def register() -> None:
+    """Register diffspec with the running vLLM. Safe to call any number of times."""
+    global _registered
+    if _registered:
+        return
+    import vllm
+
+    check_engine_version("vllm", vllm.__version__)
+    from vllm import ModelRegistry
+
+    from diffspec.plugin.hf_configs import register_model_types
+    from diffspec.plugin.vllm.patches import apply_all
+
+    architectures = {}
+    for family in FAMILIES.values():
+        register_model_types(family.hf_configs)
+        architectures.update(family.vllm_models)
+    for arch, target in architectures.items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, target)
+    apply_all(vllm.__version__)
+    _registered = True
+    logger.info(
+        "diffspec plugin loaded into vLLM %s (architectures: %s; speculative methods: %s)",
+        vllm.__version__,
+        ", ".join(architectures),
+        ", ".join(self_spec_methods()),
+    )
