@@ -33,6 +33,8 @@ from benchmarks.adapters.sglang_offline import METHODS as SGLANG_METHODS
 from benchmarks.baselines import METHODS, Baseline
 from benchmarks.datasets import DATASETS, DEFAULT_PATHS, SPEED_BENCH_SUBSETS, Prompt, load_prompts
 from benchmarks.metrics import RunResult, category_table, markdown_table, summarize
+from diffspec.methods import METHODS as REGISTRY
+from diffspec.methods import reference_methods_for
 
 ENGINES = ("reference", "vllm", "sglang", "openai")
 REFERENCE_METHODS = baseline_specs.engine_methods("reference")
@@ -40,7 +42,6 @@ REFERENCE_METHODS = baseline_specs.engine_methods("reference")
 
 def _default_model() -> str:
     from diffspec.assets import ASSETS_DIR
-    from diffspec.methods import METHODS as REGISTRY
 
     return str(ASSETS_DIR / REGISTRY["orthrus"].bundled)
 
@@ -99,16 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     p.add_argument("--engines", type=_csv, default=["reference"],
                    help=f"comma-separated from {', '.join(ENGINES)} (default: reference)")
-    p.add_argument("--baselines", type=_csv, default=["ar", "ngram", "orthrus"],
-                   help="comma-separated METHOD[:K] (AR always runs: it is the lossless oracle)")
+    p.add_argument("--baselines", type=_csv, default=None,
+                   help="comma-separated METHOD[:K] (AR always runs: it is the lossless oracle;"
+                   " default: every lossless method whose reference decoder serves the model)")
     p.add_argument("--num-draft-tokens", type=int, default=31,
                    help="default drafts per step K of every speculative baseline (default 31)")
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in _csv(t)], default=[1, 2, 4],
                    help="system tokens/s at these concurrencies (default 1,2,4)")
-    p.add_argument("--eagle3-drafter", default=None,
-                   help="EAGLE-3 drafter checkpoint (adds the eagle3 baseline when not listed)")
-    p.add_argument("--dflash-drafter", default=None,
-                   help="DFlash drafter checkpoint (adds the dflash baseline when not listed)")
+    for method in REGISTRY.values():
+        if method.needs_drafter:
+            p.add_argument(f"--{method.name}-drafter", default=None,
+                           help=f"{method.summary}: its drafter checkpoint (adds the "
+                           f"{method.name} baseline when not listed)")
     p.add_argument("--vllm-args", type=json.loads, default={},
                    help="JSON object of vllm.LLM arguments over the defaults (e.g. "
                    "'{\"enforce_eager\": false, \"gpu_memory_utilization\": 0.9}' on a GPU)")
@@ -354,7 +357,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         prompts = load_prompts(args.dataset, args.data_path, args.num_prompts, args.categories,
                                args.speed_bench_subset)
-        drafters = {"eagle3": args.eagle3_drafter, "dflash": args.dflash_drafter}
+        drafters = {m.name: getattr(args, f"{m.name}_drafter")
+                    for m in REGISTRY.values() if m.needs_drafter}
+        if args.baselines is None:
+            from diffspec.core.checkpoint import inspect_checkpoint
+
+            args.baselines = [m.name for m in reference_methods_for(
+                inspect_checkpoint(model).family) if m.lossless]
         specs = args.baselines + [m for m, d in drafters.items()
                                   if d and not any(s.partition(":")[0] == m
                                                    for s in args.baselines)]

@@ -14,7 +14,7 @@ report row. No torch, no engine import here.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -188,11 +188,3 @@ def category_table(entries: list[dict[str, Any]]) -> str:
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
-
-def completion_from_dict(d: dict[str, Any]) -> Completion:
-    """Rebuild a :class:`Completion` from its JSON form (subprocess adapters)."""
-    return Completion(**d)
-
-
-def completion_to_dict(c: Completion) -> dict[str, Any]:
-    return asdict(c)

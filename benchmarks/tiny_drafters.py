@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from diffspec.methods import METHODS as REGISTRY
+
 UNTRAINED = "diffspec_untrained"
 
 
@@ -165,7 +167,7 @@ def is_untrained(drafter: str | Path | None) -> bool:
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=("eagle3", "dflash"))
+    p.add_argument("kind", choices=[m.name for m in REGISTRY.values() if m.needs_drafter])
     p.add_argument("--target", required=True, help="target checkpoint folder (its config.json)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)

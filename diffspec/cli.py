@@ -7,14 +7,10 @@ Importing this module imports no torch (it is imported inside the commands), so
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
 
 
 def _methods_help() -> str:
@@ -126,17 +122,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_METHODS = ("ar", "ngram", "orthrus")
+def _lossless_methods(model: str | Path) -> list[str]:
+    """The lossless methods whose reference decoder serves ``model``'s family, AR first."""
+    from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
+    from diffspec.methods import reference_methods_for
+
+    try:
+        family = inspect_checkpoint(model).family
+    except CheckpointError as e:
+        raise _CliError(str(e)) from None
+    return [m.name for m in reference_methods_for(family) if m.lossless]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from diffspec.spec_workers.reference.decoder import Request
     from diffspec.core.sampling import SamplingParams
+    from diffspec.spec_workers.reference.decoder import Request
     from diffspec.testing.synthetic import sample_prompts
 
+    methods = _lossless_methods(args.model)
     decoders = [_load_decoder(m, args.model, **({} if m == "ar" else
                                                  {"num_draft_tokens": args.num_draft_tokens}))
-                for m in DEMO_METHODS]
+                for m in methods]
     tokenizer, stops = decoders[0].tokenizer, decoders[0].stop_token_ids
     prompts = sample_prompts(args.num_prompts, args.seed)
     settings = [
@@ -165,7 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       f"{out.num_forwards:>4} {out.tpf:>5.2f} {out.mean_accept_length:>7.2f} "
                       f"{tps:>7.0f}  {'yes' if equal else 'NO'}")
         if first_text is None:
-            first_text = (prompts[0], tokenizer.decode(runs["orthrus"][0][0].token_ids))
+            first_text = (prompts[0], tokenizer.decode(runs[methods[-1]][0][0].token_ids))
     print("\n(tok/s is per method over all prompts of a setting, reference decoder on CPU)")
     print(f"\nprompt:     {first_text[0]}\ncompletion: {first_text[1]}")
     if not all_equal:

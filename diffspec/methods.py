@@ -37,6 +37,7 @@ __all__ = [
     "get_method",
     "load_object",
     "methods_for_engine",
+    "reference_methods_for",
 ]
 
 Engine = Literal["vllm", "sglang"]
@@ -74,6 +75,7 @@ class Family:
     vllm_models: Mapping[str, str] = field(default_factory=_frozen)
     sglang_models: Mapping[str, str] = field(default_factory=_frozen)
     reference_model: str | None = None  # "module" holding the reference (transformers) model
+    causal: bool = True  # has an AR view (plain AR / n-gram decoding apply)
 
     def engine_models(self, engine: Engine) -> Mapping[str, str]:
         return self.vllm_models if engine == "vllm" else self.sglang_models
@@ -106,6 +108,8 @@ class Method:
     forwards_per_step: int = 1  # model forwards per draft + verify step
     bundled: str | None = None  # folder under diffspec/assets/ it runs on by default
     needs_drafter: bool = False  # a separate drafter checkpoint (EAGLE-3, DFlash)
+    # drafts inside the checkpoint's trained block (config.json block_size is required)
+    trained_block: bool = False
 
     def engine(self, engine: Engine) -> EngineEntry | None:
         return self.vllm if engine == "vllm" else self.sglang
@@ -163,11 +167,12 @@ FAMILIES: Mapping[str, Family] = _frozen({f.name: f for f in (
                                f"{_SGLANG}.nld:NemotronLabsDiffusionForCausalLM"}),
         reference_model=f"{_REF}.nld"),
     Family("llada", "LLaDA masked diffusion LM", ("LLaDAModelLM",), ("llada",),
-           reference_model=f"{_REF}.dllm"),
+           reference_model=f"{_REF}.dllm", causal=False),
     Family("dream", "Dream masked diffusion LM (shifted logits)", ("DreamModel",), ("dream",),
-           reference_model=f"{_REF}.dllm"),
+           reference_model=f"{_REF}.dllm", causal=False),
     Family("fast_dllm_v2", "Fast-dLLM v2 block diffusion on Qwen2.5 (bd_size, |<MASK>|)",
-           ("Fast_dLLM_QwenForCausalLM",), ("fast_dllm_qwen",), reference_model=f"{_REF}.dllm"),
+           ("Fast_dLLM_QwenForCausalLM",), ("fast_dllm_qwen",), reference_model=f"{_REF}.dllm",
+           causal=False),
     Family("tidar", "stock causal Qwen trained with the TiDAR recipe (block_size + "
            "mask_token_id in config.json)", ("Qwen3ForCausalLM", "Qwen2ForCausalLM"),
            ("qwen3", "qwen2"), required_config=("mask_token_id", "block_size"),
@@ -200,7 +205,7 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            vllm=EngineEntry(_SPEC_FLAG, "orthrus", f"{_SPEC}.vllm.self_spec:SelfSpecProposer"),
            sglang=EngineEntry(_ALGO_FLAG, "ORTHRUS", f"{_SPEC}.sglang.self_spec:SelfSpecWorker"),
            defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
-           bundled="synth-orthrus"),
+           bundled="synth-orthrus", trained_block=True),
     Method("linear_self_spec", "NLD linear self-speculation: bidirectional (LoRA) drafts, "
            "causal verify (two forwards per step)", lossless=True, origin="diffspec",
            families=("nld",), reference=f"{_SPEC}.reference.linear_self_spec:decoder",
@@ -209,11 +214,12 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            sglang=EngineEntry(_ALGO_FLAG, "LINEAR_SELF_SPEC",
                               f"{_SPEC}.sglang.self_spec:SelfSpecWorker"),
            defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
-           bundled="synth-nld"),
+           bundled="synth-nld", trained_block=True),
     Method("tidar", "TiDAR / NLD quadratic: draft and verify in one forward (structured "
            "mask)", lossless=True, origin="diffspec", families=("tidar", "nld"),
            reference=f"{_SPEC}.reference.tidar:decoder",
-           defaults=_frozen({"num_draft_tokens": None}), bundled="synth-tidar"),
+           defaults=_frozen({"num_draft_tokens": None}), bundled="synth-tidar",
+           trained_block=True),
     Method("fast_dllm", "Fast-dLLM: block diffusion with KV cache and confidence-threshold "
            "unmasking (LLaDA, Dream, Fast-dLLM v2, NLD diffusion mode)", lossless=False,
            origin="diffspec", families=("llada", "dream", "fast_dllm_v2", "nld"),
@@ -254,6 +260,15 @@ def methods_for_engine(engine: Engine, origin: str = "diffspec") -> dict[str, Me
     return out
 
 
+def reference_methods_for(family: str | None) -> list[Method]:
+    """Methods whose reference decoder can decode a checkpoint of ``family`` (plain AR and
+    n-gram need a causal family; the others name their families)."""
+    fam = FAMILIES.get(family) if family is not None else None
+    causal = fam is None or fam.causal
+    return [m for m in METHODS.values() if m.reference is not None
+            and (family in m.families if m.families else causal)]
+
+
 def family_of_architecture(architecture: str | None) -> Family | None:
     """The first family whose architectures list ``architecture`` (stock architectures
     such as ``Qwen3ForCausalLM`` need :func:`diffspec.core.checkpoint.inspect_checkpoint`)."""
@@ -261,3 +276,55 @@ def family_of_architecture(architecture: str | None) -> Family | None:
         if architecture in family.architectures:
             return family
     return None
+
+
+# ----------------------------------------------------------------- docs from the registry
+# The README's status and layout tables are generated here (``python -m diffspec.methods``
+# prints them; a unit test checks the README holds exactly this text).
+
+
+def _engine_cell(method: Method, engine: Engine) -> str:
+    entry = method.engine(engine)
+    if entry is None:
+        return "not built yet"
+    if entry.flag == _SPEC_FLAG:
+        return f"`{entry.flag} '{{\"method\": \"{entry.name}\", ...}}'`"
+    return f"`{entry.flag} {entry.name}`"
+
+
+def status_table() -> str:
+    """Markdown: every diffspec method, lossless or not, and how each engine selects it."""
+    rows = ["| method | what it does | lossless | checkpoint families | reference decoder "
+            "| vLLM | SGLang | bundled model |", "|---|---|---|---|---|---|---|---|"]
+    for m in diffspec_methods():
+        rows.append(
+            f"| `{m.name}` | {m.summary} | {'yes' if m.lossless else 'no'} | "
+            f"{', '.join(m.families)} | built | {_engine_cell(m, 'vllm')} | "
+            f"{_engine_cell(m, 'sglang')} | `diffspec/assets/{m.bundled}` |")
+    return "\n".join(rows)
+
+
+def layout_table() -> str:
+    """Markdown: the file of each method's step and each family's model, per engine."""
+    def cell(path: str | None) -> str:
+        return f"`{path}`" if path else "—"
+
+    def module_path(target: str) -> str:
+        return target.partition(":")[0].replace(".", "/") + ".py"
+
+    rows = ["| method | reference decoder | vLLM | SGLang |", "|---|---|---|---|"]
+    for m in diffspec_methods():
+        rows.append(f"| `{m.name}` (step) | {cell(m.code_path('reference'))} | "
+                    f"{cell(m.code_path('vllm'))} | {cell(m.code_path('sglang'))} |")
+    for f in FAMILIES.values():
+        if f.reference_model is None:
+            continue
+        vllm = sorted({module_path(t) for t in f.vllm_models.values()})
+        sglang = sorted({module_path(t) for t in f.sglang_models.values()})
+        rows.append(f"| `{f.name}` (model) | {cell(module_path(f.reference_model))} | "
+                    f"{cell(', '.join(vllm) or None)} | {cell(', '.join(sglang) or None)} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(f"{status_table()}\n\n{layout_table()}")

@@ -181,7 +181,7 @@ def require_method(info: CheckpointInfo, method: str) -> None:
             f"method {method!r} needs a checkpoint of family {wanted}; checkpoint {name} is family "
             f"{info.family!r} (architecture {info.architecture!r}, model_type {info.model_type!r})"
         )
-    if method in ("linear_self_spec", "tidar") and info.family == "nld":
+    if info.family == "nld":
         missing = [
             w
             for w in ("encoder.embed_tokens.weight", "diffusion_head.weight")
@@ -193,10 +193,7 @@ def require_method(info: CheckpointInfo, method: str) -> None:
             )
         if info.lora_path is not None:
             _check_lora(info.lora_path)
-    if (
-        method in ("orthrus", "linear_self_spec", "tidar")
-        or info.family == "fast_dllm_v2"
-    ):
+    if METHODS[method].trained_block or info.family == "fast_dllm_v2":
         key = "bd_size" if info.family == "fast_dllm_v2" else "block_size"
         if info.block_size is None:
             raise CheckpointError(

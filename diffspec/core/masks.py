@@ -18,7 +18,6 @@ __all__ = [
     "block_causal_mask",
     "block_diffusion_mask",
     "block_diffusion_training_mask",
-    "causal_mask",
     "orthrus_dual_pass_mask",
     "quadratic_branch_indices",
     "quadratic_mask",
@@ -40,13 +39,6 @@ def to_additive_mask(
         raise TypeError(f"mask must be bool, got {mask.dtype}")
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return bias.masked_fill(~mask, float("-inf"))
-
-
-def causal_mask(seq_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
-    """[seq_len, seq_len]: token i sees token j iff j <= i (the AR view)."""
-    _check_nonnegative(seq_len=seq_len)
-    idx = torch.arange(seq_len, device=device)
-    return idx[None, :] <= idx[:, None]
 
 
 def block_diffusion_mask(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["confidence_unmask", "num_transfer_tokens", "shift_logits"]
+__all__ = ["confidence_unmask", "shift_logits"]
 
 
 def shift_logits(
@@ -92,23 +92,3 @@ def confidence_unmask(
 
     new_canvas = torch.where(selected, x0.to(canvas.dtype), canvas)
     return new_canvas, selected
-
-
-def num_transfer_tokens(
-    mask_count: int | torch.Tensor,  # scalar or [batch]
-    steps: int,
-) -> torch.Tensor:  # [steps] or [batch, steps] int64
-    """LLaDA's fixed schedule: split ``mask_count`` masked tokens evenly over ``steps`` steps.
-
-    Each step unmasks ``mask_count // steps`` tokens; the first ``mask_count % steps``
-    steps take one more (Fast-dLLM / LLaDA ``get_num_transfer_tokens``).
-    """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    count = torch.as_tensor(mask_count, dtype=torch.long)
-    if count.numel() and int(count.min()) < 0:
-        raise ValueError(f"mask_count must be >= 0, got {count.tolist()}")
-    step = torch.arange(steps, device=count.device)
-    base = torch.div(count, steps, rounding_mode="floor")[..., None]
-    extra = (step < (count % steps)[..., None]).long()
-    return base + extra

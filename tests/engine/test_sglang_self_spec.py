@@ -367,14 +367,16 @@ from sglang.srt.plugins import load_plugins
 from sglang.srt.models.registry import ModelRegistry
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 import diffspec.plugin.sglang as plugin
+from diffspec.methods import FAMILIES, methods_for_engine
 load_plugins()
 plugin.register()  # again: idempotent
 algo = SpeculativeAlgorithm.from_string("orthrus")
 print(json.dumps({
     "entry_points": [e.value for e in entry_points(group="sglang.srt.plugins")],
     "registered": plugin._registered,
-    "algorithms": [SpeculativeAlgorithm.from_string(n).name for n in plugin.SELF_SPEC_ALGORITHMS],
-    "architectures": sorted(a for a in plugin.MODEL_ARCHITECTURES if a in ModelRegistry.models),
+    "algorithms": [SpeculativeAlgorithm.from_string(n).name for n in methods_for_engine("sglang")],
+    "architectures": sorted(a for f in FAMILIES.values() for a in f.sglang_models
+                            if a in ModelRegistry.models),
     "scheduler_api": [algo.carries_draft_hidden_states(), algo.need_topk(), algo.has_draft_kv(),
                       algo.is_speculative(), algo.is_eagle(), algo.supports_overlap],
 }))

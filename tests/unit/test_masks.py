@@ -11,7 +11,6 @@ from diffspec.core.masks import (
     block_causal_mask,
     block_diffusion_mask,
     block_diffusion_training_mask,
-    causal_mask,
     orthrus_dual_pass_mask,
     quadratic_branch_indices,
     quadratic_mask,
@@ -122,13 +121,8 @@ def brute_nld_interleaved(prefix: int, b: int) -> tuple[torch.Tensor, torch.Tens
 # ---------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 7])
-def test_causal_mask_matches_brute_force(n: int) -> None:
-    assert torch.equal(causal_mask(n), brute_causal(n))
-
-
 def test_to_additive_mask_zero_and_neg_inf() -> None:
-    mask = causal_mask(3)
+    mask = brute_causal(3)
     bias = to_additive_mask(mask, torch.float16)
     assert bias.dtype == torch.float16
     assert torch.equal(bias == 0, mask)
@@ -166,13 +160,13 @@ def test_block_causal_mask_matches_brute_force(n: int, block: int, prefix: int) 
 
 
 def test_block_causal_mask_block_size_1_is_causal() -> None:
-    assert torch.equal(block_causal_mask(6, 1), causal_mask(6))
-    assert torch.equal(block_causal_mask(6, 1, prefix_len=4), causal_mask(6))
+    assert torch.equal(block_causal_mask(6, 1), brute_causal(6))
+    assert torch.equal(block_causal_mask(6, 1, prefix_len=4), brute_causal(6))
 
 
 def test_block_causal_mask_prefix_covering_everything_is_causal() -> None:
-    assert torch.equal(block_causal_mask(5, 3, prefix_len=5), causal_mask(5))
-    assert torch.equal(block_causal_mask(5, 3, prefix_len=9), causal_mask(5))
+    assert torch.equal(block_causal_mask(5, 3, prefix_len=5), brute_causal(5))
+    assert torch.equal(block_causal_mask(5, 3, prefix_len=9), brute_causal(5))
 
 
 def test_block_causal_mask_fast_dllm_v2_example() -> None:
@@ -272,7 +266,7 @@ def test_quadratic_verify_rows_are_causal() -> None:
     prefix, n, k = 2, 3, 2
     mask, positions = quadratic_mask(prefix, n, k)
     verify = mask[: n + 1, : prefix + n + 1]
-    assert torch.equal(verify[:, prefix:], causal_mask(n + 1))
+    assert torch.equal(verify[:, prefix:], brute_causal(n + 1))
     assert not mask[: n + 1, prefix + n + 1 :].any()  # verify tokens never see branches
     assert torch.equal(positions[: n + 1], prefix + torch.arange(n + 1))
 
@@ -307,5 +301,3 @@ def test_invalid_sizes_raise() -> None:
         quadratic_mask(0, -1, 2)
     with pytest.raises(ValueError):
         quadratic_mask(0, 1, 0)
-    with pytest.raises(ValueError):
-        causal_mask(-1)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from diffspec.core.unmask import confidence_unmask, num_transfer_tokens, shift_logits
+from diffspec.core.unmask import confidence_unmask, shift_logits
 
 MASK = 99
 VOCAB = 8
@@ -208,20 +206,3 @@ def test_shift_logits_with_previous_logit() -> None:
     assert torch.equal(shifted[:, :1], prev)
     assert torch.equal(shifted[:, 1:], logits[:, :-1])
     assert torch.equal(shift_logits(logits[:, :1], prev), prev)  # block of one
-
-
-@pytest.mark.parametrize("count,steps", [(0, 1), (0, 4), (7, 1), (7, 3), (8, 4), (3, 5), (32, 32)])
-def test_num_transfer_tokens_schedule(count: int, steps: int) -> None:
-    schedule = num_transfer_tokens(count, steps)
-    assert schedule.shape == (steps,)
-    assert int(schedule.sum()) == count
-    assert int(schedule.max()) - int(schedule.min()) <= 1
-    assert schedule.tolist() == sorted(schedule.tolist(), reverse=True)  # remainder goes first
-    assert int(schedule[0]) == math.ceil(count / steps)
-
-
-def test_num_transfer_tokens_batched() -> None:
-    schedule = num_transfer_tokens(torch.tensor([5, 2]), 3)
-    assert schedule.tolist() == [[2, 2, 1], [1, 1, 0]]
-    with pytest.raises(ValueError):
-        num_transfer_tokens(3, 0)

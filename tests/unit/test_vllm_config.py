@@ -161,8 +161,8 @@ def test_remote_code_model_types_load_without_remote_code(tmp_path: Path) -> Non
     transformers' AutoConfig once register() has registered them (as vLLM loads them)."""
     from transformers import AutoConfig
 
-    from diffspec.plugin.hf_configs import register_model_types
     from diffspec.methods import FAMILIES
+    from diffspec.plugin.hf_configs import register_model_types
     from diffspec.testing.checkpoints import write_nld, write_orthrus
 
     model_types = {t: c for f in FAMILIES.values() for t, c in f.hf_configs.items()}

@@ -42,7 +42,6 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from diffspec.core.kv import rollback_kv
 from diffspec.core.accept import (
     AcceptOutput,
     coupled_accept,
@@ -50,6 +49,7 @@ from diffspec.core.accept import (
     rejection_sample_accept,
     truncate_at_stop,
 )
+from diffspec.core.kv import rollback_kv
 from diffspec.core.sampling import (
     SamplingParams,
     coupled_sample,

@@ -79,11 +79,11 @@ import torch
 from torch import Tensor
 
 from diffspec.core.checkpoint import CheckpointError, validate_block_size
-from diffspec.core.masks import block_causal_mask, block_diffusion_mask
 from diffspec.core.kv import rollback_kv
-from diffspec.spec_workers.reference.decoder import Request, RequestOutput
+from diffspec.core.masks import block_causal_mask, block_diffusion_mask
 from diffspec.core.unmask import confidence_unmask, shift_logits
 from diffspec.model_executors.reference.dllm import DiffusionLM
+from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
 __all__ = ["CACHE_MODES", "Canvas", "FastDLLMConfig", "FastDLLMOutput", "KVState",
            "decode_block", "fast_dllm_generate"]

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from diffspec.spec_workers.reference.decoder import BlockDrafter
 from diffspec.model_executors.reference.nld import NLDModel
+from diffspec.spec_workers.reference.decoder import BlockDrafter
 
 __all__ = ["LinearSelfSpecDrafter"]
 

@@ -25,8 +25,8 @@ Usage::
 
 from __future__ import annotations
 
-from diffspec.spec_workers.reference.decoder import BlockDrafter
 from diffspec.model_executors.reference.orthrus import OrthrusModel
+from diffspec.spec_workers.reference.decoder import BlockDrafter
 
 __all__ = ["OrthrusDrafter"]
 

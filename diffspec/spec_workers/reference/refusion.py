@@ -54,17 +54,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from diffspec.core.checkpoint import CheckpointInfo, inspect_checkpoint, require_method
 from diffspec.core.kv import rollback_kv
-from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 from diffspec.core.slots import first_stop_in_slots, score_slots, select_slots, verify_slot_drafts
+from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
-__all__ = ["ReFusionConfig", "ReFusionOutput", "load_refusion", "refusion_generate"]
+__all__ = ["ReFusionConfig", "ReFusionOutput", "decoder", "refusion_generate"]
 
 
 @dataclass(frozen=True)

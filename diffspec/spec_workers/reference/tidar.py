@@ -64,14 +64,10 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
-from torch import Tensor, nn
 
-from diffspec.core.masks import quadratic_branch_indices, quadratic_mask
+from diffspec.core.masks import quadratic_branch_indices
+from diffspec.model_executors.reference.tidar import QuadraticModel, commit_kv, quadratic_forward
 from diffspec.spec_workers.reference.decoder import (
     AcceptMode,
     Request,
@@ -82,7 +78,6 @@ from diffspec.spec_workers.reference.decoder import (
     sample_drafts,
     start_request,
 )
-from diffspec.model_executors.reference.tidar import QuadraticModel, commit_kv, quadratic_forward
 
 __all__ = ["tidar_generate"]
 
