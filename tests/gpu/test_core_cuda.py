@@ -35,7 +35,12 @@ def test_reference_ar_decoder_matches_cpu() -> None:
     from transformers import AutoModelForCausalLM
 
     from diffspec.assets import SYNTH_QWEN3_DIR
-    from diffspec.spec_workers.reference.decoder import NgramDrafter, Request, ar_generate, speculative_generate
+    from diffspec.spec_workers.reference.decoder import (
+        NgramDrafter,
+        Request,
+        ar_generate,
+        speculative_generate,
+    )
 
     requests = [
         Request(prompt_token_ids=list(range(5, 5 + n)), max_tokens=24, sampling=params)

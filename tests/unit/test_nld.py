@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from diffspec.cli import main
 from diffspec.core.checkpoint import CheckpointError
-from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 from diffspec.model_executors.reference.nld import load_nld
 from diffspec.model_executors.reference.views import block_view_logits
+from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
 from diffspec.testing.checkpoints import write_nld, write_orthrus
 

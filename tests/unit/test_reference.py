@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from diffspec.assets import SYNTH_QWEN3_DIR
+from diffspec.core.sampling import SamplingParams
 from diffspec.spec_workers.reference.decoder import (
     NgramDrafter,
     Request,
@@ -20,7 +21,6 @@ from diffspec.spec_workers.reference.decoder import (
     ar_generate,
     speculative_generate,
 )
-from diffspec.core.sampling import SamplingParams
 from diffspec.testing.synthetic import sample_prompts
 
 GREEDY = SamplingParams()

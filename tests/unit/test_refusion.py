@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from diffspec.core.checkpoint import CheckpointError
-from diffspec.spec_workers.reference.decoder import Request
 from diffspec.core.sampling import SamplingParams
 from diffspec.core.slots import reorder_for_kv_reuse, score_slots
-from diffspec.spec_workers.reference import refusion as refusion_module
 from diffspec.model_executors.reference.refusion import load_refusion
+from diffspec.spec_workers.reference import refusion as refusion_module
+from diffspec.spec_workers.reference.decoder import Request
 from diffspec.spec_workers.reference.refusion import ReFusionConfig, refusion_generate
 from diffspec.testing.checkpoints import tiny_checkpoint, write_orthrus, write_qwen3, write_refusion
 

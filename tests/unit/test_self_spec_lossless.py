@@ -18,6 +18,9 @@ import torch
 from torch import Tensor
 
 from diffspec.assets import SYNTH_QWEN3_DIR
+from diffspec.core.sampling import SamplingParams, probs_from_logits
+from diffspec.model_executors.reference.nld import load_nld
+from diffspec.model_executors.reference.orthrus import load_orthrus, orthrus_from_base
 from diffspec.spec_workers.reference.decoder import (
     BlockDrafter,
     Request,
@@ -25,9 +28,6 @@ from diffspec.spec_workers.reference.decoder import (
     ar_generate,
     speculative_generate,
 )
-from diffspec.core.sampling import SamplingParams, probs_from_logits
-from diffspec.model_executors.reference.nld import load_nld
-from diffspec.model_executors.reference.orthrus import load_orthrus, orthrus_from_base
 from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
 from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 from diffspec.testing.checkpoints import write_nld, write_orthrus

@@ -22,16 +22,21 @@ from torch import Tensor
 
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.core.masks import quadratic_branch_indices
-from diffspec.spec_workers.reference.decoder import Request, RequestOutput, ar_generate, sample_drafts
 from diffspec.core.sampling import SamplingParams, probs_from_logits
-from diffspec.model_executors.reference.views import block_view_logits
 from diffspec.model_executors.reference.tidar import (
     QuadraticModel,
     commit_kv,
     load_quadratic,
     quadratic_forward,
 )
+from diffspec.model_executors.reference.views import block_view_logits
 from diffspec.spec_workers.reference import tidar
+from diffspec.spec_workers.reference.decoder import (
+    Request,
+    RequestOutput,
+    ar_generate,
+    sample_drafts,
+)
 from diffspec.spec_workers.reference.tidar import tidar_generate
 from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
 from diffspec.testing.synthetic import build_tokenizer, sample_prompts
