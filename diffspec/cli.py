@@ -17,7 +17,9 @@ def _methods_help() -> str:
     """The epilog's method list, from the registry (with each method's bundled model)."""
     from diffspec.methods import METHODS
 
-    lines = ["decoding methods (bundled model used when --model is not given):"]
+    lines = ["decoding methods (the bundled model is used when --model is not given; bundled "
+             "models are tiny\nand speak diffspec's synthetic language: `diffspec demo` shows "
+             "prompts they understand):"]
     for m in METHODS.values():
         if m.reference is None:
             continue

@@ -6,6 +6,8 @@ synthetic language of :mod:`diffspec.testing.synthetic` (see its ``TRAINING.md``
 ``synth-refusion/``: synth-qwen3 fine-tuned with the ReFusion objective.
 ``synth-tidar/``: synth-qwen3 trained with the TiDAR recipe (causal + fully-masked copy).
 ``synth-dllm/``: a tiny LLaDA-layout and a tiny Fast-dLLM-v2-layout diffusion LM.
+``synth-nld/``: a tiny Nemotron-Labs-Diffusion (Ministral3) trained on the synthetic language
+(AR + block diffusion) with a trained linear self-speculation draft LoRA.
 Each folder's ``TRAINING.md`` gives the exact command that reproduces it.
 """
 
@@ -19,3 +21,4 @@ SYNTH_REFUSION_DIR = ASSETS_DIR / "synth-refusion"
 SYNTH_ORTHRUS_DIR = ASSETS_DIR / "synth-orthrus"
 SYNTH_TIDAR_DIR = ASSETS_DIR / "synth-tidar"
 SYNTH_DLLM_DIR = ASSETS_DIR / "synth-dllm"  # llada/ and fast_dllm_v2/
+SYNTH_NLD_DIR = ASSETS_DIR / "synth-nld"  # NLD layout + linear_spec_lora/
