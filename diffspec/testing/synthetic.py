@@ -26,6 +26,12 @@ in the prompt, so even a prompt-lookup (n-gram) drafter gets long accepted runs.
 The language itself is fixed (:data:`LANGUAGE_SEED`); the ``seed`` arguments below only choose
 which documents are sampled and how the model is initialised.
 
+This module also holds what the bundled synthetic checkpoints' trainers share (this one and
+:mod:`~diffspec.testing.synthetic_dllm`, :mod:`~diffspec.testing.synthetic_refusion`,
+:mod:`~diffspec.testing.synthetic_tidar`): :func:`fit_synthetic`, their optimization loop
+(:func:`diffspec.train.fit` with a per-step loss callable and an LR schedule), the two
+schedules, :func:`fine_tune_qwen3`, the record and CLI helpers.
+
 CLI::
 
     python -m diffspec.testing.synthetic train --out DIR [--steps N --seed S]
@@ -35,9 +41,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
-import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -232,16 +238,25 @@ def model_config(cfg: TrainConfig):
     )
 
 
+def packed_tokens(rng: random.Random, token_ids: dict[str, int], n: int) -> list[int]:
+    """``n`` token ids of documents sampled from ``rng`` and packed, starting at a document
+    start (the last document is cut)."""
+    row: list[int] = []
+    while len(row) < n:
+        row += [token_ids[w] for w in _sample_document(rng)]
+    return row[:n]
+
+
+def vocabulary_ids() -> dict[str, int]:
+    """Token -> id of :func:`vocabulary`."""
+    return {t: i for i, t in enumerate(vocabulary())}
+
+
 def _batch(rng: random.Random, token_ids: dict[str, int], cfg: TrainConfig):
     """[batch, seq_len] rows; every row starts at a document start and packs documents."""
     import torch
 
-    rows = []
-    for _ in range(cfg.batch_size):
-        row: list[int] = []
-        while len(row) < cfg.seq_len:
-            row += [token_ids[w] for w in _sample_document(rng)]
-        rows.append(row[: cfg.seq_len])
+    rows = [packed_tokens(rng, token_ids, cfg.seq_len) for _ in range(cfg.batch_size)]
     return torch.tensor(rows, dtype=torch.long)  # [batch, seq_len]
 
 
@@ -257,48 +272,21 @@ def train_synthetic_model(
     """Train the synthetic Qwen3 from scratch and save a normal HF checkpoint to ``out_dir``
     (fp32 ``model.safetensors``, config, generation config, tokenizer, ``TRAINING.md`` and
     ``training.json``). Deterministic given ``seed``. Returns the training record."""
-    import math
-
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     cfg = TrainConfig(steps=steps, seed=seed, **overrides)
     out = Path(out_dir)
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.num_threads)
-    try:
-        torch.manual_seed(cfg.seed)
-        model = Qwen3ForCausalLM(model_config(cfg)).float()
-        model.train()
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
-
-        def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
-            if step < cfg.warmup:
-                return cfg.lr * (step + 1) / cfg.warmup
-            t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-            return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-        vocab = {t: i for i, t in enumerate(vocabulary())}
-        rng = random.Random(cfg.seed)
-        losses: list[float] = []
-        start = time.perf_counter()
-        for step in range(cfg.steps):
-            input_ids = _batch(rng, vocab, cfg)  # [batch, seq_len]
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            if log_every and (step % log_every == 0 or step == cfg.steps - 1):
-                print(f"step {step:5d}  loss {loss.item():.4f}", file=sys.stderr, flush=True)
-        wall = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(prev_threads)
+    torch.manual_seed(cfg.seed)
+    model = Qwen3ForCausalLM(model_config(cfg)).float()
+    vocab = vocabulary_ids()
+    rng = random.Random(cfg.seed)
+    result = fit_synthetic(
+        model, lambda: _batch(rng, vocab, cfg), cfg,
+        loss_fn=lambda m, input_ids: m(input_ids=input_ids, labels=input_ids).loss,
+        lr_schedule=warmup_cosine_lr(cfg), log_every=log_every,
+    )
+    losses = [h["loss"] for h in result.history]
 
     model.eval()
     model.config.architectures = ["Qwen3ForCausalLM"]
@@ -308,23 +296,190 @@ def train_synthetic_model(
     model.save_pretrained(str(out), safe_serialization=True)
     save_synthetic_tokenizer(out, cfg.max_position_embeddings)
 
-    tail = losses[-20:]
     record = {
         "command": command or f"python -m diffspec.testing.synthetic train --out {out_dir} "
         f"--steps {cfg.steps} --seed {cfg.seed}",
         "seed": cfg.seed,
         "steps": cfg.steps,
         "final_loss": round(losses[-1], 4),
-        "final_loss_mean_last_20": round(sum(tail) / len(tail), 4),
-        "wall_time_s": round(wall, 1),
+        "final_loss_mean_last_20": tail_means(result.history, 20)["loss"],
+        "wall_time_s": round(result.wall_time_s, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
         "config": cfg.__dict__,
         "torch": torch.__version__,
     }
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "TRAINING.md").write_text(_training_md(record))
+    return write_record(out, record)
+
+
+# ------------------------------------------------- the synthetic trainers' shared pieces
+
+
+def warmup_cosine_lr(cfg: Any, floor: float = 0.1) -> Callable[[int], float]:
+    """The LR of each step: linear warmup over ``cfg.warmup`` steps (``lr * (step + 1) /
+    warmup``), then cosine from ``cfg.lr`` down to ``floor * cfg.lr`` at ``cfg.steps``
+    (synth-qwen3, synth-dllm). ``cfg`` is any synthetic trainer config (``lr``,
+    ``warmup``, ``steps``)."""
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    return lr_at
+
+
+def warmup_cosine_to_zero_lr(cfg: Any) -> Callable[[int], float]:
+    """The LR of each step: ``lr * min((step + 1) / warmup, 0.5 (1 + cos(pi step /
+    steps)))``, a cosine to 0 over the whole run, cut by the linear warmup at the start
+    (synth-refusion, synth-tidar)."""
+
+    def lr_at(step: int) -> float:
+        warm = (step + 1) / cfg.warmup
+        decay = 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        return cfg.lr * min(warm, decay)
+
+    return lr_at
+
+
+def fit_synthetic(
+    model,  # torch.nn.Module: every parameter that requires grad trains
+    next_batch: Callable[[], Any],  # the next training batch (called once per step)
+    cfg: Any,  # a synthetic trainer config: steps, seed, lr, warmup, weight_decay, ...
+    *,
+    loss_fn: Callable[[Any, Any], Any],  # (model, batch) -> loss tensor or dict with "loss"
+    lr_schedule: Callable[[int], float],
+    log_every: int = 50,  # 0: silent
+):
+    """The optimization loop of the synthetic checkpoints' trainers: :func:`diffspec.train.fit`
+    as one plain process (no ``accelerate``), AdamW betas (0.9, 0.95) with ``cfg.lr`` /
+    ``cfg.weight_decay``, gradient clipping at 1.0, ``cfg.num_threads`` torch threads,
+    the global torch RNG seeded with ``cfg.seed``. Returns the
+    :class:`~diffspec.train.FitResult`."""
+    from diffspec.train import TrainConfig as FitConfig
+    from diffspec.train import fit
+
+    fit_cfg = FitConfig(
+        steps=cfg.steps, lr=cfg.lr, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay,
+        betas=(0.9, 0.95), max_grad_norm=1.0, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        seed=cfg.seed, num_threads=cfg.num_threads, log_every=log_every or cfg.steps,
+    )
+    batches = (next_batch() for _ in range(cfg.steps))
+    return fit(model, batches, fit_cfg, loss_fn=loss_fn, lr_schedule=lr_schedule,
+               use_accelerate=False, log=None if log_every else (lambda msg: None))
+
+
+def tail_means(history: list[dict[str, float]], n: int,
+               keys: tuple[str, ...] = ("loss",)) -> dict[str, float]:
+    """Each of ``keys`` averaged over the last ``n`` steps of a fit history, to 4 places."""
+    tail = history[-n:]
+    return {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in keys}
+
+
+def fine_tune_qwen3(
+    out_dir: str | Path,
+    base: str | Path | None,  # a Qwen3 checkpoint; None: the bundled synth-qwen3
+    cfg: Any,  # a synthetic trainer config (see fit_synthetic)
+    next_batch: Callable[[], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    config: dict[str, Any],  # set on the saved model's config (e.g. mask_token_id)
+    **load_kwargs: Any,  # for from_pretrained (e.g. attn_implementation)
+):
+    """Fine-tune all weights of the fp32 Qwen3 ``base`` by :func:`fit_synthetic` with
+    :func:`warmup_cosine_to_zero_lr` (synth-refusion, synth-tidar), then save it to
+    ``out_dir`` with ``config`` added to its config.json and the base's tokenizer and
+    generation config. Returns ``(base folder, FitResult)``."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from diffspec.assets import SYNTH_QWEN3_DIR
+
+    base, out = Path(base or SYNTH_QWEN3_DIR), Path(out_dir)
+    model = Qwen3ForCausalLM.from_pretrained(str(base), dtype=torch.float32, **load_kwargs)
+    result = fit_synthetic(model, next_batch, cfg, loss_fn=loss_fn,
+                           lr_schedule=warmup_cosine_to_zero_lr(cfg))
+    model.eval()
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(base / name, out / name)
+    return base, result
+
+
+def write_record(out_dir: str | Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Write a trainer's record to ``out_dir/training.json``; returns it."""
+    (Path(out_dir) / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+# ------------------------------------------- the synthetic models' measurement and CLI
+
+
+def prompt_requests(num_prompts: int, seed: int, max_tokens: int,
+                       stop_token_ids: tuple[int, ...], **kwargs: Any) -> list:
+    """One :class:`~diffspec.spec_workers.reference.decoder.Request` per
+    ``sample_prompts(num_prompts, seed)`` prompt (``kwargs``: more Request fields)."""
+    from diffspec.spec_workers.reference.decoder import Request
+
+    tok = build_tokenizer()
+    return [Request(tok(p)["input_ids"], max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                    **kwargs) for p in sample_prompts(num_prompts, seed)]
+
+
+def decode_summary(outs: list, wall: float) -> dict[str, Any]:
+    """Tokens, forwards, TPF, draft acceptance (accepted / verified drafts), requests that
+    stopped on a stop token, and wall time of a decoder's outputs."""
+    tokens = sum(len(o.token_ids) for o in outs)
+    forwards = sum(o.num_forwards for o in outs)
+    return {
+        "tokens": tokens,
+        "forwards": forwards,
+        "tpf": round(tokens / forwards, 3),
+        "draft_acceptance": round(sum(o.num_accepted_tokens for o in outs)
+                                  / max(1, sum(o.num_draft_tokens for o in outs)), 3),
+        "stopped": sum(o.finish_reason == "stop" for o in outs),
+        "wall_s": round(wall, 2),
+    }
+
+
+
+
+def trainer_cli(module: str, train_help: str, cfg: Any, description: str | None = None):
+    """``(parser, subparsers, train)``: the CLI of a synthetic trainer module
+    (``python -m <module>``) with its ``train`` command (``--out``, ``--steps`` and
+    ``--seed``, defaults from the config class ``cfg``); callers add their own options and
+    commands, then :func:`run_train`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    train = sub.add_parser("train", help=train_help)
+    train.add_argument("--out", required=True, help="output checkpoint folder")
+    train.add_argument("--steps", type=int, default=cfg.steps)
+    train.add_argument("--seed", type=int, default=cfg.seed)
+    return parser, sub, train
+
+
+def run_train(module: str, args: argparse.Namespace, train: Callable[..., dict[str, Any]],
+              options: tuple[str, ...] = ("out", "steps", "seed")) -> int:
+    """Run a ``train`` command: ``train(args.out, command=..., **options)``, the command
+    line recorded with ``options`` in that order; prints the record without its config."""
+    command = f"python -m {module} train " + " ".join(
+        f"--{name.replace('_', '-')} {getattr(args, name)}" for name in options)
+    record = train(args.out, command=command,
+                   **{name: getattr(args, name) for name in options if name != "out"})
+    print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
+    return 0
+
+
+def add_prompt_args(parser: argparse.ArgumentParser, prompts: int = 16) -> None:
+    """``--prompts`` / ``--seed`` (of ``sample_prompts``) / ``--max-tokens`` of an eval."""
+    parser.add_argument("--prompts", type=int, default=prompts)
+    parser.add_argument("--seed", type=int, default=1, help="sample_prompts seed")
+    parser.add_argument("--max-tokens", type=int, default=64)
 
 
 def _training_md(r: dict[str, Any]) -> str:
@@ -356,26 +511,17 @@ Full record: `training.json`.
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m diffspec.testing.synthetic",
-        description="Synthetic language for diffspec: train the tiny Qwen3 or print samples.",
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    train = sub.add_parser("train", help="train the synthetic Qwen3 and save it")
-    train.add_argument("--out", required=True, help="output checkpoint folder")
-    train.add_argument("--steps", type=int, default=TrainConfig.steps)
-    train.add_argument("--seed", type=int, default=TrainConfig.seed)
+    module = "diffspec.testing.synthetic"
+    parser, sub, _ = trainer_cli(module, "train the synthetic Qwen3 and save it", TrainConfig,
+                                 "Synthetic language for diffspec: train the tiny Qwen3 or "
+                                 "print samples.")
     sample = sub.add_parser("sample", help="print sampled documents")
     sample.add_argument("-n", type=int, default=5)
     sample.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.cmd == "train":
-        cmd = f"python -m diffspec.testing.synthetic train --out {args.out} "
-        cmd += f"--steps {args.steps} --seed {args.seed}"
-        record = train_synthetic_model(args.out, steps=args.steps, seed=args.seed, command=cmd)
-        print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
-    else:
-        print("\n".join(sample_documents(args.n, args.seed)))
+        return run_train(module, args, train_synthetic_model)
+    print("\n".join(sample_documents(args.n, args.seed)))
     return 0
 
 

@@ -26,18 +26,28 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from diffspec.testing.synthetic import ENDOFTEXT, IM_START, ROLE_WORDS, language, sample_documents
+from diffspec.testing.synthetic import (
+    ENDOFTEXT,
+    IM_START,
+    ROLE_WORDS,
+    add_prompt_args,
+    fit_synthetic,
+    language,
+    run_train,
+    sample_documents,
+    tail_means,
+    trainer_cli,
+    warmup_cosine_lr,
+    write_record,
+)
 
 __all__ = ["DLLMTrainConfig", "evaluate_fast_dllm", "train_synthetic_dllm"]
 
@@ -114,40 +124,21 @@ def train_synthetic_dllm(
                            mask_in_config=True, **sizes)
     lm = load_dllm(out)
     vocab = _vocab(out)
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.num_threads)
-    try:
-        torch.manual_seed(cfg.seed)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        model = lm.model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                weight_decay=cfg.weight_decay)
-        rng = random.Random(cfg.seed)
-        losses: list[float] = []
-        start = time.perf_counter()
-        for step in range(cfg.steps):
-            for group in opt.param_groups:
-                group["lr"] = _lr(cfg, step)
-            x0 = _batch(rng, vocab, cfg)  # [batch, seq_len]
-            if layout == "llada":
-                loss = _llada_loss(model, x0, lm.mask_token_id, gen)
-            else:
-                loss = _block_diffusion_loss(model, x0, lm.mask_token_id, cfg.block_size, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            if log_every and (step % log_every == 0 or step == cfg.steps - 1):
-                print(f"step {step:5d}  loss {loss.item():.4f}", file=sys.stderr, flush=True)
-        wall = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(prev_threads)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+
+    def loss_fn(model, x0):  # x0: [batch, seq_len]
+        if layout == "llada":
+            return _llada_loss(model, x0, lm.mask_token_id, gen)
+        return _block_diffusion_loss(model, x0, lm.mask_token_id, cfg.block_size, gen)
+
+    model = lm.model
+    result = fit_synthetic(model, lambda: _batch(rng, vocab, cfg), cfg, loss_fn=loss_fn,
+                           lr_schedule=warmup_cosine_lr(cfg), log_every=log_every)
 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
-    tail = losses[-20:]
     record = {
         "command": command or f"python -m diffspec.testing.synthetic_dllm train --layout "
         f"{layout} --out {out_dir} --steps {cfg.steps} --seed {cfg.seed}",
@@ -155,16 +146,15 @@ def train_synthetic_dllm(
         "architecture": lm.info.architecture,
         "steps": cfg.steps,
         "seed": cfg.seed,
-        "final_loss_mean_last_20": round(sum(tail) / len(tail), 4),
-        "wall_time_s": round(wall, 1),
+        "final_loss_mean_last_20": tail_means(result.history, 20)["loss"],
+        "wall_time_s": round(result.wall_time_s, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
         "config": asdict(cfg),
         "torch": torch.__version__,
     }
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "TRAINING.md").write_text(_training_md(record))
-    return record
+    return write_record(out, record)
 
 
 def _vocab(path: Path) -> dict[str, int]:
@@ -172,14 +162,6 @@ def _vocab(path: Path) -> dict[str, int]:
     vocab = dict(data["model"]["vocab"])
     vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
     return vocab
-
-
-def _lr(cfg: DLLMTrainConfig, step: int) -> float:
-    """Linear warmup, cosine decay to 10%."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def _batch(rng: random.Random, vocab: dict[str, int], cfg: DLLMTrainConfig):
@@ -258,9 +240,13 @@ def evaluate_fast_dllm(
     over the longer of the two outputs), requests whose output equals the reference,
     TPF, mean steps per block, and the share of adjacent token pairs that the language
     allows (a quality check that needs no reference)."""
-    from diffspec.spec_workers.reference.decoder import Request
     from diffspec.model_executors.reference.dllm import load_dllm
-    from diffspec.spec_workers.reference.fast_dllm import CACHE_MODES, FastDLLMConfig, fast_dllm_generate
+    from diffspec.spec_workers.reference.decoder import Request
+    from diffspec.spec_workers.reference.fast_dllm import (
+        CACHE_MODES,
+        FastDLLMConfig,
+        fast_dllm_generate,
+    )
     from diffspec.testing.synthetic import sample_prompts
 
     lm = load_dllm(model_dir)
@@ -341,39 +327,30 @@ the objective and the measurement in `diffspec/testing/synthetic_dllm.py`. Full 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffspec.testing.synthetic_dllm",
-                                     description="Train / measure the synthetic diffusion LM.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    train = sub.add_parser("train", help="train the tiny diffusion LM and save it")
+    module = "diffspec.testing.synthetic_dllm"
+    parser, sub, train = trainer_cli(module, "train the tiny diffusion LM and save it",
+                                     DLLMTrainConfig,
+                                     "Train / measure the synthetic diffusion LM.")
     train.add_argument("--layout", choices=LAYOUTS, default="llada")
-    train.add_argument("--out", required=True)
-    train.add_argument("--steps", type=int, default=DLLMTrainConfig.steps)
-    train.add_argument("--seed", type=int, default=DLLMTrainConfig.seed)
     ev = sub.add_parser("eval", help="Fast-dLLM agreement / TPF on synthetic prompts")
     ev.add_argument("--model", required=True)
-    ev.add_argument("--prompts", type=int, default=16)
-    ev.add_argument("--max-tokens", type=int, default=64)
+    add_prompt_args(ev)
     ev.add_argument("--block-size", type=int, default=None)
     ev.add_argument("--sub-block-size", type=int, default=None)
     args = parser.parse_args(argv)
     if args.cmd == "train":
-        cmd = (f"python -m diffspec.testing.synthetic_dllm train --layout {args.layout} "
-               f"--out {args.out} --steps {args.steps} --seed {args.seed}")
-        record = train_synthetic_dllm(args.out, layout=args.layout, steps=args.steps,
-                                      seed=args.seed, command=cmd)
-        print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
-    else:
-        import torch
+        return run_train(module, args, train_synthetic_dllm, ("layout", "out", "steps", "seed"))
+    import torch
 
-        torch.set_num_threads(1)
-        rows = evaluate_fast_dllm(args.model, num_prompts=args.prompts,
-                                  max_tokens=args.max_tokens, block_size=args.block_size,
-                                  sub_block_size=args.sub_block_size)
-        keys = list(rows[0])
-        print("| " + " | ".join(keys) + " |")
-        print("|" + "---|" * len(keys))
-        for row in rows:
-            print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+    torch.set_num_threads(1)
+    rows = evaluate_fast_dllm(args.model, num_prompts=args.prompts, seed=args.seed,
+                              max_tokens=args.max_tokens, block_size=args.block_size,
+                              sub_block_size=args.sub_block_size)
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
     return 0
 
 

@@ -29,19 +29,15 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import random
-import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from diffspec.testing.synthetic import MASK, _sample_document, language, vocabulary
+from diffspec.testing import synthetic
 
 __all__ = [
     "ReFusionTrainConfig",
@@ -68,14 +64,6 @@ class ReFusionTrainConfig:
     weight_decay: float = 0.0  # as train.sh
     eps: float = 1e-3  # p_mask floor, as forward_process
     num_threads: int = 1
-
-
-def _stream(rng: random.Random, vocab: dict[str, int], n: int) -> list[int]:
-    """``n`` tokens of packed synthetic documents, starting at a document start."""
-    row: list[int] = []
-    while len(row) < n:
-        row += [vocab[w] for w in _sample_document(rng)]
-    return row[:n]
 
 
 def refusion_example(
@@ -129,8 +117,8 @@ def _batch(rng: random.Random, vocab: dict[str, int], cfg: ReFusionTrainConfig, 
     rows = []
     for _ in range(cfg.batch_size):
         query_len, size = rng.randint(*cfg.query_len), rng.choice(SLOT_SIZES)
-        example = refusion_example(_stream(rng, vocab, cfg.seq_len), query_len, size, mask_id,
-                                   rng, cfg.eps)
+        tokens = synthetic.packed_tokens(rng, vocab, cfg.seq_len)
+        example = refusion_example(tokens, query_len, size, mask_id, rng, cfg.eps)
         rows.append((*example, cfg.seq_len - query_len))
     ids, pos, labels, masked, p_mask, response_len = zip(*rows)
     return {
@@ -149,60 +137,29 @@ def train_synthetic_refusion(
     """Fine-tune ``base`` (default: the bundled synth-qwen3) with the ReFusion objective
     and save a ReFusion-layout checkpoint (stock Qwen3 + ``config.mask_token_id``)."""
     import torch
-    from transformers import Qwen3ForCausalLM
-
-    from diffspec.assets import SYNTH_QWEN3_DIR
 
     cfg = ReFusionTrainConfig(**overrides)
-    base = Path(base or SYNTH_QWEN3_DIR)
-    out = Path(out_dir)
-    vocab = {t: i for i, t in enumerate(vocabulary())}
-    mask_id = vocab[MASK]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.num_threads)
-    try:
-        torch.manual_seed(cfg.seed)
-        model = Qwen3ForCausalLM.from_pretrained(str(base), dtype=torch.float32).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                weight_decay=cfg.weight_decay)
-        rng = random.Random(cfg.seed)
-        log: list[dict[str, float]] = []
-        start = time.perf_counter()
-        for step in range(cfg.steps):
-            warm = (step + 1) / cfg.warmup
-            decay = 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * min(warm, decay)
-            loss, ar, mdm = refusion_loss(model, _batch(rng, vocab, cfg, mask_id))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            log.append({"loss": loss.item(), "ar": ar.item(), "mdm": mdm.item()})
-            if step % 50 == 0 or step == cfg.steps - 1:
-                print(f"step {step:4d}  loss {loss.item():.3f}  ar {ar.item():.3f}  "
-                      f"mdm {mdm.item():.3f}", file=sys.stderr, flush=True)
-        wall = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(threads)
+    vocab = synthetic.vocabulary_ids()
+    mask_id = vocab[synthetic.MASK]
+    rng = random.Random(cfg.seed)
 
-    model.eval()
-    model.config.mask_token_id = mask_id
-    model.save_pretrained(str(out), safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(base / name, out / name)
-    tail = log[-50:]
-    record = {
-        "command": command or f"python -m diffspec.testing.synthetic_refusion train --out {out}",
+    def loss_fn(model, batch):
+        loss, ar, mdm = refusion_loss(model, batch)
+        return {"loss": loss, "ar": ar, "mdm": mdm}
+
+    base, result = synthetic.fine_tune_qwen3(
+        out_dir, base, cfg, lambda: _batch(rng, vocab, cfg, mask_id), loss_fn,
+        {"mask_token_id": mask_id})
+    return synthetic.write_record(out_dir, {
+        "command": command
+        or f"python -m diffspec.testing.synthetic_refusion train --out {out_dir}",
         "base": base.name,
-        "final_loss_mean_last_50": {k: round(sum(r[k] for r in tail) / len(tail), 4)
-                                    for k in ("loss", "ar", "mdm")},
-        "wall_time_s": round(wall, 1),
+        "final_loss_mean_last_50": synthetic.tail_means(result.history, 50,
+                                                        ("loss", "ar", "mdm")),
+        "wall_time_s": round(result.wall_time_s, 1),
         "config": asdict(cfg),
         "torch": torch.__version__,
-    }
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    })
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -211,7 +168,7 @@ def train_synthetic_refusion(
 def valid_bigram_rate(words: list[str]) -> float:
     """Fraction of consecutive word pairs the language can produce (inside a phrase, or a
     phrase end followed by a phrase start); a quality check that needs no reference."""
-    lang = language()
+    lang = synthetic.language()
     ok: set[tuple[str, str]] = set()
     for p in lang.phrases:
         ok.update(pairwise(p))
@@ -225,18 +182,15 @@ def evaluate(model_dir: str | Path, slot_size: int, num_blocks: int, slot_thresh
     """ReFusion decoding of synthetic prompts: TPF, slots per plan, quality vs AR."""
     import torch
 
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.model_executors.reference.refusion import load_refusion
+    from diffspec.spec_workers.reference.decoder import ar_generate
     from diffspec.spec_workers.reference.refusion import ReFusionConfig, refusion_generate
-    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
 
     torch.set_num_threads(1)
     model, info = load_refusion(model_dir)
-    tok = build_tokenizer()
+    tok = synthetic.build_tokenizer()
     cfg = ReFusionConfig(slot_size, num_blocks, slot_threshold, token_threshold)
-    requests = [Request(tok(p)["input_ids"], max_tokens=max_tokens,
-                        stop_token_ids=info.eos_token_ids)
-                for p in sample_prompts(num_prompts, seed)]
+    requests = synthetic.prompt_requests(num_prompts, seed, max_tokens, info.eos_token_ids)
     start = time.perf_counter()
     outs = refusion_generate(model, requests, cfg, info.mask_token_id)
     wall = time.perf_counter() - start
@@ -245,55 +199,38 @@ def evaluate(model_dir: str | Path, slot_size: int, num_blocks: int, slot_thresh
     words = [tok.convert_ids_to_tokens(o.token_ids) for o in outs]
     same = [sum(a == b for a, b in zip(o.token_ids, r.token_ids)) / max(len(r.token_ids), 1)
             for o, r in zip(outs, ar)]
-    tokens = sum(len(o.token_ids) for o in outs)
-    forwards = sum(o.num_forwards for o in outs)
     return {
         "config": asdict(cfg),
         "max_tokens": max_tokens,
         "prompts": num_prompts,
-        "tokens": tokens,
-        "forwards": forwards,
-        "tpf": round(tokens / forwards, 3),
+        **synthetic.decode_summary(outs, wall),
         "ar_tpf": round(sum(len(r.token_ids) for r in ar) / sum(r.num_forwards for r in ar), 3),
         "mean_slots_per_plan": round(sum(plans) / len(plans), 3),
         "slots_per_plan_hist": {k: plans.count(k) for k in sorted(set(plans))},
-        "draft_acceptance": round(sum(o.num_accepted_tokens for o in outs)
-                                  / max(1, sum(o.num_draft_tokens for o in outs)), 3),
         "valid_bigram_rate": round(sum(valid_bigram_rate(w) for w in words) / len(words), 3),
         "ar_valid_bigram_rate": round(sum(valid_bigram_rate(tok.convert_ids_to_tokens(
             r.token_ids)) for r in ar) / len(ar), 3),
         "same_token_as_ar": round(sum(same) / len(same), 3),
-        "stopped": sum(o.finish_reason == "stop" for o in outs),
-        "wall_s": round(wall, 2),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffspec.testing.synthetic_refusion")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    train = sub.add_parser("train", help="fine-tune synth-qwen3 with the ReFusion objective")
-    train.add_argument("--out", required=True)
-    train.add_argument("--steps", type=int, default=ReFusionTrainConfig.steps)
-    train.add_argument("--seed", type=int, default=ReFusionTrainConfig.seed)
+    module = "diffspec.testing.synthetic_refusion"
+    parser, sub, _ = synthetic.trainer_cli(
+        module, "fine-tune synth-qwen3 with the ReFusion objective", ReFusionTrainConfig)
     ev = sub.add_parser("eval", help="TPF and slots per plan of ReFusion decoding")
     ev.add_argument("--model", required=True)
     ev.add_argument("--slot-size", type=int, default=8)
     ev.add_argument("--num-blocks", type=int, default=2)
     ev.add_argument("--slot-threshold", type=float, default=0.9)
     ev.add_argument("--token-threshold", type=float, default=0.4)
-    ev.add_argument("--max-tokens", type=int, default=64)
-    ev.add_argument("--prompts", type=int, default=20)
-    ev.add_argument("--seed", type=int, default=1)
+    synthetic.add_prompt_args(ev, prompts=20)
     args = parser.parse_args(argv)
     if args.cmd == "train":
-        cmd = (f"python -m diffspec.testing.synthetic_refusion train --out {args.out} "
-               f"--steps {args.steps} --seed {args.seed}")
-        record = train_synthetic_refusion(args.out, steps=args.steps, seed=args.seed, command=cmd)
-        print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
-    else:
-        print(json.dumps(evaluate(args.model, args.slot_size, args.num_blocks,
-                                  args.slot_threshold, args.token_threshold, args.max_tokens,
-                                  args.prompts, args.seed), indent=2))
+        return synthetic.run_train(module, args, train_synthetic_refusion)
+    print(json.dumps(evaluate(args.model, args.slot_size, args.num_blocks, args.slot_threshold,
+                              args.token_threshold, args.max_tokens, args.prompts, args.seed),
+                     indent=2))
     return 0
 
 

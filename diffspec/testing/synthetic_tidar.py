@@ -35,18 +35,14 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import random
-import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from diffspec.testing.synthetic import MASK, _sample_document, vocabulary
+from diffspec.testing import synthetic
 
 __all__ = ["SYNTH_TIDAR_DIR", "TiDARTrainConfig", "evaluate", "tidar_batch", "tidar_loss",
            "train_synthetic_tidar"]
@@ -79,12 +75,7 @@ def tidar_batch(rng: random.Random, vocab: dict[str, int], cfg: TiDARTrainConfig
     start); the extra token is the last position's next-token label."""
     import torch
 
-    rows = []
-    for _ in range(cfg.batch_size):
-        row: list[int] = []
-        while len(row) < cfg.seq_len + 1:
-            row += [vocab[w] for w in _sample_document(rng)]
-        rows.append(row[: cfg.seq_len + 1])
+    rows = [synthetic.packed_tokens(rng, vocab, cfg.seq_len + 1) for _ in range(cfg.batch_size)]
     return torch.tensor(rows)  # [batch, L + 1]
 
 
@@ -114,65 +105,32 @@ def train_synthetic_tidar(
     """Fine-tune ``base`` (default: the bundled synth-qwen3) with the TiDAR recipe and save
     a TiDAR-layout checkpoint (stock Qwen3 + ``block_size``, ``mask_token_id``, ``dlm_type``)."""
     import torch
-    from transformers import Qwen3ForCausalLM
-
-    from diffspec.assets import SYNTH_QWEN3_DIR
 
     cfg = TiDARTrainConfig(**overrides)
-    base = Path(base or SYNTH_QWEN3_DIR)
-    out = Path(out_dir)
-    vocab = {t: i for i, t in enumerate(vocabulary())}
-    mask_id = vocab[MASK]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.num_threads)
-    try:
-        torch.manual_seed(cfg.seed)
-        model = Qwen3ForCausalLM.from_pretrained(str(base), dtype=torch.float32,
-                                                 attn_implementation="sdpa").train()
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                weight_decay=cfg.weight_decay)
-        rng = random.Random(cfg.seed)
-        log: list[dict[str, float]] = []
-        start, cpu = time.perf_counter(), time.process_time()
-        for step in range(cfg.steps):
-            warm = (step + 1) / cfg.warmup
-            decay = 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * min(warm, decay)
-            loss, ar, diffusion = tidar_loss(model, tidar_batch(rng, vocab, cfg), mask_id, cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            log.append({"loss": loss.item(), "ar": ar.item(), "diffusion": diffusion.item()})
-            if step % 50 == 0 or step == cfg.steps - 1:
-                print(f"step {step:4d}  loss {loss.item():.3f}  ar {ar.item():.3f}  "
-                      f"diffusion {diffusion.item():.3f}", file=sys.stderr, flush=True)
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    finally:
-        torch.set_num_threads(threads)
+    vocab = synthetic.vocabulary_ids()
+    mask_id = vocab[synthetic.MASK]
+    rng = random.Random(cfg.seed)
 
-    model.eval()
-    model.config.mask_token_id = mask_id
-    model.config.block_size = cfg.block_size
-    model.config.dlm_type = "dream" if cfg.logits_shift else "llada"
-    model.save_pretrained(str(out), safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(base / name, out / name)
-    tail = log[-50:]
-    record = {
-        "command": command or f"python -m diffspec.testing.synthetic_tidar train --out {out}",
+    def loss_fn(model, rows):
+        loss, ar, diffusion = tidar_loss(model, rows, mask_id, cfg)
+        return {"loss": loss, "ar": ar, "diffusion": diffusion}
+
+    config = {"mask_token_id": mask_id, "block_size": cfg.block_size,
+              "dlm_type": "dream" if cfg.logits_shift else "llada"}
+    base, result = synthetic.fine_tune_qwen3(
+        out_dir, base, cfg, lambda: tidar_batch(rng, vocab, cfg), loss_fn, config,
+        attn_implementation="sdpa")
+    keys = ("loss", "ar", "diffusion")
+    return synthetic.write_record(out_dir, {
+        "command": command or f"python -m diffspec.testing.synthetic_tidar train --out {out_dir}",
         "base": base.name,
-        "final_loss_mean_last_50": {k: round(sum(r[k] for r in tail) / len(tail), 4)
-                                    for k in ("loss", "ar", "diffusion")},
-        "first_loss": {k: round(v, 4) for k, v in log[0].items()},
-        "wall_time_s": round(wall, 1),
-        "cpu_time_s": round(cpu, 1),
+        "final_loss_mean_last_50": synthetic.tail_means(result.history, 50, keys),
+        "first_loss": synthetic.tail_means(result.history[:1], 1, keys),
+        "wall_time_s": round(result.wall_time_s, 1),
+        "cpu_time_s": round(result.cpu_time_s, 1),
         "config": asdict(cfg),
         "torch": torch.__version__,
-    }
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    })
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -184,25 +142,20 @@ def evaluate(model_dir: str | Path, num_prompts: int, seed: int, max_tokens: int
     length, and whether the output equals plain AR decoding token for token."""
     import torch
 
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.core.sampling import SamplingParams
     from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.spec_workers.reference.decoder import ar_generate
     from diffspec.spec_workers.reference.tidar import tidar_generate
-    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
 
     torch.set_num_threads(1)
     model = load_quadratic(model_dir)
-    tok = build_tokenizer()
     params = SamplingParams(temperature=temperature, seed=sampling_seed)
-    requests = [Request(tok(p)["input_ids"], max_tokens=max_tokens, sampling=params,
-                        stop_token_ids=model.eos_token_ids)
-                for p in sample_prompts(num_prompts, seed)]
+    requests = synthetic.prompt_requests(num_prompts, seed, max_tokens, model.eos_token_ids,
+                                         sampling=params)
     start = time.perf_counter()
     outs = tidar_generate(model, requests)
     wall = time.perf_counter() - start
     ar = ar_generate(model.lm, requests)
-    tokens = sum(len(o.token_ids) for o in outs)
-    forwards = sum(o.num_forwards for o in outs)
     steps = [k for o in outs for k in o.accept_lengths]
     return {
         "prompts": f"sample_prompts({num_prompts}, {seed})",
@@ -210,43 +163,28 @@ def evaluate(model_dir: str | Path, num_prompts: int, seed: int, max_tokens: int
         "max_tokens": max_tokens,
         "block_size": model.block_size,
         "drafts_per_step": model.max_draft_tokens,
-        "tokens": tokens,
-        "forwards": forwards,
-        "tpf": round(tokens / forwards, 3),
+        **synthetic.decode_summary(outs, wall),
         "mean_accept_length": round(sum(steps) / len(steps), 3),
-        "draft_acceptance": round(sum(o.num_accepted_tokens for o in outs)
-                                  / max(1, sum(o.num_draft_tokens for o in outs)), 3),
         "equals_ar": all(o.token_ids == r.token_ids for o, r in zip(outs, ar)),
-        "stopped": sum(o.finish_reason == "stop" for o in outs),
-        "wall_s": round(wall, 2),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffspec.testing.synthetic_tidar")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    train = sub.add_parser("train", help="fine-tune synth-qwen3 with the TiDAR recipe")
-    train.add_argument("--out", required=True)
-    train.add_argument("--steps", type=int, default=TiDARTrainConfig.steps)
-    train.add_argument("--seed", type=int, default=TiDARTrainConfig.seed)
+    module = "diffspec.testing.synthetic_tidar"
+    parser, sub, train = synthetic.trainer_cli(
+        module, "fine-tune synth-qwen3 with the TiDAR recipe", TiDARTrainConfig)
     train.add_argument("--block-size", type=int, default=TiDARTrainConfig.block_size)
     ev = sub.add_parser("eval", help="TPF and acceptance of quadratic decoding vs AR")
     ev.add_argument("--model", default=str(SYNTH_TIDAR_DIR))
-    ev.add_argument("--prompts", type=int, default=16)
-    ev.add_argument("--seed", type=int, default=1)
-    ev.add_argument("--max-tokens", type=int, default=64)
+    synthetic.add_prompt_args(ev)
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.add_argument("--sampling-seed", type=int, default=None)
     args = parser.parse_args(argv)
     if args.cmd == "train":
-        cmd = (f"python -m diffspec.testing.synthetic_tidar train --out {args.out} "
-               f"--steps {args.steps} --seed {args.seed} --block-size {args.block_size}")
-        record = train_synthetic_tidar(args.out, steps=args.steps, seed=args.seed,
-                                       block_size=args.block_size, command=cmd)
-        print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
-    else:
-        print(json.dumps(evaluate(args.model, args.prompts, args.seed, args.max_tokens,
-                                  args.temperature, args.sampling_seed), indent=2))
+        return synthetic.run_train(module, args, train_synthetic_tidar,
+                                   ("out", "steps", "seed", "block_size"))
+    print(json.dumps(evaluate(args.model, args.prompts, args.seed, args.max_tokens,
+                              args.temperature, args.sampling_seed), indent=2))
     return 0
 
 

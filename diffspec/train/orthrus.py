@@ -20,7 +20,8 @@ The AR model is frozen and is its own teacher. One training step on a batch of c
 
 Only :meth:`OrthrusModel.diffusion_parameters` get gradients; the AR weights stay
 bit-identical. With ``rank`` the ``*_diff`` projections are low-rank deltas on the frozen AR
-projections (``W + B @ A``, ``B = 0`` at the start) and the run saves a compact heads
+projections (``W + B @ A``, ``B = 0`` at the start), trained in LoRA form (``x W^T +
+(x A^T) B^T``, no merged weight per step), and the run saves a compact heads
 folder (:func:`~diffspec.model_executors.reference.orthrus.save_orthrus_heads`) instead of a full
 checkpoint; :func:`~diffspec.model_executors.reference.orthrus.materialize_orthrus` makes the full
 one. Qwen3 and Llama bases are both supported. This follows the public training code read for it (``ekonst41/orthrus-

@@ -19,7 +19,7 @@ from torch import Tensor
 from diffspec.assets import SYNTH_QWEN3_DIR
 from diffspec.cli import main
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, validate_block_size
-from diffspec.core.masks import causal_mask, orthrus_dual_pass_mask
+from diffspec.core.masks import orthrus_dual_pass_mask
 from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 from diffspec.model_executors.reference.orthrus import (
     DIFF_MODULES,
@@ -131,7 +131,7 @@ def test_causal_mask_equals_the_models_causal_forward(arch):
     model = _tiny(arch)
     prefix, block = [5, 9, 2, 30], [12, 40, 41, 42]
     cache = _prefix_cache(model, prefix)
-    mask = torch.cat([torch.ones(4, 4, dtype=torch.bool), causal_mask(4)], dim=1)
+    mask = torch.cat([torch.ones(4, 4, dtype=torch.bool), torch.ones(4, 4, dtype=torch.bool).tril()], dim=1)
     positions = torch.arange(4, 8)
     with torch.no_grad():
         causal = block_view_logits(model, torch.tensor(block), positions, cache, mask)
@@ -148,7 +148,7 @@ def test_no_cache_runs_the_block_alone():
     model = _tiny("qwen3")
     ids = torch.tensor([5, 9, 2, 30, 41])
     with torch.no_grad():
-        got = block_view_logits(model, ids, torch.arange(5), None, causal_mask(5))
+        got = block_view_logits(model, ids, torch.arange(5), None, torch.ones(5, 5, dtype=torch.bool).tril())
         want = model(input_ids=ids[None]).logits[0]
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
@@ -232,7 +232,7 @@ def test_diffusion_view_uses_the_diff_weights(tmp_path):
     perturbed = load_orthrus(write_orthrus(tmp_path / "o", diff_noise=0.05))
     copies = orthrus_from_base(write_qwen3(tmp_path / "q"), mask_token_id=7)
     block, positions = torch.tensor([12, 40, 41]), torch.arange(3, 6)
-    mask = torch.cat([torch.ones(3, 3, dtype=torch.bool), causal_mask(3)], dim=1)
+    mask = torch.cat([torch.ones(3, 3, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool).tril()], dim=1)
     for model, same in ((perturbed, False), (copies, True)):
         cache = _prefix_cache(model.lm, [5, 9, 2])
         with torch.no_grad():

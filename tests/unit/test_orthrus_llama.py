@@ -332,6 +332,40 @@ def test_merge_is_the_same_function_of_the_stored_factors():
     assert torch.equal(merge_low_rank(w, a.float(), b.float()), want)  # storage dtype irrelevant
 
 
+def test_lora_form_forward_equals_the_merged_weight_forward():
+    """A delta runs as ``x W^T + b + (x A^T) B^T`` (no merged weight); that equals the
+    merged projection ``x (W + B A)^T + b`` within fp32 rounding, and its gradients reach
+    only the factors (the frozen AR weight gets none)."""
+    generator = torch.Generator().manual_seed(0)
+    ar = torch.nn.Linear(40, 48)
+    ar.requires_grad_(False)
+    delta = LowRankDelta(ar, 8, generator)
+    with torch.no_grad():
+        delta.lora_B.copy_(torch.randn(48, 8, generator=generator) * 0.1)
+    x = torch.randn(3, 5, 40, generator=generator)
+    out = delta(x)
+    merged = torch.nn.functional.linear(x, delta.merged_weight(), ar.bias)
+    torch.testing.assert_close(out, merged, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(out, ar(x))
+    out.square().sum().backward()
+    assert delta.lora_A.grad is not None and delta.lora_B.grad is not None
+    assert ar.weight.grad is None
+
+
+def test_low_rank_model_equals_its_materialized_checkpoint(trained_heads, llama_base, tmp_path):
+    """The in-memory low-rank model (LoRA form) and the exported full checkpoint (merged
+    ``*_diff`` weights) give the same diffusion logits within fp32 tolerance."""
+    model, heads = trained_heads
+    full = load_orthrus(materialize_orthrus(llama_base, heads, tmp_path / "full"))
+    block, positions = torch.tensor([12, MASK, MASK, MASK]), torch.arange(4)
+    with torch.no_grad():
+        lora = model.diffusion_logits(block, positions)
+        merged = full.diffusion_logits(block, positions)
+        ar = model.lm(input_ids=block[None]).logits[0]
+    torch.testing.assert_close(lora, merged, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(lora, ar, atol=1e-3)
+
+
 def test_wrong_base_is_refused(trained_heads, tmp_path):
     _, heads = trained_heads
     other_weights = write_llama(tmp_path / "seed1", seed=1)

@@ -104,3 +104,33 @@ def test_bundled_checkpoint():
     size = sum(f.stat().st_size for f in path.iterdir())
     assert size < 3 * 2**20, size
     assert Counter(f.suffix for f in path.iterdir())[".safetensors"] == 1
+
+
+def test_trainer_schedules():
+    cfg = synthetic.TrainConfig(steps=100, warmup=10, lr=2e-3)
+    lr = synthetic.warmup_cosine_lr(cfg)
+    assert lr(0) == 2e-3 * 1 / 10 and lr(9) == 2e-3 and lr(10) == 2e-3
+    assert lr(100) == pytest.approx(2e-4) and 2e-4 < lr(55) < 2e-3
+    to_zero = synthetic.warmup_cosine_to_zero_lr(cfg)
+    assert to_zero(0) == 2e-3 * min(1 / 10, 1.0) and to_zero(99) < 1e-6
+    assert to_zero(50) == pytest.approx(1e-3)  # the cosine runs over all steps
+
+
+def test_trainer_cli_records_the_command_it_runs(capsys):
+    from diffspec.testing.synthetic_tidar import TiDARTrainConfig
+
+    module = "diffspec.testing.synthetic_tidar"
+    parser, _, train = synthetic.trainer_cli(module, "train", TiDARTrainConfig)
+    train.add_argument("--block-size", type=int, default=8)
+    args = parser.parse_args(["train", "--out", "/tmp/x", "--steps", "3"])
+    calls = []
+
+    def fake_train(out, command, **kwargs):
+        calls.append((out, command, kwargs))
+        return {"command": command, "config": {"hidden": True}}
+
+    assert synthetic.run_train(module, args, fake_train,
+                               ("out", "steps", "seed", "block_size")) == 0
+    command = f"python -m {module} train --out /tmp/x --steps 3 --seed 0 --block-size 8"
+    assert calls == [("/tmp/x", command, {"steps": 3, "seed": 0, "block_size": 8})]
+    assert json.loads(capsys.readouterr().out) == {"command": command}

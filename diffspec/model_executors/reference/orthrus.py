@@ -16,10 +16,12 @@ concatenated with the ``*_diff`` keys of the block, ``is_causal=False``).
 
 **Low-rank heads** (``rank=r``): each ``*_diff`` projection is the frozen AR weight plus a
 trainable delta, ``W + B @ A`` (:class:`LowRankDelta`; ``B`` starts at zero, so training
-starts from the AR projections, the Orthrus warm start). Only the factors (and the Qwen3
-diff norms) are saved, in a *heads folder* (``heads.safetensors`` + ``heads.json``, see
-:func:`save_orthrus_heads`); :func:`materialize_orthrus` turns base + heads into a full
-checkpoint in the published layout.
+starts from the AR projections, the Orthrus warm start). It runs in LoRA form, ``x W^T +
+(x A^T) B^T``: the frozen projection plus the low-rank path, never a merged weight. Only
+the factors (and the Qwen3 diff norms) are saved, in a *heads folder*
+(``heads.safetensors`` + ``heads.json``, see :func:`save_orthrus_heads`); the merge happens
+at export: :func:`materialize_orthrus` / :func:`save_orthrus` write base + heads as a full
+checkpoint in the published layout (``*_diff`` weights = :func:`merge_low_rank`).
 
 Drafts are read from **shifted** logits: block position ``j`` predicts token ``j + 1``.
 """
@@ -162,16 +164,20 @@ def merge_low_rank(
     lora_a: Tensor,  # [rank, in]
     lora_b: Tensor,  # [out, rank]
 ) -> Tensor:  # [out, in], weight's dtype
-    """``W + B @ A``, accumulated in fp64 and rounded once to ``W``'s dtype. bf16 / fp16 /
-    fp32 factors are exact in fp64, so the result is the same bits whatever the factors'
-    storage dtype or the BLAS thread count (the fp64 sum's order cannot move an fp32
-    rounding in practice), in training, in :func:`load_orthrus_heads` and in
-    :func:`materialize_orthrus` alike."""
+    """``W + B @ A``, accumulated in fp64 and rounded once to ``W``'s dtype: the export of
+    a low-rank projection (:func:`orthrus_state_dict`, so :func:`save_orthrus` and
+    :func:`materialize_orthrus`). bf16 / fp16 / fp32 factors are exact in fp64, so the
+    result is the same bits whatever the factors' storage dtype or the BLAS thread count
+    (the fp64 sum's order cannot move an fp32 rounding in practice)."""
     return (weight.double() + lora_b.double() @ lora_a.double()).to(weight.dtype)
 
 
 class LowRankDelta(nn.Module):
-    """A ``*_diff`` projection parameterized as the AR projection plus ``B @ A``.
+    """A ``*_diff`` projection parameterized as the AR projection plus ``B @ A``, computed
+    in LoRA form: ``x W^T + b + (x A^T) B^T`` (the frozen AR projection plus the low-rank
+    path; no ``[out, in]`` weight is formed in training or inference). It equals the
+    merged projection ``x (W + B A)^T + b`` up to fp rounding; :meth:`merged_weight` is
+    the merge the export writes.
 
     The AR ``nn.Linear`` is referenced, not registered: its weight stays the AR view's
     (frozen, saved once under its AR name), and this module's state is only ``lora_A``
@@ -193,10 +199,13 @@ class LowRankDelta(nn.Module):
         return self.lora_A.shape[0]
 
     def merged_weight(self) -> Tensor:  # [out, in]
+        """``W + B @ A`` (:func:`merge_low_rank`): the weight the export writes."""
         return merge_low_rank(self.ar.weight, self.lora_A, self.lora_B)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        return nn.functional.linear(x, self.merged_weight(), self.ar.bias)
+        frozen = nn.functional.linear(x, self.ar.weight, self.ar.bias)  # [..., out]
+        low_rank = nn.functional.linear(nn.functional.linear(x, self.lora_A), self.lora_B)
+        return frozen + low_rank  # x W^T + b + (x A^T) B^T
 
 
 # ------------------------------------------------------------------------------ building
@@ -528,7 +537,8 @@ def load_orthrus_heads(
     base: str | Path, heads_dir: str | Path, dtype: torch.dtype = torch.float32
 ) -> OrthrusModel:
     """The base checkpoint plus a heads folder, as a low-rank :class:`OrthrusModel`
-    (projections ``W + B @ A`` computed by :func:`merge_low_rank`). Refuses a base whose
+    (projections ``W + B @ A`` in LoRA form; :func:`materialize_orthrus` writes them
+    merged). Refuses a base whose
     architecture, shapes or weights (sha256) differ from the one the heads were trained
     against."""
     from safetensors.torch import load_file
