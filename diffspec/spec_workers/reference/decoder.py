@@ -561,6 +561,21 @@ def draft_count(info, options, default: int | None = None) -> int:
     return k
 
 
+def speculative_decoder(method: str, info, options, load):
+    """A speculative :class:`~diffspec.spec_workers.reference.Decoder` for a self-speculative
+    method: check the checkpoint serves ``method`` and the draft count fits its block, then
+    ``load(dtype) -> (model, drafter)`` (``model.lm`` verifies, ``drafter`` drafts)."""
+    from diffspec.core.checkpoint import require_method
+
+    require_method(info, method)
+    k = draft_count(info, options)
+    model, drafter = load(options.get("dtype", torch.float32))
+    return causal_decoder(
+        method, info, model.lm,
+        lambda requests, tok: speculative_generate(model.lm, drafter, requests, k, tokenizer=tok),
+        {**options, "num_draft_tokens": k}, model.eos_token_ids)
+
+
 def ar_decoder(info, options):
     """Plain AR decoding of any causal checkpoint (the lossless oracle)."""
     model = load_ar_view(info, options.get("dtype", torch.float32))

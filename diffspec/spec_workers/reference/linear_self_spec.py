@@ -54,22 +54,12 @@ class LinearSelfSpecDrafter(BlockDrafter):
 
 def decoder(info, options):
     """The reference decoder of method ``linear_self_spec`` (registry factory): the NLD
-    LoRA draft pass, AR verify, ``num_draft_tokens`` drafts per step (default: the block)."""
-    import torch
-
-    from diffspec.core.checkpoint import require_method
+    LoRA draft pass, AR verify; ``num_draft_tokens`` per step (default: the block)."""
     from diffspec.model_executors.reference.nld import load_nld
-    from diffspec.spec_workers.reference.decoder import (
-        causal_decoder,
-        draft_count,
-        speculative_generate,
-    )
+    from diffspec.spec_workers.reference.decoder import speculative_decoder
 
-    require_method(info, "linear_self_spec")
-    k = draft_count(info, options)
-    model = load_nld(info.path, dtype=options.get("dtype", torch.float32))
-    drafter = LinearSelfSpecDrafter(model)
-    return causal_decoder(
-        "linear_self_spec", info, model.lm,
-        lambda requests, tok: speculative_generate(model.lm, drafter, requests, k, tokenizer=tok),
-        {**options, "num_draft_tokens": k}, model.eos_token_ids)
+    def load(dtype):
+        model = load_nld(info.path, dtype=dtype)
+        return model, LinearSelfSpecDrafter(model)
+
+    return speculative_decoder("linear_self_spec", info, options, load)

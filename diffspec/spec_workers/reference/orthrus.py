@@ -41,23 +41,13 @@ class OrthrusDrafter(BlockDrafter):
 
 
 def decoder(info, options):
-    """The reference decoder of method ``orthrus`` (registry factory): the Orthrus drafter
-    on the checkpoint's AR view, ``num_draft_tokens`` drafts per step (default: the block)."""
-    import torch
-
-    from diffspec.core.checkpoint import require_method
+    """The reference decoder of method ``orthrus`` (registry factory): the diffusion view
+    drafts, the AR view verifies; ``num_draft_tokens`` per step (default: the block)."""
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.decoder import (
-        causal_decoder,
-        draft_count,
-        speculative_generate,
-    )
+    from diffspec.spec_workers.reference.decoder import speculative_decoder
 
-    require_method(info, "orthrus")
-    k = draft_count(info, options)
-    model = load_orthrus(info.path, dtype=options.get("dtype", torch.float32))
-    drafter = OrthrusDrafter(model)
-    return causal_decoder(
-        "orthrus", info, model.lm,
-        lambda requests, tok: speculative_generate(model.lm, drafter, requests, k, tokenizer=tok),
-        {**options, "num_draft_tokens": k}, model.eos_token_ids)
+    def load(dtype):
+        model = load_orthrus(info.path, dtype=dtype)
+        return model, OrthrusDrafter(model)
+
+    return speculative_decoder("orthrus", info, options, load)
