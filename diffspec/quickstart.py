@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from diffspec.serving import ServerProcess, free_port, metric_totals
 
 __all__ = ["ChatResult", "add_parser", "main", "run_quickstart", "spec_counters"]
 
@@ -96,100 +93,63 @@ class ChatResult:
 
 
 def spec_counters(metrics_text: str) -> dict[str, float]:
-    """The ``vllm:spec_decode_*`` totals of a Prometheus page (summed over labels)."""
-    values = {name: 0.0 for name in COUNTERS}
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        if name in values:
-            values[name] += float(value)
-    return values
+    """The ``vllm:spec_decode_*`` totals of a Prometheus page (summed over labels; a
+    counter the page lacks reads 0), parsed by :func:`diffspec.serving.metric_totals`."""
+    totals = metric_totals(metrics_text)
+    return {name: totals.get(name, 0.0) for name in COUNTERS}
 
 
 # ------------------------------------------------------------------------------ server
 
 
 class Server:
-    """A vLLM OpenAI server in a child process, its log in a temporary file."""
+    """vLLM's OpenAI server in a child process (:class:`diffspec.serving.ServerProcess`),
+    its log in a temporary file."""
 
     def __init__(self, python: str, model: Path, port: int, *, speculative: dict | None,
                  max_model_len: int, served_name: str) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="diffspec-vllm-", suffix=".log")[1])
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--max-model-len", str(max_model_len), "--seed", "0",
-               "--enforce-eager"]
+        args = ["--served-model-name", served_name, "--dtype", "float32",
+                "--max-model-len", str(max_model_len), "--seed", "0", "--enforce-eager"]
         if speculative:
-            cmd += ["--speculative-config", json.dumps(speculative)]
-        self.cmd = cmd
+            args += ["--speculative-config", json.dumps(speculative)]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # the api_server module: the ``vllm serve`` console command of the vllm-cpu
+        # distribution fails on its own package name
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), *args]
+        self.process = ServerProcess(cmd, port, engine="vllm", env=env)
+        self.cmd, self.url, self.proc = cmd, self.process.url, self.process.proc
+        self.log_path = self.process.log_path
 
     def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} "
-                                   f"before it was ready.\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(2)
-        self.stop()
-        raise RuntimeError(f"vLLM server not ready after {timeout_s:.0f} s.\n{self.log_tail()}")
+        """Raises :class:`diffspec.serving.ServerError` (a RuntimeError) with the log tail
+        if the server exits or is not ready in time."""
+        self.process.wait_ready(timeout_s)
 
     def log_tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        return f"--- last {len(text)} lines of {self.log_path} ---\n" + "\n".join(text)
+        return self.process.log_tail(lines)
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            return spec_counters(r.read().decode())
+        return spec_counters(self.process.get("/metrics"))
 
     def chat(self, model: str, prompt: str, max_tokens: int) -> ChatResult:
-        before = self.metrics()
+        before = self.process.spec_decode_counters()
         body = {"model": model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
-        request = urllib.request.Request(self.url + "/v1/chat/completions",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
         start = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=900) as r:
-            reply = json.loads(r.read().decode())
+        reply = self.process.json("/v1/chat/completions", body, timeout=900)
         seconds = time.perf_counter() - start
-        after = self.metrics()
-        delta = {k: after[k] - before[k] for k in COUNTERS}
+        delta = self.process.spec_decode_counters() - before
         return ChatResult(text=reply["choices"][0]["message"]["content"],
                           completion_tokens=int(reply["usage"]["completion_tokens"]),
-                          seconds=seconds, drafts=delta[COUNTERS[0]],
-                          draft_tokens=delta[COUNTERS[1]], accepted=delta[COUNTERS[2]])
+                          seconds=seconds, drafts=delta.drafts,
+                          draft_tokens=delta.draft_tokens, accepted=delta.accepted)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        self.process.stop()
 
 
 def _vllm_python(explicit: str | None) -> str:
@@ -270,7 +230,7 @@ def run_quickstart(args: argparse.Namespace) -> int:
     k = args.num_speculative_tokens or int(config["block_size"]) - 1
     speculative = {"method": "orthrus", "num_speculative_tokens": k}
     print(f"model ready in {time.perf_counter() - t0:.0f} s: {orthrus}")
-    port = args.port or (8000 if args.serve else _free_port())
+    port = args.port or (8000 if args.serve else free_port())
     print(f"starting vLLM (fp32, Orthrus, {k} drafts per step) on 127.0.0.1:{port} ...",
           flush=True)
     server = Server(python, orthrus, port, speculative=speculative,
@@ -308,7 +268,7 @@ def run_quickstart(args: argparse.Namespace) -> int:
 def _vllm_ar(python: str, base: Path, args: argparse.Namespace) -> str:
     print("starting a plain AR vLLM server on the base checkpoint for the comparison ...",
           flush=True)
-    ar = Server(python, base, _free_port(), speculative=None,
+    ar = Server(python, base, free_port(), speculative=None,
                 max_model_len=args.max_model_len, served_name="smollm2")
     try:
         ar.wait_ready(args.timeout)

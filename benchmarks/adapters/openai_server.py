@@ -16,13 +16,15 @@ from typing import Any
 from urllib.parse import urlparse
 
 from benchmarks.metrics import Completion, RunResult
+from diffspec.serving import (
+    SpecDecodeCounters,
+    http_get,
+    sglang_accept_length,
+    spec_decode_counters,
+    spec_decode_counters_from_sglang,
+)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-            "vllm:spec_decode_num_accepted_tokens_total")
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-
-
 def check_loopback(url: str) -> str:
     """The URL without a trailing slash; refuses anything but a loopback host."""
     host = urlparse(url).hostname
@@ -31,27 +33,8 @@ def check_loopback(url: str) -> str:
     return url.rstrip("/")
 
 
-def read_counters(metrics_text: str) -> tuple[dict[str, float], list[int]]:
-    """Spec-decode counters from a Prometheus text page (summed over label sets; missing
-    counters read 0) and accepted tokens per draft position."""
-    values = {name: 0.0 for name in COUNTERS}
-    per_pos: dict[int, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        if name in values:
-            values[name] += float(value)
-        elif name == PER_POS and 'position="' in name_labels:
-            pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
-            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
-    return values, [int(per_pos[p]) for p in sorted(per_pos)]
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return response.read().decode()
+def _counters(base: str) -> SpecDecodeCounters:
+    return spec_decode_counters(http_get(base + "/metrics"))
 
 
 def stream_completion(base: str, model: str, prompt: list[int], max_tokens: int) -> Completion:
@@ -106,25 +89,10 @@ def stream_generate(base: str, prompt: list[int], max_tokens: int) -> Completion
     last = list(chunks[-1].get("output_ids") or [])
     ids = last if len(last) == meta["completion_tokens"] else [
         t for c in chunks for t in c.get("output_ids") or []]  # incremental streaming
+    counters = spec_decode_counters_from_sglang(meta)
     return Completion(token_ids=ids, latency_s=latency, ttft_s=ttft,
-                      drafts=meta.get("spec_verify_ct", 0),
-                      draft_tokens=meta.get("spec_num_proposed_drafts", 0),
-                      accepted=meta.get("spec_num_correct_drafts", 0))
-
-
-def sglang_accept_length(base: str) -> float | None:
-    """``avg_spec_accept_length`` of SGLang's ``/server_info`` (``/get_server_info`` on
-    older servers): accepted tokens per verify step since the server started."""
-    for path in ("/server_info", "/get_server_info"):
-        try:
-            info = json.loads(_get(base + path))
-        except (OSError, ValueError):
-            continue
-        for state in info.get("internal_states") or [info]:
-            if state.get("avg_spec_accept_length") is not None:
-                return float(state["avg_spec_accept_length"])
-        return None
-    return None
+                      drafts=int(counters.drafts), draft_tokens=int(counters.draft_tokens),
+                      accepted=int(counters.accepted))
 
 
 def run(baseline: str, url: str, model: str, prompts: list[list[int]], max_tokens: int,
@@ -137,16 +105,16 @@ def run(baseline: str, url: str, model: str, prompts: list[list[int]], max_token
     if server == "sglang":
         return _run_sglang(baseline, base, prompts, max_tokens, concurrency, launch)
     completions = []
-    _, per_pos_start = read_counters(_get(base + "/metrics"))
+    start = after = _counters(base)
     for ids in prompts:
-        before, _ = read_counters(_get(base + "/metrics"))
+        before = _counters(base)
         completion = stream_completion(base, model, ids, max_tokens)
-        after, per_pos = read_counters(_get(base + "/metrics"))
-        d = [int(after[k] - before[k]) for k in COUNTERS]
-        completion.drafts, completion.draft_tokens, completion.accepted = d
+        after = _counters(base)
+        d = after - before
+        completion.drafts, completion.draft_tokens, completion.accepted = (
+            int(d.drafts), int(d.draft_tokens), int(d.accepted))
         completions.append(completion)
-    per_pos = [a - (per_pos_start[i] if i < len(per_pos_start) else 0)
-               for i, a in enumerate(per_pos)] if prompts else []
+    per_pos = [int(a) for a in (after - start).accepted_per_pos] if prompts else []
     system = _system_tokens_per_s(lambda p: stream_completion(base, model, p, max_tokens),
                                   prompts, completions, concurrency)
     return RunResult(

@@ -21,6 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
+from diffspec.serving import spec_decode_counters_from_sglang
+
 RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
 RUN_MARKER = "DIFFSPEC_BENCH_RUN "
 
@@ -43,11 +45,10 @@ def _one(engine, ids: list[int], params: dict) -> dict:
     last = list(chunks[-1]["output_ids"])
     # streamed output ids are cumulative unless the server streams increments
     token_ids = last if len(last) == total else [t for c in chunks for t in c["output_ids"]]
-    steps = meta.get("spec_verify_ct", 0)
-    histogram = meta.get("spec_correct_drafts_histogram") or []
-    return {"token_ids": token_ids, "latency_s": latency, "ttft_s": ttft, "drafts": steps,
-            "draft_tokens": meta.get("spec_num_proposed_drafts", 0),
-            "accepted": meta.get("spec_num_correct_drafts", 0), "histogram": histogram}
+    counters = spec_decode_counters_from_sglang(meta)
+    return {"token_ids": token_ids, "latency_s": latency, "ttft_s": ttft,
+            "drafts": int(counters.drafts), "draft_tokens": int(counters.draft_tokens),
+            "accepted": int(counters.accepted), "per_pos": counters.accepted_per_pos}
 
 
 def _serve(engine, prompts: list[list[int]], max_tokens: int, concurrency: list[int],
@@ -55,13 +56,13 @@ def _serve(engine, prompts: list[list[int]], max_tokens: int, concurrency: list[
     params = _params(max_tokens, ignore_eos)
     engine.generate(input_ids=prompts[0], sampling_params=_params(4, False))  # warm-up
     completions = [_one(engine, ids, params) for ids in prompts]
-    # accepted drafts per position from the steps' histogram (bin n: steps with n accepted)
+    # accepted drafts per position, from each request's histogram of accepted drafts
     per_pos: list[int] = []
     for c in completions:
-        for n, steps in enumerate(c.pop("histogram")):
-            per_pos += [0] * max(0, n - len(per_pos))
-            for pos in range(n):
-                per_pos[pos] += steps
+        request_per_pos = c.pop("per_pos")
+        per_pos += [0] * (len(request_per_pos) - len(per_pos))
+        for pos, accepted in enumerate(request_per_pos):
+            per_pos[pos] += int(accepted)
     tokens = sum(len(c["token_ids"]) for c in completions)
     system = {1: tokens / sum(c["latency_s"] for c in completions)}
     for c in concurrency:

@@ -25,19 +25,13 @@ from pathlib import Path
 
 RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
 RUN_MARKER = "DIFFSPEC_BENCH_RUN "  # on stderr before each run: its log is the slice after it
-COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-            "vllm:spec_decode_num_accepted_tokens")
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def _counters(llm) -> tuple[dict[str, float], list[int]]:
-    values, per_pos = {name: 0.0 for name in COUNTERS}, []
-    for m in llm.get_metrics():
-        if m.name in values and hasattr(m, "value"):
-            values[m.name] += m.value
-        elif m.name == PER_POS and hasattr(m, "values"):
-            per_pos = [a + b for a, b in zip(per_pos, m.values)] if per_pos else list(m.values)
-    return values, per_pos
+def _counters(llm):
+    """vLLM's spec-decode counters now (:class:`diffspec.serving.SpecDecodeCounters`)."""
+    from diffspec.serving import spec_decode_counters_from_vllm
+
+    return spec_decode_counters_from_vllm(llm.get_metrics())
 
 
 def _params(max_tokens: int, ignore_eos: bool = False):
@@ -54,20 +48,19 @@ def _serve(llm, prompts: list[list[int]], max_tokens: int, concurrency: list[int
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], _params(4), use_tqdm=False)  # warm-up
     completions = []
     for ids in prompts:
-        before, _ = _counters(llm)
+        before = _counters(llm)
         start = time.perf_counter()
         [result] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         latency = time.perf_counter() - start
-        after, _ = _counters(llm)
-        delta = {k: int(after[k] - before[k]) for k in COUNTERS}
+        delta = _counters(llm) - before
         stats = result.metrics  # RequestStateStats when log stats are on
         ttft = getattr(stats, "first_token_latency", 0.0) or None
         completions.append({
             "token_ids": list(result.outputs[0].token_ids), "latency_s": latency,
-            "ttft_s": ttft, "drafts": delta[COUNTERS[0]],
-            "draft_tokens": delta[COUNTERS[1]], "accepted": delta[COUNTERS[2]],
+            "ttft_s": ttft, "drafts": int(delta.drafts),
+            "draft_tokens": int(delta.draft_tokens), "accepted": int(delta.accepted),
         })
-    _, per_pos = _counters(llm)
+    per_pos = [int(a) for a in _counters(llm).accepted_per_pos]
     tokens = sum(len(c["token_ids"]) for c in completions)
     system = {1: tokens / sum(c["latency_s"] for c in completions)}
     for c in concurrency:

