@@ -2,7 +2,7 @@
 
     python benchmarks/orthrus_vllm_vs_reference.py [--prompts 16] [--max-tokens 64]
 
-Runs the same greedy requests through the reference decoder (OrthrusDrafter, 31 drafts per
+Runs the same greedy requests through the reference decoder (BlockDrafter, 31 drafts per
 step), through vLLM with ``{"method": "orthrus", "num_speculative_tokens": 31}`` and through
 vLLM's plain AR, then prints acceptance length, TPF and whether all three outputs agree.
 Needs vLLM installed (bash scripts/bootstrap.sh). Acceptance length = tokens emitted per
@@ -35,10 +35,9 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from diffspec.assets import SYNTH_ORTHRUS_DIR
-    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
     from diffspec.core.sampling import SamplingParams
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.decoder import BlockDrafter, Request, speculative_generate
     from diffspec.testing.synthetic import sample_prompts
 
     torch.set_num_threads(1)
@@ -48,7 +47,7 @@ def main() -> int:
     stops = list(model.eos_token_ids)
     requests = [Request(p, max_tokens=args.max_tokens, sampling=SamplingParams(),
                         stop_token_ids=tuple(stops)) for p in prompts]
-    ref = speculative_generate(model.lm, OrthrusDrafter(model), requests, 31)
+    ref = speculative_generate(model.lm, BlockDrafter(model), requests, 31)
 
     spec = {"method": "orthrus", "num_speculative_tokens": 31}
     job = {"runs": [

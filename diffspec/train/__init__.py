@@ -243,7 +243,7 @@ def _backward(loss, module, params: list, accelerator, max_grad_norm: float) -> 
 
 def measure_speculation(
     lm,  # the AR model (verifier), e.g. OrthrusModel.lm
-    drafter,  # a diffspec.spec_workers.reference.decoder.Drafter, e.g. OrthrusDrafter(model)
+    drafter,  # a diffspec.spec_workers.reference.decoder.Drafter, e.g. BlockDrafter(model)
     prompts: list[list[int]],
     num_draft_tokens: int,
     *,

@@ -269,13 +269,13 @@ def training_record(
 
 
 def measure_orthrus(model) -> dict[str, dict[str, Any]]:
-    """TPF / acceptance of :class:`~diffspec.spec_workers.reference.orthrus.OrthrusDrafter` drafting
+    """TPF / acceptance of :class:`~diffspec.spec_workers.reference.decoder.BlockDrafter` drafting
     ``block_size - 1`` tokens, greedy, on the synthetic prompt sets (synthetic-language
     models only; see :func:`diffspec.train.measure_on_synthetic`)."""
-    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.decoder import BlockDrafter
     from diffspec.train import measure_on_synthetic
 
-    return measure_on_synthetic(model.lm, OrthrusDrafter(model), model.block_size - 1)
+    return measure_on_synthetic(model.lm, BlockDrafter(model), model.block_size - 1)
 
 
 def write_training_md(out_dir: str | Path, record: dict[str, Any], title: str) -> Path:
@@ -317,7 +317,7 @@ def write_training_md(out_dir: str | Path, record: dict[str, Any], title: str) -
 def _measured_section(measured: dict[str, dict[str, Any]], num_drafts: int) -> list[str]:
     lines = [
         "## Measured", "",
-        (f"Reference decoder (`speculative_generate` + `OrthrusDrafter`), greedy, {num_drafts} "
+        (f"Reference decoder (`speculative_generate` + `BlockDrafter`), greedy, {num_drafts} "
          "drafts per step, 64 new tokens per prompt, stop on `<|endoftext|>` / `<|im_end|>`. "
          "TPF = generated tokens / forwards (draft + verify = 2); acceptance length = tokens "
          "emitted per draft + verify step (accepted drafts + 1); `equal_ar`: every output "

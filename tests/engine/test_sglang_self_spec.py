@@ -216,7 +216,7 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
         )
     else:
         from diffspec.model_executors.reference.orthrus import load_orthrus as load
-        from diffspec.spec_workers.reference.orthrus import OrthrusDrafter as Drafter
+        from diffspec.spec_workers.reference.decoder import BlockDrafter as Drafter
     path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
     requests = _synth_requests() if family == "synth" else _greedy_requests()
     accepted_all = _accepted_drafts_per_step(
@@ -263,7 +263,7 @@ def test_llama_orthrus_greedy_equals_sglang_ar(engine, ckpts) -> None:
     mid-block), drafts are accepted, and each step's acceptance is the reference
     decoder's."""
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.decoder import BlockDrafter
 
     ar = engine["runs"]["llama_orthrus_ar"]["greedy"]
     spec = engine["runs"]["llama_orthrus_spec"]["greedy"]
@@ -272,7 +272,7 @@ def test_llama_orthrus_greedy_equals_sglang_ar(engine, ckpts) -> None:
     assert "length" in ar["finish_reasons"]  # budgets end mid-block (none a multiple of 32)
     assert all(m["spec_verify_ct"] for m in spec["meta"])  # every request was speculated
     path = ckpts["llama_orthrus"]
-    accepted = _accepted_drafts_per_step(load_orthrus(path), OrthrusDrafter, path,
+    accepted = _accepted_drafts_per_step(load_orthrus(path), BlockDrafter, path,
                                          _greedy_requests(), spec)
     assert sum(accepted) > 0  # the diffusion view's drafts are really accepted
 

@@ -134,8 +134,7 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, run: str) -
     ``prompt + [first token]``: same blocks, same drafts, same acceptance."""
     from diffspec.core.checkpoint import inspect_checkpoint
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
-    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.decoder import BlockDrafter, Request, speculative_generate
 
     path = ckpts["orthrus" if run == "spec" else "materialized"]
     model = load_orthrus(path)
@@ -144,7 +143,7 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, run: str) -
     accepted = 0
     for request, out, steps in zip(_greedy_requests(), spec["outputs"], spec["spec_steps"]):
         ref = speculative_generate(
-            model.lm, OrthrusDrafter(model),
+            model.lm, BlockDrafter(model),
             [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
                      stop_token_ids=stop)], NUM_DRAFTS)[0]
         assert [out[0], *ref.token_ids] == out

@@ -223,7 +223,7 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
         )
     else:
         from diffspec.model_executors.reference.orthrus import load_orthrus as load
-        from diffspec.spec_workers.reference.orthrus import OrthrusDrafter as Drafter
+        from diffspec.spec_workers.reference.decoder import BlockDrafter as Drafter
     path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
     model = load(path)
     stop = inspect_checkpoint(path).eos_token_ids

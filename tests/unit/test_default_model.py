@@ -152,7 +152,11 @@ def test_prepare_default_materializes_heads_and_is_idempotent(tmp_path: Path,
                                                                monkeypatch) -> None:
     import torch
 
-    from diffspec.model_executors.reference.orthrus import load_orthrus, orthrus_from_base, save_orthrus_heads
+    from diffspec.model_executors.reference.orthrus import (
+        load_orthrus,
+        orthrus_from_base,
+        save_orthrus_heads,
+    )
 
     wheel, spec = write_tiny_wheel(tmp_path)
     monkeypatch.setenv("DIFFSPEC_SMOLLM2_WHEEL", str(wheel))

@@ -20,7 +20,6 @@ from diffspec.assets import SYNTH_QWEN3_DIR
 from diffspec.cli import main
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, validate_block_size
 from diffspec.core.masks import orthrus_dual_pass_mask
-from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 from diffspec.model_executors.reference.orthrus import (
     DIFF_MODULES,
     load_orthrus,
@@ -28,7 +27,7 @@ from diffspec.model_executors.reference.orthrus import (
     save_orthrus,
 )
 from diffspec.model_executors.reference.views import block_view_logits
-from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+from diffspec.spec_workers.reference.decoder import BlockDrafter, Request, speculative_generate
 from diffspec.testing.checkpoints import write_orthrus, write_qwen3
 
 
@@ -352,7 +351,7 @@ def test_cli_generates_with_orthrus(tmp_path, capsys):
 def test_too_many_draft_tokens_is_refused(tmp_path):
     model = orthrus_from_base(SYNTH_QWEN3_DIR, block_size=8)
     with pytest.raises(ValueError, match="at most 7 drafts per step"):
-        speculative_generate(model.lm, OrthrusDrafter(model), [Request([5, 6, 7], 4)], 8)
+        speculative_generate(model.lm, BlockDrafter(model), [Request([5, 6, 7], 4)], 8)
     path = save_orthrus(model, tmp_path / "o")
     with pytest.raises(CheckpointError, match="block_size=8"):
         validate_block_size(inspect_checkpoint(path), 8)

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
-from diffspec.spec_workers.reference.decoder import Request, ar_generate, speculative_generate
 from diffspec.model_executors.reference.orthrus import (
     HEADS_CONFIG,
     HEADS_WEIGHTS,
@@ -32,7 +31,12 @@ from diffspec.model_executors.reference.orthrus import (
     save_orthrus,
     save_orthrus_heads,
 )
-from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+from diffspec.spec_workers.reference.decoder import (
+    BlockDrafter,
+    Request,
+    ar_generate,
+    speculative_generate,
+)
 from diffspec.testing.checkpoints import (
     LLAMA_ORTHRUS_MASK_TOKEN_ID,
     write_llama,
@@ -50,7 +54,7 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def _assert_lossless(model: OrthrusModel, requests: list[Request], k: int):
     ar = ar_generate(model.lm, requests)
-    spec = speculative_generate(model.lm, OrthrusDrafter(model), requests, k)
+    spec = speculative_generate(model.lm, BlockDrafter(model), requests, k)
     for a, s in zip(ar, spec, strict=True):
         assert s.token_ids == a.token_ids
         assert s.finish_reason == a.finish_reason
@@ -148,7 +152,7 @@ def test_llama_eos_inside_an_accepted_block(copies):
     """The stop token is a token the model emits as an *accepted draft* with more of its
     step after it: generation must stop there, as AR does."""
     prompts = _prompts([3, 9, 17, 25], seed=1)
-    free = speculative_generate(copies.lm, OrthrusDrafter(copies),
+    free = speculative_generate(copies.lm, BlockDrafter(copies),
                                 [Request(p, 40) for p in prompts], 7)
     for prompt, out in zip(prompts, free):
         start = 0
@@ -314,7 +318,7 @@ def test_heads_round_trip_is_bit_identical(trained_heads, llama_base, tmp_path):
     assert all(torch.equal(v, model.lm.state_dict()[k])
                for k, v in full.lm.state_dict().items() if "_diff." not in k)
     requests = [Request(p, 12) for p in _prompts([2, 7, 20])]
-    outs = [speculative_generate(m.lm, OrthrusDrafter(m), requests, 7)
+    outs = [speculative_generate(m.lm, BlockDrafter(m), requests, 7)
             for m in (model, loaded, full)]
     for a, b, c in zip(*outs):
         assert a.token_ids == b.token_ids == c.token_ids

@@ -21,6 +21,7 @@ from diffspec.spec_workers.reference.decoder import (
     ar_generate,
     speculative_generate,
 )
+from diffspec.testing.stats import chi_square_test
 from diffspec.testing.synthetic import sample_prompts
 
 GREEDY = SamplingParams()
@@ -237,16 +238,8 @@ def _exact_two_token_distribution(model, prompt: list[int], temperature: float) 
 
 
 def _chi_square_pvalue(observed: Tensor, expected_probs: Tensor, num_runs: int) -> float:
-    """Pearson chi-square goodness of fit; cells expected < 5 are pooled into one."""
-    from scipy.stats import chisquare
-
-    expected = expected_probs.flatten().double() * num_runs
-    observed = observed.flatten().double()
-    big = expected >= 5
-    f_exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    f_obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    f_exp = f_exp * f_obs.sum() / f_exp.sum()  # equal totals, as chisquare requires
-    return float(chisquare(f_obs.numpy(), f_exp.numpy()).pvalue)
+    """Pearson chi-square (:func:`diffspec.testing.stats.chi_square_test`)."""
+    return chi_square_test(observed, expected_probs, num_runs).pvalue
 
 
 @pytest.mark.parametrize("drafter_kind", ["ar_coupled", "rejection_pointmass", "rejection_q"])

@@ -29,8 +29,8 @@ from diffspec.spec_workers.reference.decoder import (
     speculative_generate,
 )
 from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
-from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
 from diffspec.testing.checkpoints import write_nld, write_orthrus
+from diffspec.testing.stats import chi_square_test
 from diffspec.testing.synthetic import sample_prompts
 from tests.unit.lossless_cases import GREEDY, SAMPLINGS
 
@@ -91,7 +91,7 @@ def _load(name: str, root) -> Model:
         return Model(nld.lm, LinearSelfSpecDrafter(nld), nld.eos_token_ids, prompts)
     orthrus = load_orthrus(path)
     prompts = _random_prompts([1, 6, 32, 33], low=10)
-    return Model(orthrus.lm, OrthrusDrafter(orthrus), orthrus.eos_token_ids, prompts)
+    return Model(orthrus.lm, BlockDrafter(orthrus), orthrus.eos_token_ids, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def synth() -> Model:
     orthrus = orthrus_from_base(SYNTH_QWEN3_DIR, block_size=16)
     prompts = [tokenizer(p)["input_ids"] for p in sample_prompts(4, 7)]
     prompts.append(prompts[0][:3])  # a short one among long ones
-    return Model(orthrus.lm, OrthrusDrafter(orthrus), orthrus.eos_token_ids, prompts, tokenizer)
+    return Model(orthrus.lm, BlockDrafter(orthrus), orthrus.eos_token_ids, prompts, tokenizer)
 
 
 def _assert_lossless(model: Model, requests: list[Request], k: int,
@@ -263,17 +263,8 @@ def _exact_two_token_probs(lm, prompt: list[int], sampling: SamplingParams) -> T
 
 
 def _chi_square_pvalue(counts: Tensor, expected_probs: Tensor, n: int) -> float:
-    """Pearson chi-square with cells of expected count < 5 pooled into one."""
-    from scipy.stats import chisquare
-
-    expected = (expected_probs * n).flatten().double()
-    observed = counts.flatten().double()
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs.sum().item()
-                           / exp[keep].sum().item()).pvalue)
+    """Pearson chi-square (:func:`diffspec.testing.stats.chi_square_test`)."""
+    return chi_square_test(counts, expected_probs, n).pvalue
 
 
 def _two_token_counts(orthrus, drafter, prompt, sampling_t, n: int) -> Tensor:
@@ -291,7 +282,7 @@ def test_rejection_sampling_matches_ar_distribution(small_vocab):
     the empirical law of the first two tokens over 1000 runs fits the exact AR law."""
     prompt, n = [1, 2, 3], 1000
     exact = _exact_two_token_probs(small_vocab.lm, prompt, SamplingParams(temperature=1.0))
-    counts = _two_token_counts(small_vocab, OrthrusDrafter(small_vocab), prompt, 1.0, n)
+    counts = _two_token_counts(small_vocab, BlockDrafter(small_vocab), prompt, 1.0, n)
     assert _chi_square_pvalue(counts, exact, n) > 1e-3
 
 
@@ -317,7 +308,7 @@ def test_bf16_greedy_match_rate_report(synth, record_property, capsys):
     """bf16 reorders reductions (the K-wide verify GEMM), so equality is not promised:
     the match rate is recorded and printed, not asserted to be 100%."""
     orthrus = orthrus_from_base(SYNTH_QWEN3_DIR, block_size=16, dtype=torch.bfloat16)
-    model = Model(orthrus.lm, OrthrusDrafter(orthrus), orthrus.eos_token_ids, synth.prompts)
+    model = Model(orthrus.lm, BlockDrafter(orthrus), orthrus.eos_token_ids, synth.prompts)
     requests = [Request(p, 40, GREEDY, model.eos) for p in model.prompts]
     ar = ar_generate(model.lm, requests)
     spec = speculative_generate(model.lm, model.drafter, requests, 15)

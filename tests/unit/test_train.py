@@ -310,13 +310,12 @@ def test_orthrus_low_rank_heads_on_llama_train_only_the_factors(token_data, tmp_
     the run writes a heads folder, and materializing it gives the trained model's drafts."""
     from safetensors.torch import load_file
 
-    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
     from diffspec.model_executors.reference.orthrus import (
         load_orthrus,
         materialize_orthrus,
         orthrus_from_base,
     )
-    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.decoder import BlockDrafter, Request, speculative_generate
     from diffspec.testing.checkpoints import write_llama
     from diffspec.train.__main__ import main
 
@@ -347,7 +346,7 @@ def test_orthrus_low_rank_heads_on_llama_train_only_the_factors(token_data, tmp_
     from diffspec.model_executors.reference.orthrus import load_orthrus_heads
 
     heads_model = load_orthrus_heads(base, out)
-    a, b = (speculative_generate(m.lm, OrthrusDrafter(m), requests, 7)
+    a, b = (speculative_generate(m.lm, BlockDrafter(m), requests, 7)
             for m in (heads_model, full))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.accept_lengths for o in a] == [o.accept_lengths for o in b]
@@ -473,7 +472,7 @@ def test_shipped_synth_orthrus_drafts_are_accepted_and_lossless():
     from safetensors.torch import load_file
 
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.orthrus import OrthrusDrafter
+    from diffspec.spec_workers.reference.decoder import BlockDrafter
     from diffspec.testing.synthetic import build_tokenizer, sample_prompts
     from diffspec.train import measure_speculation
 
@@ -483,7 +482,7 @@ def test_shipped_synth_orthrus_drafts_are_accepted_and_lossless():
     assert all(torch.equal(shipped[k], v) for k, v in base.items())  # AR weights bit-identical
     tok = build_tokenizer()
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in sample_prompts(6, 99)]
-    report = measure_speculation(model.lm, OrthrusDrafter(model), prompts,
+    report = measure_speculation(model.lm, BlockDrafter(model), prompts,
                                  model.block_size - 1, max_tokens=40)
     assert report["equal_ar"]
     assert report["mean_accept_length"] > 1.5, report

@@ -19,25 +19,15 @@ in distribution (unseeded). A draft + verify cycle counts two forwards.
 Usage::
 
     model = load_orthrus("/path/to/Orthrus-Qwen3-8B")
-    outputs = speculative_generate(model.lm, OrthrusDrafter(model), requests,
+    outputs = speculative_generate(model.lm, BlockDrafter(model), requests,
                                    num_draft_tokens=model.block_size - 1)
 """
 
 from __future__ import annotations
 
-from diffspec.model_executors.reference.orthrus import OrthrusModel
 from diffspec.spec_workers.reference.decoder import BlockDrafter
 
-__all__ = ["OrthrusDrafter"]
-
-
-class OrthrusDrafter(BlockDrafter):
-    """Drafts with the diffusion view of an :class:`OrthrusModel` (one forward per call)."""
-
-    model: OrthrusModel
-
-    def __init__(self, model: OrthrusModel) -> None:
-        super().__init__(model)
+__all__ = ["decoder"]
 
 
 def decoder(info, options):
@@ -48,6 +38,6 @@ def decoder(info, options):
 
     def load(dtype):
         model = load_orthrus(info.path, dtype=dtype)
-        return model, OrthrusDrafter(model)
+        return model, BlockDrafter(model)
 
     return speculative_decoder("orthrus", info, options, load)
