@@ -51,9 +51,11 @@ class _CliError(Exception):
     """A user error: printed as ``diffspec: error: ...`` with exit code 2."""
 
 
-# generate's option -> the registry's decoding option it sets
-_DECODE_OPTIONS = ("num_draft_tokens", "block_size", "threshold", "cache", "slot_size",
-                   "num_blocks", "slot_threshold", "token_threshold")
+def _decode_options() -> set[str]:
+    """Every decoding option of the registry's methods (each is a ``generate`` flag)."""
+    from diffspec.methods import METHODS
+
+    return {k for m in METHODS.values() for k in m.defaults}
 
 
 def _load_decoder(method: str, path: str | Path, **options: Any):
@@ -95,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     model = args.model or bundled_model_path(args.method)
     decoder = _load_decoder(args.method, model,
-                            **{k: getattr(args, k) for k in _DECODE_OPTIONS})
+                            **{k: getattr(args, k) for k in _decode_options()})
     tokenizer = decoder.tokenizer
 
     from diffspec.spec_workers.reference.decoder import Request

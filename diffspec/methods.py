@@ -33,7 +33,6 @@ __all__ = [
     "Family",
     "Method",
     "diffspec_methods",
-    "family_of_architecture",
     "get_method",
     "load_object",
     "methods_for_engine",
@@ -41,7 +40,6 @@ __all__ = [
 ]
 
 Engine = Literal["vllm", "sglang"]
-ENGINES: tuple[Engine, ...] = ("vllm", "sglang")
 
 
 def load_object(target: str) -> Any:
@@ -76,9 +74,6 @@ class Family:
     sglang_models: Mapping[str, str] = field(default_factory=_frozen)
     reference_model: str | None = None  # "module" holding the reference (transformers) model
     causal: bool = True  # has an AR view (plain AR / n-gram decoding apply)
-
-    def engine_models(self, engine: Engine) -> Mapping[str, str]:
-        return self.vllm_models if engine == "vllm" else self.sglang_models
 
 
 @dataclass(frozen=True)
@@ -267,15 +262,6 @@ def reference_methods_for(family: str | None) -> list[Method]:
     causal = fam is None or fam.causal
     return [m for m in METHODS.values() if m.reference is not None
             and (family in m.families if m.families else causal)]
-
-
-def family_of_architecture(architecture: str | None) -> Family | None:
-    """The first family whose architectures list ``architecture`` (stock architectures
-    such as ``Qwen3ForCausalLM`` need :func:`diffspec.core.checkpoint.inspect_checkpoint`)."""
-    for family in FAMILIES.values():
-        if architecture in family.architectures:
-            return family
-    return None
 
 
 # ----------------------------------------------------------------- docs from the registry

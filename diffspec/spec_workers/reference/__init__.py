@@ -36,7 +36,7 @@ class Decoder:
 def load_decoder(method: str, path: str | Path, **options: Any) -> Decoder:
     """Load ``path`` for ``method`` with the registry's defaults overridden by ``options``
     (``num_draft_tokens``, ``threshold``, ``cache``, ``slot_size`` ...; ``None`` keeps the
-    default). Raises ``ValueError`` (:class:`~diffspec.core.checkpoint.CheckpointError`
+    default; ``dtype``, a torch dtype, applies to every method: float32 by default). Raises ``ValueError`` (:class:`~diffspec.core.checkpoint.CheckpointError`
     for the checkpoint) naming the problem; never touches the network."""
     from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
     from diffspec.methods import get_method, load_object

@@ -540,21 +540,20 @@ def causal_decoder(method: str, info, model, decode, options, eos: tuple[int, ..
     """A :class:`~diffspec.spec_workers.reference.Decoder` around a causal LM ``model``."""
     from diffspec.spec_workers.reference import Decoder
 
-    tokenizer = options.get("tokenizer") or load_tokenizer(info)
+    tokenizer = load_tokenizer(info)
     return Decoder(method, tokenizer, lambda requests: decode(requests, tokenizer),
                    stop_token_ids(eos or info.eos_token_ids, model, tokenizer),
-                   model.config.max_position_embeddings, model.config.vocab_size,
-                   {k: v for k, v in options.items() if k != "tokenizer"})
+                   model.config.max_position_embeddings, model.config.vocab_size, options)
 
 
-def draft_count(info, options, default: int | None = None) -> int:
-    """``options["num_draft_tokens"]``, else ``default``, else what the checkpoint's block
-    allows; checked against the trained block (a clear error when it is larger)."""
+def draft_count(info, options) -> int:
+    """``options["num_draft_tokens"]``, else what the checkpoint's block allows; checked
+    against the trained block (a clear error when it is larger)."""
     from diffspec.core.checkpoint import max_block_tokens, validate_block_size
 
     k = options.get("num_draft_tokens")
     if k is None:
-        k = default if default is not None else max_block_tokens(info)
+        k = max_block_tokens(info)
     if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {k!r}")
     validate_block_size(info, k)
@@ -586,11 +585,11 @@ def ar_decoder(info, options):
 def ngram_decoder(info, options):
     """Prompt-lookup (n-gram) speculation on any causal checkpoint."""
     model = load_ar_view(info, options.get("dtype", torch.float32))
-    k = options.get("num_draft_tokens") or 8
+    k = options["num_draft_tokens"]  # registry default: 8
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {k!r}")
     drafter = NgramDrafter()
     return causal_decoder(
         "ngram", info, model,
         lambda requests, tok: speculative_generate(model, drafter, requests, k, tokenizer=tok),
-        {**options, "num_draft_tokens": k})
+        options)

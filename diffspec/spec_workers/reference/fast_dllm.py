@@ -473,9 +473,9 @@ def decoder(info, options):
     config = FastDLLMConfig(cache=options["cache"], threshold=options["threshold"],
                             block_size=options.get("block_size"))
     block, _ = config.sizes(lm)  # checks the block against the checkpoint
-    tokenizer = options.get("tokenizer") or load_tokenizer(info)
+    tokenizer = load_tokenizer(info)
     stops = tuple(dict.fromkeys([*lm.eos_token_ids, *([tokenizer.eos_token_id]
                                  if tokenizer.eos_token_id is not None else [])]))
     return Decoder("fast_dllm", tokenizer, lambda requests: fast_dllm_generate(lm, requests, config),
                    stops, lm.max_positions, int(info.vocab_size or len(tokenizer)),
-                   {**{k: v for k, v in options.items() if k != "tokenizer"}, "block_size": block})
+                   {**options, "block_size": block})
