@@ -13,7 +13,10 @@ from diffspec.methods import METHODS as REGISTRY
 # Every baseline is a method of diffspec's registry (diffspec/methods.py): diffspec's own
 # and the engines' (ar, ngram, eagle3, dflash).
 METHODS = {name: m.summary for name, m in REGISTRY.items()}
-SELF_SPEC = tuple(m.name for m in REGISTRY.values() if m.forwards_per_step == 2)
+# diffspec's methods served through the engines' speculative decoding (the served model
+# drafts for itself: Orthrus and NLD linear in two forwards per step, TiDAR in one)
+SELF_SPEC = tuple(m.name for m in REGISTRY.values()
+                  if m.origin == "diffspec" and (m.vllm is not None or m.sglang is not None))
 DRAFTER_METHODS = tuple(m.name for m in REGISTRY.values() if m.needs_drafter)
 
 

@@ -213,6 +213,8 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
     Method("tidar", "TiDAR / NLD quadratic: draft and verify in one forward (structured "
            "mask)", lossless=True, origin="diffspec", families=("tidar", "nld"),
            reference=f"{_SPEC}.reference.tidar:decoder",
+           vllm=EngineEntry(_SPEC_FLAG, "tidar", f"{_SPEC}.vllm.tidar:TiDARProposer"),
+           sglang=EngineEntry(_ALGO_FLAG, "TIDAR", f"{_SPEC}.sglang.tidar:TiDARWorker"),
            defaults=_frozen({"num_draft_tokens": None}), bundled="synth-tidar",
            trained_block=True),
     Method("fast_dllm", "Fast-dLLM: block diffusion with KV cache and confidence-threshold "

@@ -116,8 +116,9 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
             continue
         completions = [Completion(**c) for c in r["completions"]]
         for c in completions:  # target forwards after prefill, as for vLLM
-            c.forwards = (len(c.token_ids) if b.method == "ar" else 2 * c.drafts
-                          if b.method in SELF_SPEC else c.drafts if c.drafts else None)
+            c.forwards = (len(c.token_ids) if b.method == "ar"
+                          else b.forwards_per_step * c.drafts if b.method in SELF_SPEC
+                          else c.drafts if c.drafts else None)
         out.append(RunResult(
             engine="sglang", baseline=b.label, launch=launch, completions=completions,
             system_tokens_per_s={int(c): v for c, v in r["system_tokens_per_s"].items()},

@@ -68,8 +68,8 @@ def _tpf_forwards(b: Baseline, c: Completion) -> int | None:
     """Target forwards after the prefill, from the counters (None: not knowable)."""
     if b.method == "ar":  # one forward per token (the one yielding the first token counts,
         return len(c.token_ids)  # as in the reference decoder)
-    if b.method in SELF_SPEC:
-        return 2 * c.drafts  # one step = draft + verify forwards
+    if b.method in SELF_SPEC:  # one step = its forwards (Orthrus: draft + verify; TiDAR: one)
+        return b.forwards_per_step * c.drafts
     if b.method in DRAFTER_METHODS:
         return c.drafts  # every decode step drafts; the drafter's own forwards not counted
     return None  # ngram: steps without a prompt match draft nothing and are not counted
@@ -118,7 +118,8 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
         for c in completions:
             c.forwards = _tpf_forwards(b, c)
         if b.method in SELF_SPEC:
-            notes.append("TPF = tokens / (2 x verify steps) from the spec-decode counters")
+            notes.append(f"TPF = tokens / ({b.forwards_per_step} x verify steps) from the "
+                         f"spec-decode counters")
         elif b.method in DRAFTER_METHODS:
             notes.append("TPF = tokens / verify steps (target forwards; the drafter's own "
                          "forwards are not counted)")

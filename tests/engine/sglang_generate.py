@@ -7,8 +7,8 @@ detokenizer processes, so the engine is created under ``if __name__ == "__main__
     python tests/engine/sglang_generate.py JOB_JSON
 
 JOB_JSON is {"runs": [{"name": str, "model": path, "engine": {Engine kwargs},
-"batches": {batch name: [requests]}}], "config_errors": {name: {"model": path,
-"server_args": {...}}}}. A request is {"input_ids": [...], "max_new_tokens": N} plus
+"batches": {batch name: [requests]}, "count_forwards": bool}], "config_errors": {name:
+{"model": path, "server_args": {...}}}}. A request is {"input_ids": [...], "max_new_tokens": N} plus
 optional sampling fields ("temperature", "top_p", "top_k", "ignore_eos",
 "stop_token_ids"); temperature
 defaults to 0 (greedy). Each run starts one engine (fp32, CPU kwargs) and generates its
@@ -20,12 +20,24 @@ Prints one line: RESULT_PREFIX + {"runs": {run: {batch: {"outputs": [[ids]],
 "finish_reasons": [...], "meta": [{spec_verify_ct, spec_correct_drafts_histogram,
 cached_tokens, ...}]}}}, "server_info": {run: {"avg_spec_accept_length": ...}},
 "config_errors": {name: message | null}, "sglang_version": str}.
+
+A run with "count_forwards" also reports, per batch, "forwards": the model forwards the
+engine ran for it, by forward mode ({"EXTEND": 1, "TARGET_VERIFY": 7}), and under
+"EMBED" the passes through the network however they were started (calls of the token
+embedding, ``VocabParallelEmbedding.forward``: a worker that runs layers outside
+``ModelRunner.forward``, as a separate draft view does, shows up there). They are counted
+in SGLang's scheduler process: the run sets ``DIFFSPEC_FORWARD_COUNT_DIR`` before starting
+the engine, and the processes it spawns import this script as ``__mp_main__`` (SGLang
+starts them with the ``spawn`` method), which wraps both there and writes the counts to a
+file of that folder after every call.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 RESULT_PREFIX = "DIFFSPEC_RESULT "
@@ -45,14 +57,70 @@ META_KEYS = ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accept_len
              "spec_num_correct_drafts", "cached_tokens", "completion_tokens")
 
 
+FORWARD_COUNT_ENV = "DIFFSPEC_FORWARD_COUNT_DIR"
+
+
+def _install_forward_counter(folder: str) -> None:
+    """Count this process's ``ModelRunner.forward`` calls by forward mode, and its token
+    embedding calls as ``EMBED``, into ``folder/<pid>.json`` (rewritten after every call,
+    before its results are used)."""
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    counts: dict[str, int] = {}
+    target = Path(folder) / f"{os.getpid()}.json"
+
+    def record(key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts))
+        tmp.replace(target)
+
+    forward, embed = ModelRunner.forward, VocabParallelEmbedding.forward
+
+    def counted_forward(self, forward_batch, *args, **kwargs):
+        mode = forward_batch.forward_mode.name
+        out = forward(self, forward_batch, *args, **kwargs)
+        record(mode)
+        return out
+
+    def counted_embed(self, input_):
+        record("EMBED")
+        return embed(self, input_)
+
+    ModelRunner.forward = counted_forward
+    VocabParallelEmbedding.forward = counted_embed
+
+
+def _forward_counts(folder: str) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for path in Path(folder).glob("*.json"):
+        for mode, count in json.loads(path.read_text()).items():
+            total[mode] = total.get(mode, 0) + count
+    return total
+
+
 def _run(run: dict) -> tuple[dict, dict]:
     import sglang
 
     kwargs = {**CPU_ENGINE_KWARGS, **run.get("engine", {})}
-    engine = sglang.Engine(model_path=run["model"], **kwargs)
+    folder = tempfile.mkdtemp(prefix="diffspec-forwards-") if run.get("count_forwards") else None
+    if folder is not None:
+        os.environ[FORWARD_COUNT_ENV] = folder  # inherited by the engine's processes
     try:
-        outputs = {name: _generate(engine, requests)
-                   for name, requests in run.get("batches", {}).items()}
+        engine = sglang.Engine(model_path=run["model"], **kwargs)
+    finally:
+        os.environ.pop(FORWARD_COUNT_ENV, None)
+    try:
+        outputs = {}
+        for name, requests in run.get("batches", {}).items():
+            before = _forward_counts(folder) if folder is not None else None
+            outputs[name] = _generate(engine, requests)
+            if folder is not None:
+                after = _forward_counts(folder)
+                outputs[name]["forwards"] = {
+                    mode: count - before.get(mode, 0) for mode, count in after.items()
+                    if count != before.get(mode, 0)}
         info = engine.get_server_info()
         state = (info.get("internal_states") or [{}])[0]
         server = {"avg_spec_accept_length": state.get("avg_spec_accept_length")}
@@ -102,3 +170,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__" and os.environ.get(FORWARD_COUNT_ENV):
+    _install_forward_counter(os.environ[FORWARD_COUNT_ENV])

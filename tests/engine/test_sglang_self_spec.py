@@ -388,7 +388,7 @@ def test_plugin_registers_through_the_entry_point() -> None:
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "diffspec.plugin.sglang:register" in info["entry_points"]
     assert info["registered"]
-    assert info["algorithms"] == ["ORTHRUS", "LINEAR_SELF_SPEC"]
+    assert info["algorithms"] == ["ORTHRUS", "LINEAR_SELF_SPEC", "TIDAR"]
     assert info["architectures"] == ["NemotronLabsDiffusionModel", "OrthrusForCausalLM",
                                      "OrthrusLM", "OrthrusLlamaForCausalLM"]
     assert info["scheduler_api"] == [False, False, False, True, False, False]

@@ -14,12 +14,14 @@ JOB_JSON (optional) is {"runs": [{"name": str, "model": path, "llm": {LLM kwargs
 "batches": {batch name: [requests]}}], "config_errors": {name: {"model": path,
 "speculative_config": {...}}}}. Each run starts one engine (one after the other, in this
 process) on its model (default MODEL_DIR) with the default kwargs below updated by "llm"
-(e.g. "speculative_config", "block_size"), then generates its batches one after the other
-(default: one batch "default" of REQUESTS_JSON). Each config_errors entry only builds the
+(e.g. "speculative_config", "block_size"; "count_forwards": true counts the model's forwards
+per batch, through ``collective_rpc``, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1), then
+generates its batches one after the other (default: one batch "default" of REQUESTS_JSON). Each config_errors entry only builds the
 engine config and records the error it raises. Without JOB_JSON there is one plain run.
 
 Prints one JSON object after RESULT_PREFIX: {"runs": {run: {batch: {"outputs": [[token
-ids]], "finish_reasons": [...], "spec_steps": [[accepted drafts per verify step] | null]}},
+ids]], "finish_reasons": [...], "spec_steps": [[accepted drafts per verify step] | null],
+"forwards": {"model": n, "drafter": n} (with count_forwards)}},
 "metrics": {run: {batch: {counter: value after the batch}}}, "config_errors": {name:
 message | null}, "plugin_registered": bool, "vllm_version": str}; the top level also
 repeats "outputs" and "finish_reasons" of the first batch of the first run.
@@ -44,16 +46,44 @@ def _run(model: str, llm_kwargs: dict, batches: dict[str, list[dict]]) -> tuple[
     each batch: spec decode and prefix cache)."""
     from vllm import LLM
 
+    llm_kwargs = dict(llm_kwargs)
+    count = llm_kwargs.pop("count_forwards", False)
     llm = LLM(model=model, **{**DEFAULT_LLM_KWARGS, **llm_kwargs})
+    if count:
+        llm.collective_rpc(_install_forward_counter)
     outputs, metrics = {}, {}
     for name, requests in batches.items():
+        before = llm.collective_rpc(_read_forward_counter)[0] if count else None
         outputs[name] = _generate(llm, requests)
+        if count:
+            after = llm.collective_rpc(_read_forward_counter)[0]
+            outputs[name]["forwards"] = {k: after[k] - before[k] for k in after}
         if not llm_kwargs.get("disable_log_stats", True):
             metrics[name] = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")
                              and m.name.startswith(("vllm:spec_decode", "vllm:prefix_cache"))}
     del llm
     gc.collect()
     return outputs, metrics
+
+
+def _install_forward_counter(worker) -> None:
+    """Count the model's forwards (calls of its first decoder layer) in the worker."""
+    model = worker.model_runner.get_model()
+    layer = model.model.layers[model.model.start_layer]
+    layer._diffspec_forwards = 0
+
+    def hook(module, args, output):
+        module._diffspec_forwards += 1
+
+    layer.register_forward_hook(hook)
+
+
+def _read_forward_counter(worker) -> dict:
+    """{"model": forwards of the model, "drafter": forwards the drafter ran itself}."""
+    model = worker.model_runner.get_model()
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return {"model": model.model.layers[model.model.start_layer]._diffspec_forwards,
+            "drafter": getattr(drafter, "num_forwards", 0)}
 
 
 def _generate(llm, requests: list[dict]) -> dict:

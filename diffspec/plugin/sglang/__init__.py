@@ -9,7 +9,8 @@ workers), so :func:`register` is idempotent. It refuses unsupported SGLang versi
   (:data:`diffspec.methods.FAMILIES`);
 * registers diffspec's speculative algorithms (registry methods with an SGLang entry)
   through SGLang's own plugin API, ``SpeculativeAlgorithm.register``, with the
-  ``CustomSpecAlgo`` subclass and validation of :mod:`diffspec.plugin.sglang.config`.
+  ``CustomSpecAlgo`` subclass of the method (``SelfSpecAlgo``; ``TiDARAlgo`` for
+  ``TIDAR``) and validation of :mod:`diffspec.plugin.sglang.config`.
 
 No hook (``HookRegistry``) and no patch is needed: see ``diffspec/plugin/patches.md``.
 This module imports neither torch nor SGLang at import time.
@@ -51,14 +52,14 @@ def register() -> None:
         architectures.update(family.sglang_models)
     for arch, target in architectures.items():
         ModelRegistry.models.setdefault(arch, load_object(target))
-    algo_class = spec_class()
     algorithms = self_spec_algorithms()
     for name, method in algorithms.items():
         if get_spec(name) is None:
             worker = method.sglang.worker
             SpeculativeAlgorithm.register(
                 name, supports_overlap=False, validate_server_args=validate_server_args,
-                spec_class=algo_class)(lambda server_args, worker=worker: load_object(worker))
+                spec_class=spec_class(method.name),
+            )(lambda server_args, worker=worker: load_object(worker))
     _registered = True
     logger.info("diffspec plugin loaded into SGLang %s (architectures: %s; speculative "
                 "algorithms: %s)", version("sglang"), ", ".join(architectures),

@@ -55,7 +55,10 @@ def validate_server_args(server_args) -> None:
             raise CheckpointError(f"--speculative-num-draft-tokens must be an int >= 2 (the "
                                   f"anchor + at least one draft), got {width!r}")
         try:
-            validate_block_size(info, width - 1)
+            if method.name == "tidar":
+                _validate_quadratic_drafts(info, width - 1)
+            else:
+                validate_block_size(info, width - 1)
         except CheckpointError as exc:
             raise CheckpointError(f"--speculative-num-draft-tokens {width} is the anchor plus "
                                   f"{width - 1} drafts: {exc}") from None
@@ -69,8 +72,49 @@ def validate_server_args(server_args) -> None:
                               f"--speculative-eagle-topk must be 1")
 
 
-def spec_class():
-    """The ``CustomSpecAlgo`` subclass (built lazily: SGLang is imported only here)."""
+def quadratic_max_drafts(info) -> int:
+    """Drafts per step a TiDAR / NLD checkpoint yields in quadratic mode: one branch of
+    ``block_size`` masks, ``block_size - 1 + shift`` drafts (the reference decoder's
+    :attr:`~diffspec.model_executors.reference.tidar.QuadraticModel.max_draft_tokens`)."""
+    return int(info.block_size) - 1 + int(bool(info.logits_shift))
+
+
+def _validate_quadratic_drafts(info, drafts: int) -> None:
+    limit = quadratic_max_drafts(info)
+    if not 1 <= drafts <= limit:
+        raise CheckpointError(
+            f"checkpoint {info.path} was trained with block_size={info.block_size} "
+            f"({'shifted' if info.logits_shift else 'unshifted'} draft logits), so one "
+            f"quadratic branch drafts at most {limit} tokens per step; {drafts} requested")
+
+
+def tidar_kv_window(width: int, model_path, torch_native: bool) -> int:
+    """KV slots a TIDAR decode step of ``width`` (anchor + drafts) writes per request past
+    the committed length, in the window SGLang reserves there: on the torch-native
+    backend only the ``width`` verify tokens (diffspec's masked attention reads the
+    branches' K/V from the forward itself; their writes go to the pool's padding slot);
+    on the GPU backends all ``(n + 1)(1 + K')`` tokens of the step (their TARGET_VERIFY
+    kernels read the step's K/V from the pool through ``req_to_token``)."""
+    from diffspec.model_executors.sglang.quadratic import tokens_per_step
+
+    if torch_native:
+        return int(width)
+    return tokens_per_step(int(width) - 1, inspect_checkpoint(model_path).logits_shift)
+
+
+_SPEC_CLASSES: dict[str, type] = {}
+
+
+def spec_class(method: str = "orthrus"):
+    """The ``CustomSpecAlgo`` subclass for ``method`` (built lazily, once: SGLang is
+    imported only here): :class:`SelfSpecAlgo` for the linear self-speculative methods,
+    its ``TiDARAlgo`` subclass for ``tidar``."""
+    if not _SPEC_CLASSES:
+        _SPEC_CLASSES["linear"], _SPEC_CLASSES["tidar"] = _build_spec_classes()
+    return _SPEC_CLASSES["tidar" if method == "tidar" else "linear"]
+
+
+def _build_spec_classes():
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
     class SelfSpecAlgo(CustomSpecAlgo):
@@ -117,4 +161,30 @@ def spec_class():
                                  f"overlap scheduling: pass --disable-overlap-schedule")
             return self.factory(server_args)
 
-    return SelfSpecAlgo
+    class TiDARAlgo(SelfSpecAlgo):
+        """TIDAR: one quadratic forward per step, ``(n + 1)(1 + K')`` tokens per request
+        (verify chain + one branch of ``K'`` masks per outcome)."""
+
+        def handle_server_args(self, server_args) -> None:
+            """As :class:`SelfSpecAlgo`, but the default width is the anchor plus one
+            trained branch of drafts (``block_size + shift``)."""
+            if server_args.speculative_num_draft_tokens is None:
+                server_args.speculative_num_draft_tokens = 1 + quadratic_max_drafts(
+                    inspect_checkpoint(server_args.model_path))
+            super().handle_server_args(server_args)
+
+        def resolve_max_speculative_num_draft_tokens(self, server_args):
+            """The step's KV window (:func:`tidar_kv_window`): SGLang reserves twice this
+            many KV slots per request past its committed length
+            (``eagle_prepare_for_decode``) and sizes its row headroom by it."""
+            from sglang.srt.arg_groups.model_override_base import attention_backends_of
+            from sglang.srt.arg_groups.overrides import resolving_view
+
+            cfg = resolving_view(server_args)
+            if cfg.speculative_num_draft_tokens is None:
+                return None
+            torch_native = set(attention_backends_of(cfg)) == {"torch_native"}
+            return tidar_kv_window(cfg.speculative_num_draft_tokens, server_args.model_path,
+                                   torch_native)
+
+    return SelfSpecAlgo, TiDARAlgo

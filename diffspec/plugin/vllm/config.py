@@ -18,6 +18,7 @@ from typing import Any
 from diffspec.core.checkpoint import (
     CheckpointError,
     inspect_checkpoint,
+    max_block_tokens,
     require_method,
     validate_block_size,
 )
@@ -122,8 +123,8 @@ def translate_speculative_config(
         )
 
     num = spec.get("num_speculative_tokens")
-    if num is None:
-        num = int(block_size) - 1
+    if num is None:  # the checkpoint's trained block
+        num = max_block_tokens(info) if info is not None else int(block_size) - 1
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise CheckpointError(f"num_speculative_tokens must be an int >= 1, got {num!r}")
     if info is not None:

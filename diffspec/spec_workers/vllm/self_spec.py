@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["DraftBlock", "SelfSpecProposer",
+__all__ = ["DraftBlock", "NonCausalBlocks", "SelfSpecProposer", "non_causal_blocks",
            "plan_blocks"]
 
 
@@ -126,77 +126,99 @@ class SelfSpecProposer:
     def _draft(self, runner, blocks: list[DraftBlock]) -> list[list[int]]:
         """One diffusion-view forward over ``blocks``; their draft token ids."""
         from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
 
         model = runner.get_model()
-        device = runner.device
-        groups = runner.attn_groups
-        if len(groups) != 1:
-            raise RuntimeError(f"method {self.method!r} supports models with one KV cache group "
-                               f"(full attention in every layer); this one has {len(groups)}")
-        table = runner.input_batch.block_table[0]
-        page = table.block_size
-
         lengths = np.array([b.num_drafts + 1 for b in blocks], dtype=np.int32)  # [B]
-        query_start = np.zeros(len(blocks) + 1, dtype=np.int32)  # [B + 1]
-        np.cumsum(lengths, out=query_start[1:])
-        input_ids = np.full(query_start[-1], self.mask_token_id, dtype=np.int64)  # [T]
-        positions = np.concatenate([np.arange(b.start, b.start + b.num_drafts + 1)
-                                    for b in blocks])  # [T]
-        # the blocks' own positions, i.e. the slots the next verify pass writes its AR K/V to
-        rows = np.repeat([b.row for b in blocks], lengths)  # [T]
-        pages = table.block_table.np[rows, positions // page].astype(np.int64)  # [T]
-        slots = pages * page + positions % page  # [T]
-        input_ids[query_start[:-1]] = [b.anchor for b in blocks]
-        seq_lens = np.array([b.start + b.num_drafts + 1 for b in blocks], dtype=np.int32)  # [B]
+        batch = non_causal_blocks(runner, [b.row for b in blocks], [b.start for b in blocks],
+                                  lengths, self.method)
+        input_ids = np.full(batch.num_tokens, self.mask_token_id, dtype=np.int64)  # [T]
+        input_ids[batch.query_start[:-1]] = [b.anchor for b in blocks]
         shift = 0 if model.draft_logits_shift else 1  # row of the block predicting draft 1
         predict = np.concatenate([np.arange(b.num_drafts) + s + shift
-                                  for b, s in zip(blocks, query_start)])  # [sum n]
-
-        def on_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device, non_blocking=True)
-
-        slot_mapping = on_device(slots)
-        block_rows = on_device(np.array([b.row for b in blocks], dtype=np.int64))
-        common = CommonAttentionMetadata(
-            query_start_loc=on_device(query_start),
-            query_start_loc_cpu=torch.from_numpy(query_start),
-            seq_lens=on_device(seq_lens),
-            seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-            num_reqs=len(blocks),
-            num_actual_tokens=int(query_start[-1]),
-            max_query_len=int(lengths.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=table.get_device_tensor(runner.input_batch.num_reqs)[block_rows],
-            slot_mapping=slot_mapping,
-            causal=False,
-            positions=on_device(positions),
-        )
-        attn_metadata = self._non_causal_metadata(groups[0], common)
-        layer_slots = dict.fromkeys(attn_metadata, slot_mapping)
-        with set_forward_context(attn_metadata, runner.vllm_config,
-                                 num_tokens=int(query_start[-1]), slot_mapping=layer_slots):
-            hidden = model.diffusion_hidden_states(on_device(input_ids), common.positions)
-        logits = model.compute_logits(hidden[on_device(predict)])  # [sum n, vocab]
+                                  for b, s in zip(blocks, batch.query_start)])  # [sum n]
+        layer_slots = dict.fromkeys(batch.attn_metadata, batch.slot_mapping)
+        with set_forward_context(batch.attn_metadata, runner.vllm_config,
+                                 num_tokens=batch.num_tokens, slot_mapping=layer_slots):
+            hidden = model.diffusion_hidden_states(_on(runner, input_ids), batch.positions)
+        logits = model.compute_logits(hidden[_on(runner, predict)])  # [sum n, vocab]
         if logits is None:  # a TP rank that does not hold the gathered logits
             return [[] for _ in blocks]
         tokens = logits.argmax(dim=-1).tolist()
         ends = np.cumsum([b.num_drafts for b in blocks])
         return [tokens[end - b.num_drafts:end] for b, end in zip(blocks, ends)]
 
-    def _non_causal_metadata(self, attn_groups, common) -> dict[str, object]:
-        """Per-layer attention metadata for the blocks, built by the target's own backend
-        builders (``build_for_drafting``); refuses a backend that stays causal."""
-        per_layer = {}
-        for group in attn_groups:
-            metadata = group.build_metadata_for_drafting(common, draft_index=0)
-            if getattr(metadata, "causal", None) is not False:
-                raise RuntimeError(
-                    f"attention backend {group.backend.get_name()} cannot attend non-causally "
-                    f"over the paged KV cache, which method {self.method!r} drafts with; pick "
-                    f"one that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
-            per_layer.update(dict.fromkeys(group.layer_names, metadata))
-        return per_layer
+
+@dataclass
+class NonCausalBlocks:
+    """Query blocks that attend non-causally to their request's paged K/V and to
+    themselves: per-layer attention metadata built by the target's own backend."""
+
+    attn_metadata: dict[str, object]  # layer name -> the backend's metadata
+    slot_mapping: torch.Tensor  # [T] the slots the blocks' K/V are written to
+    positions: torch.Tensor  # [T] on the device
+    query_start: np.ndarray  # [B + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start[-1])
+
+
+def non_causal_blocks(
+    runner,
+    rows: list[int],  # [B] each block's request row in the runner's input batch
+    starts: list[int],  # [B] position of each block's first token
+    lengths: np.ndarray,  # [B] tokens per block
+    method: str,
+) -> NonCausalBlocks:
+    """Attention metadata for blocks ``starts[i] .. starts[i] + lengths[i] - 1`` of request
+    ``rows[i]``: each block sees the request's K/V of positions ``0 .. starts[i] - 1`` (its
+    paged cache, through the block table) and itself, non-causally; its K/V go to the slots
+    of its own positions. Refuses a backend that stays causal."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    groups = runner.attn_groups
+    if len(groups) != 1:
+        raise RuntimeError(f"method {method!r} supports models with one KV cache group (full "
+                           f"attention in every layer); this one has {len(groups)}")
+    table = runner.input_batch.block_table[0]
+    page = table.block_size
+    query_start = np.zeros(len(rows) + 1, dtype=np.int32)  # [B + 1]
+    np.cumsum(lengths, out=query_start[1:])
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
+    token_rows = np.repeat(rows, lengths)  # [T]
+    pages = table.block_table.np[token_rows, positions // page].astype(np.int64)  # [T]
+    slots = pages * page + positions % page  # [T]
+    seq_lens = (np.asarray(starts) + lengths).astype(np.int32)  # [B]
+    slot_mapping = _on(runner, slots)
+    common = CommonAttentionMetadata(
+        query_start_loc=_on(runner, query_start),
+        query_start_loc_cpu=torch.from_numpy(query_start),
+        seq_lens=_on(runner, seq_lens),
+        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        num_reqs=len(rows),
+        num_actual_tokens=int(query_start[-1]),
+        max_query_len=int(lengths.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table.get_device_tensor(runner.input_batch.num_reqs)[
+            _on(runner, np.asarray(rows, dtype=np.int64))],
+        slot_mapping=slot_mapping,
+        causal=False,
+        positions=_on(runner, positions),
+    )
+    per_layer = {}
+    for group in groups[0]:
+        metadata = group.build_metadata_for_drafting(common, draft_index=0)
+        if getattr(metadata, "causal", None) is not False:
+            raise RuntimeError(
+                f"attention backend {group.backend.get_name()} cannot attend non-causally "
+                f"over the paged KV cache, which method {method!r} drafts with; pick one "
+                f"that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
+        per_layer.update(dict.fromkeys(group.layer_names, metadata))
+    return NonCausalBlocks(per_layer, slot_mapping, common.positions, query_start)
+
+
+def _on(runner, array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).to(runner.device, non_blocking=True)
 
 
 def _chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:

@@ -1,0 +1,405 @@
+"""SGLang worker for TiDAR / NLD quadratic self-speculation: the served model drafts and
+verifies in ONE forward per step, on SGLang's model runner, layers and KV pool.
+
+SGLang builds it as ``TiDARWorker(server_args=, gpu_id=, nccl_port=, target_worker=)`` for
+``--speculative-algorithm TIDAR`` (registered by :mod:`diffspec.plugin.sglang`, with the
+``TiDARAlgo`` of :mod:`diffspec.plugin.sglang.config`) and calls
+:meth:`TiDARWorker.forward_batch_generation` once per scheduler step, synchronously (no
+overlap scheduling). The reference decoder it reproduces is
+:mod:`diffspec.spec_workers.reference.tidar`; the masks and layouts are
+:mod:`diffspec.model_executors.sglang.quadratic` (built on
+:func:`diffspec.core.masks.quadratic_mask`).
+
+KV convention (SGLang's): a request's ``seq_len`` ``C`` counts the tokens whose K/V are in
+the pool; its last emitted token, the **anchor**, is at position ``C`` and has no K/V yet.
+``N = --speculative-num-draft-tokens`` is the anchor plus ``n = N - 1`` drafts; a branch
+holds ``K' = n + 1 - shift`` masks (``shift``: the checkpoint's draft logits are shifted,
+``dlm_type: "dream"``), so a decode step has ``T = (n + 1)(1 + K')`` tokens per request.
+
+* **prefill, fused with branch 0** (EXTEND, one forward): the prompt's uncached tokens
+  (causal, their K/V into the slots SGLang allocated), then ``K'`` mask tokens at positions
+  ``L .. L + K' - 1`` (``L`` = prompt length) that see the whole prompt and each other. The
+  last prompt row gives the first token through SGLang's own sampler (as AR prefill does);
+  the mask rows are the reference's bootstrap branch 0 and give the first step's ``n``
+  drafts. The masks' K/V go to the pool's padding slot 0 (dummy writes, never read). So the
+  prefill is the reference's uncounted prefill plus its first (counted) step.
+* **decode** (TARGET_VERIFY, one forward): per request ``[t_0 = anchor, d_1 .. d_n]`` at
+  positions ``C .. C + n`` (causal: their logits are the AR verify logits), then branch
+  ``a = 0 .. n`` of ``K'`` masks at positions ``C + a + 1 .. C + a + K'`` seeing the prefix,
+  ``t_0 .. t_a`` and itself (bidirectional), never another branch;
+
+  1. the verify tokens write their K/V into the slots ``req_to_token`` maps their
+     positions ``C .. C + n`` to: the window SGLang reserved past the committed length
+     (``eagle_prepare_for_decode`` reserves twice the width ``TiDARAlgo`` declares). The
+     branches' K/V are scratch: on the torch-native path they are written to the pool's
+     padding slot 0 (dummy writes, never read: the masked attention takes the step's K/V
+     from the forward itself), on GPU backends to the rest of the window (columns
+     ``C + n + 1 .. C + T - 1``, declared as ``T``), past the committed length either way;
+  2. *accept*: :func:`diffspec.core.accept.greedy_accept` for greedy batches (the longest
+     draft prefix equal to the AR argmax, plus the AR token after it); sampled requests
+     (temperature / top-k / top-p) by rejection sampling with point-mass drafts
+     (:func:`diffspec.spec_workers.sglang.self_spec._accept`);
+  3. *commit*: ``new_seq_len = C + a + 1``: only ``t_0 .. t_a`` (AR K/V, on their own
+     positions) become committed. Rejected drafts and every branch sit past the committed
+     length, which SGLang frees at the end of the request and never inserts into the radix
+     cache; the next step overwrites them. The scheduler appends the emitted tokens, cuts
+     them at EOS / ``max_new_tokens`` and counts ``spec_verify_ct`` /
+     ``spec_num_correct_drafts`` (``avg_spec_accept_length``);
+  4. *next drafts*: the argmax of branch ``a``'s logits (all ``K'`` masks when shifted; all
+     but the first, the bonus token's position, when not), carried in
+     :class:`TiDARDraftInput` with the next anchor (the bonus / recovered token).
+
+Attention. The quadratic mask is SGLang's tree-verification contract (per-token positions,
+``custom_mask`` ``[T, C + T]`` per request over ``[prefix, step tokens]``, the step's K/V in
+the slots ``req_to_token`` maps ``C .. C + T - 1`` to), so the decode step's spec input is
+SGLang's own :class:`~sglang.srt.speculative.ngram_info.NgramVerifyInput` (tree verify
+with a custom mask) and GPU backends (FlashInfer, Triton) run it with their TARGET_VERIFY
+kernels. SGLang's torch-native backend (its CPU path) has no custom-mask path; with it, the
+worker publishes :class:`~diffspec.model_executors.sglang.quadratic.MaskedAttention` as the
+forward's attention backend (SGLang's ``ForwardContext``): the same masks over the same
+pool (prefix K/V gathered through ``req_to_token``, the step's own K/V from the forward).
+The fused prefill always uses ``MaskedAttention`` (SGLang's EXTEND kernels take no custom
+mask). Only the torch-native path runs in this repository's tests (CPU); the GPU path
+follows SGLang's contract but has not been run.
+
+The step always verifies ``n`` drafts (SGLang's verify width is uniform); the reference
+verifies at most ``remaining - 1``: the emitted tokens are the same (greedy acceptance is
+prefix-wise and the scheduler cuts at ``max_new_tokens``), only the last step's
+accepted-draft count may be larger. Near the end of the model's positions the reference
+shrinks the branches; here their positions are clamped to the last one (the drafts there
+may differ; the output does not). Not supported: min-p, logprobs, grammars (refused),
+penalties and logit bias (not applied); sliding-window attention.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+from diffspec.core.checkpoint import inspect_checkpoint, require_method
+from diffspec.model_executors.sglang.quadratic import (
+    MaskedAttention,
+    MaskedLayout,
+    branch_size,
+    draft_rows,
+    prefill_branch_layout,
+    verify_step_layout,
+)
+from diffspec.spec_workers.sglang.self_spec import _accept
+
+__all__ = ["TiDARDraftInput", "TiDARWorker"]
+
+logger = logging.getLogger("diffspec")
+
+
+@dataclass
+class TiDARDraftInput(SpecInput):
+    """Per-request state carried from one step to the next (filtered / merged with the
+    batch by the scheduler)."""
+
+    bonus_tokens: torch.Tensor  # [bs] the anchor: last emitted token, no K/V yet
+    drafts: torch.Tensor  # [bs, n] its drafts, pre-drafted by the last step's branch
+    new_seq_lens: torch.Tensor  # [bs] committed K/V length C
+
+    # read by SGLang's generic relay code; this algorithm carries no hidden state
+    topk_p: ClassVar[torch.Tensor | None] = None
+    topk_index: ClassVar[torch.Tensor | None] = None
+    hidden_states: ClassVar[torch.Tensor | None] = None
+    future_indices: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # neither a draft nor a verify input: state between steps (as UNO's carried state)
+        super().__init__(SpecInputType.UNO_STATE)
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu=None) -> None:
+        self.bonus_tokens = self.bonus_tokens[new_indices]
+        self.drafts = self.drafts[new_indices]
+        self.new_seq_lens = self.new_seq_lens[new_indices]
+
+    def merge_batch(self, other: TiDARDraftInput) -> None:
+        if not isinstance(other, TiDARDraftInput):
+            raise TypeError(f"cannot merge TiDARDraftInput with {type(other).__name__}")
+        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
+        self.drafts = torch.cat([self.drafts, other.drafts])
+        self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
+
+
+class TiDARWorker(BaseSpecWorker):
+    """Draft and verify with the served model in one quadratic forward per step."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__()
+        from sglang.srt.runtime_context import get_spec
+
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.width = int(get_spec().speculative_num_draft_tokens)  # N = anchor + drafts
+        self.speculative_num_draft_tokens = self.width
+        self.speculative_num_steps = 1
+        self.topk = 1
+        info = inspect_checkpoint(server_args.model_path)
+        require_method(info, "tidar")
+        self.mask_token_id = int(info.mask_token_id)
+        self.logits_shift = bool(info.logits_shift)
+        self.num_drafts = self.width - 1  # n
+        self.num_masks = branch_size(self.num_drafts, self.logits_shift)  # K'
+        new_mask, offsets = verify_step_layout(self.num_drafts, self.num_masks, self.device)
+        self._new_mask = new_mask  # [T, T] among the step's tokens
+        self._offsets = offsets  # [T] positions minus C
+        self.tokens_per_req = int(offsets.numel())  # T = (n + 1)(1 + K')
+        self._draft_rows = draft_rows(self.num_drafts, self.num_masks,
+                                      self.logits_shift).to(self.device)  # [n + 1, n]
+        config = self.model_runner.model.config
+        # positions past the model's range (branches near its end) are clamped to its last
+        max_len = getattr(config, "max_position_embeddings", None)
+        self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
+        self._vocab = int(config.vocab_size)
+        logger.info("diffspec TIDAR: %d drafts per step, branches of %d masks (%s logits), "
+                    "%d tokens per request and step", self.num_drafts, self.num_masks,
+                    "shifted" if self.logits_shift else "unshifted", self.tokens_per_req)
+
+    @property
+    def _torch_native(self) -> bool:
+        """SGLang's torch-native attention backend (the CPU path; no custom-mask path):
+        decode steps then run :class:`MaskedAttention` (SGLang builds the backend after
+        the worker, so this is asked per step)."""
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        return isinstance(self.model_runner.attn_backend, TorchNativeAttnBackend)
+
+    @property
+    def draft_worker(self):
+        return None  # one forward on the target model and its KV pool
+
+    def clear_cache_pool(self) -> None:
+        pass  # no private state outside SGLang's pools
+
+    def __getattr__(self, name: str):
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    # ---------------------------------------------------------------------- scheduler API
+
+    def forward_batch_generation(
+        self, batch, on_publish=None, **_: object
+    ) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify():
+            self._check_batch(batch)
+            return self._prefill(batch, on_publish)
+        if batch.forward_mode.is_decode():
+            self._check_batch(batch)
+            return self._decode(batch, on_publish)
+        raise RuntimeError(f"tidar: unexpected batch mode {batch.forward_mode} "
+                           f"(idle and mixed batches are not supported)")
+
+    def _check_batch(self, batch) -> None:
+        info = batch.sampling_info
+        if info is not None and info.need_min_p_sampling:
+            raise NotImplementedError("TIDAR does not support min_p sampling")
+        if batch.return_logprob:
+            raise NotImplementedError("TIDAR does not return logprobs")
+        if batch.has_grammar:
+            raise NotImplementedError("TIDAR does not support grammars")
+
+    # ---------------------------------------------------------------------------- prefill
+
+    @torch.inference_mode()
+    def _prefill(self, batch, on_publish) -> GenerationBatchResult:
+        bs, k, n = len(batch.reqs), self.num_masks, self.num_drafts
+        prefix_lens = [int(x) for x in batch.prefix_lens]  # cached prompt tokens
+        extend_lens = [int(x) for x in batch.extend_lens]  # prompt tokens in this forward
+        num_prompt = sum(extend_lens)
+        masks = torch.full((bs * k,), self.mask_token_id, dtype=batch.input_ids.dtype,
+                           device=self.device)
+        # the masks' K/V are written to the pool's padding slot 0 (dummy writes)
+        dummy = torch.zeros(bs * k, dtype=batch.out_cache_loc.dtype, device=self.device)
+        saved = batch.input_ids, batch.out_cache_loc
+        batch.input_ids = torch.cat([batch.input_ids, masks])  # [E + bs * K']
+        batch.out_cache_loc = torch.cat([batch.out_cache_loc, dummy])
+        try:
+            forward_batch = ForwardBatch.init_new(
+                batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.FULL,
+                return_hidden_states_before_norm=False)
+        finally:
+            batch.input_ids, batch.out_cache_loc = saved
+
+        # layout: request b's prompt rows, then its K' mask rows at the end of the forward
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
+        rows, slots, masks_b, mask_positions = [], [], [], []
+        start = 0
+        for b, (row, prefix, ext) in enumerate(zip(batch.req_pool_indices.tolist(),
+                                                   prefix_lens, extend_lens)):
+            mask, positions = prefill_branch_layout(prefix, ext, k, self.device)
+            rows.append(torch.cat([
+                torch.arange(start, start + ext, device=self.device),
+                torch.arange(num_prompt + b * k, num_prompt + (b + 1) * k, device=self.device)]))
+            slots.append(req_to_token[row, :prefix].to(torch.int64))
+            masks_b.append(mask)  # [E_b + K', prefix_b + E_b + K']
+            mask_positions.append(positions[ext:])  # [K'] L_b .. L_b + K' - 1
+            start += ext
+        positions = forward_batch.positions
+        forward_batch.positions = torch.cat([
+            positions, torch.cat(mask_positions).clamp(max=self._max_position).to(positions.dtype)])
+        layout = MaskedLayout(rows, slots, masks_b)
+
+        attention = MaskedAttention(self.model_runner.attn_backend, layout)
+        with forward_context(ForwardContext(attn_backend=attention)):
+            result = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch)
+        hidden = result.logits_output.hidden_states  # [E + bs * K', hidden]
+        result.logits_output.hidden_states = None
+        branch = hidden[num_prompt:].view(bs, k, -1)  # [bs, K', hidden] branch 0
+        skip = 0 if self.logits_shift else 1
+        drafts = self._logits(branch[:, skip: skip + n]).argmax(dim=-1)  # [bs, n]
+
+        result.next_draft_input = TiDARDraftInput(
+            bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
+            drafts=drafts, new_seq_lens=batch.seq_lens)
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    # ----------------------------------------------------------------------------- decode
+
+    @torch.inference_mode()
+    def _decode(self, batch, on_publish) -> GenerationBatchResult:
+        state: TiDARDraftInput = batch.spec_info
+        bs, n, t, w = len(batch.reqs), self.num_drafts, self.tokens_per_req, self.width
+        committed = batch.seq_lens.to(torch.int64)  # [bs] C
+        anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
+        drafts = state.drafts.to(torch.int64)  # [bs, n]
+
+        # the step: [anchor, d_1 .. d_n, branch 0 .. branch n of K' masks]
+        masks = torch.full((bs, t - n - 1), self.mask_token_id, dtype=torch.int64,
+                           device=self.device)
+        input_ids = torch.cat([anchors[:, None], drafts, masks], dim=1)  # [bs, T]
+        positions = committed[:, None] + self._offsets[None]  # [bs, T]
+        slots = self._step_slots(batch, committed)  # [bs, T]
+
+        logits = self._forward_step(batch, input_ids, positions, slots, committed)  # [bs, T, V]
+
+        # accept on the verify rows (the AR logits of [anchor, d_1 .. d_n])
+        accepted = _accept(drafts, logits[:, : n + 1], batch.sampling_info)
+        accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
+        out = accepted.output_token_ids  # [bs, n + 1]: emitted tokens, then -1
+        new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
+        bonus = out.gather(1, accepted.num_accepted[:, None]).reshape(-1)  # [bs] next anchor
+
+        # next drafts: branch a pre-drafted exactly this outcome
+        branch_rows = self._draft_rows[accepted.num_accepted]  # [bs, n]
+        batch_index = torch.arange(bs, device=self.device)[:, None]  # [bs, 1]
+        next_drafts = logits[batch_index, branch_rows].argmax(dim=-1)  # [bs, n]
+
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=out.clamp(min=0).reshape(-1),
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=TiDARDraftInput(bonus_tokens=bonus, drafts=next_drafts,
+                                             new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=w,
+            speculative_output_stride=w,
+            num_non_draft_tokens_per_req=1,
+        )
+
+    def _step_slots(self, batch, committed: torch.Tensor) -> torch.Tensor:  # [bs, T]
+        """KV-pool slots the step's tokens write to. The verify tokens: the slots
+        ``req_to_token`` maps their positions ``C .. C + n`` to (the window SGLang reserved
+        past the committed length). The branch tokens: on the torch-native path the
+        pool's padding slot 0 (dummy writes; :class:`MaskedAttention` reads the step's K/V
+        from the forward itself), on the GPU backends the rest of the window, columns
+        ``C + n + 1 .. C + T - 1`` (their kernels read the step's K/V from the pool)."""
+        from sglang.srt.runtime_context import max_speculative_num_draft_tokens
+
+        bs, t, n = committed.numel(), self.tokens_per_req, self.num_drafts
+        window = n + 1 if self._torch_native else t
+        reserved = max_speculative_num_draft_tokens() or 0
+        if reserved < window:
+            raise RuntimeError(
+                f"TIDAR: SGLang reserves {reserved} KV slots per request and step, the step "
+                f"writes {window} ({type(self.model_runner.attn_backend).__name__}); the "
+                f"--attention-backend seen at launch differs from the one running")
+        rows = batch.req_pool_indices.to(torch.int64)  # [bs]
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
+        columns = committed[:, None] + torch.arange(window, device=self.device)[None]
+        slots = req_to_token[rows[:, None], columns].to(torch.int64)  # [bs, window]
+        if window < t:
+            slots = torch.cat([slots, slots.new_zeros(bs, t - window)], dim=1)
+        return slots
+
+    def _forward_step(
+        self,
+        batch,
+        input_ids: torch.Tensor,  # [bs, T]
+        positions: torch.Tensor,  # [bs, T]
+        slots: torch.Tensor,  # [bs, T] KV-pool slots the step writes (_step_slots)
+        committed: torch.Tensor,  # [bs] C
+    ) -> torch.Tensor:  # [bs, T, vocab] fp32 logits
+        bs, t = input_ids.shape
+        positions = positions.clamp(max=self._max_position)
+        state = batch.spec_info
+        custom_mask = None
+        if not self._torch_native:  # SGLang's layout: per request [T, C + T], flattened
+            custom_mask = torch.cat([
+                torch.cat([torch.ones(t, c, dtype=torch.bool, device=self.device),
+                           self._new_mask], dim=1).reshape(-1)
+                for c in committed.tolist()])
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = input_ids.reshape(-1)
+        batch.out_cache_loc = slots.reshape(-1)
+        batch.spec_info = NgramVerifyInput(
+            custom_mask=custom_mask, positions=positions.reshape(-1), draft_token_num=t,
+            new_seq_lens=batch.seq_lens)
+        try:
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner,
+                                                  return_hidden_states_before_norm=False)
+        finally:
+            batch.forward_mode = ForwardMode.DECODE
+            batch.spec_info = state
+        if self._torch_native:
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            layout = MaskedLayout(
+                query_rows=[torch.arange(b * t, (b + 1) * t, device=self.device)
+                            for b in range(bs)],
+                prefix_slots=[req_to_token[r, :c].to(torch.int64) for r, c in
+                              zip(batch.req_pool_indices.tolist(), committed.tolist())],
+                masks=[torch.cat([torch.ones(t, c, dtype=torch.bool, device=self.device),
+                                  self._new_mask], dim=1) for c in committed.tolist()])
+            attention = MaskedAttention(self.model_runner.attn_backend, layout)
+            with forward_context(ForwardContext(attn_backend=attention)):
+                result = self._target_worker.forward_batch_generation(
+                    batch=None, forward_batch=forward_batch, is_verify=True)
+        else:
+            result = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)
+        logits = result.logits_output.next_token_logits  # [bs * T, padded vocab]
+        return logits[:, : self._vocab].float().view(bs, t, self._vocab)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
+        """The LM head on final hidden states (the model's logits processor computes the
+        prompt's last row only; the branch rows come from the captured hidden states)."""
+        weight = self.model_runner.model.lm_head.weight  # [padded vocab, hidden]
+        logits = torch.matmul(hidden.to(weight.dtype), weight.t())  # [..., padded vocab]
+        return logits[..., : self._vocab].float()

@@ -1,0 +1,349 @@
+"""vLLM drafter for TiDAR and NLD quadratic self-speculation: draft and verify in **one
+forward per step**, on the target model's own layers, paged KV cache and attention backend.
+
+A step's forward is vLLM's verify forward of ``[t_0 = anchor, d_1 .. d_n]`` (positions
+``P .. P + n``, causal, the runner's own attention metadata) extended by one **branch** per
+acceptance outcome ``a = 0 .. n``: ``K`` mask tokens at positions ``P + a + 1 .. P + a + K``
+that see the prefix, ``t_0 .. t_a`` and their own branch (the layout of
+:mod:`diffspec.spec_workers.reference.tidar`). The runner calls
+:meth:`TiDARProposer.forward_with_runner` in place of the model's forward (patch
+``runner_forward``); it runs the model's decoder layers eagerly over the verify tokens and
+the branch tokens together (same embeddings, norms, projections, rotary, MLPs), and only the
+attention call of each layer is split (:class:`_QuadraticAttention`):
+
+1. the verify tokens go through the layer's own ``Attention`` under the runner's metadata:
+   their K/V land in the slots of ``P .. P + n``, as in any speculative verify;
+2. branch ``a`` (for every request at once, ``a = n .. 0``) goes through the same
+   ``Attention`` under **non-causal** metadata built by the target's backend: a query block
+   at positions ``P + a + 1 ..`` over the request's paged K/V of ``0 .. P + a`` and itself.
+   Its K/V are written to the slots of its own positions, which hold the verify K/V of
+   ``d_{a+1} ..`` (already used by step 1) or nothing yet (the lookahead slots the
+   scheduler reserves, patch ``lookahead_slots``). Going from the last branch to the first,
+   no branch overwrites K/V a later one reads;
+3. the verify K/V of ``d_1 .. d_n`` are written back to their slots, so after the forward
+   the cache holds exactly what a plain verify leaves (committed K/V untouched, never a
+   branch's K/V below the committed length, nothing prefix-cached past it).
+
+The runner then verifies with vLLM's ``RejectionSampler`` (point-mass drafts: lossless at
+any temperature) and commits by ``num_computed_tokens``; :meth:`propose_with_runner` takes
+the next drafts from branch ``a`` = the number of drafts accepted: the argmax of its logits
+(``logits_shift``: a mask at ``p`` predicts ``p + 1``; otherwise its own token, so the first
+mask, on the bonus token's position, is not a draft). A prefill's last chunk gets branch 0
+after the prompt, as the reference's bootstrap step does, so the engine drafts the blocks the
+reference drafts and counts the same forwards.
+
+Rules shared with the reference: ``K = min(num_speculative_tokens + (1 - shift),
+max_model_len - 1 - (P + n))`` masks per branch (and never past the slots the request holds);
+the drafts of the next step are ``min(num_speculative_tokens, max_tokens left - 1, K - (1 -
+shift))``. Cost: ``n + 1`` extra attention calls per layer (one per branch index, batched over
+requests), each over the request's context, which is TiDAR's quadratic draft work.
+
+Why this split and not another of vLLM's attention paths: ``TREE_ATTN`` verifies a draft
+*tree* with its own Triton kernel (GPU only, a fixed tree per server) and cannot give a
+branch the bidirectional block TiDAR trains; ``FLEX_ATTENTION`` could take the structured
+mask as a ``mask_mod`` but is one backend among many and compiles a block mask per batch
+shape. The split needs only what every backend diffspec already relies on for Orthrus
+(non-causal query blocks over the paged cache: ``CPU_ATTN``, ``FLASH_ATTN``), so the CPU
+path tested here is the GPU path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import islice
+
+import numpy as np
+import torch
+from torch import nn
+
+from diffspec.spec_workers.vllm.self_spec import NonCausalBlocks, _on, non_causal_blocks
+
+__all__ = ["BranchPlan", "TiDARProposer", "next_draft_count", "plan_branches"]
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    """One request's branches this step: ``num_drafts + 1`` branches of ``num_masks``."""
+
+    row: int  # the request's row in the runner's input batch
+    anchor: int  # position P of t_0, the first token of this step's verify chain
+    num_drafts: int  # n: drafts verified this step
+    num_masks: int  # K: mask tokens per branch
+
+
+def plan_branches(
+    num_scheduled: list[int],  # [num_reqs] tokens the runner forwards per request
+    num_spec: list[int],  # [num_reqs] of those, drafts being verified
+    num_computed: list[int],  # [num_reqs] tokens whose K/V are cached before this step
+    num_tokens: list[int],  # [num_reqs] prompt + output tokens (no drafts)
+    num_left: list[int | None],  # [num_reqs] max_tokens - output tokens (None: no limit)
+    num_slots: list[int],  # [num_reqs] KV slots allocated to the request
+    max_drafts: int,
+    logits_shift: bool,
+    max_model_len: int,
+) -> list[BranchPlan]:
+    """The branches to pre-draft this step: for every request that samples a token (a
+    decode, or a prefill's last chunk) and may still take a draft after it."""
+    skip = 0 if logits_shift else 1
+    plans = []
+    for row, q in enumerate(num_scheduled):
+        n = num_spec[row]
+        if q == 0 or num_computed[row] + q - n < num_tokens[row]:
+            continue  # not scheduled, or a prefill chunk that samples nothing
+        if num_left[row] is not None and num_left[row] < 3:
+            continue  # this step emits >= 1 token; no room for the next draft after it
+        anchor = num_computed[row] + q - 1 - n
+        k = min(max_drafts + skip, max_model_len - 1 - (anchor + n),
+                num_slots[row] - 1 - (anchor + n))
+        if k - skip >= 1:
+            plans.append(BranchPlan(row, anchor, n, k))
+    return plans
+
+
+def next_draft_count(plan: BranchPlan, committed: int, num_left: int | None, num_slots: int,
+                     max_drafts: int, logits_shift: bool, max_model_len: int) -> int:
+    """Drafts to propose from ``plan``'s accepted branch, once ``committed`` tokens (prompt
+    + output) are committed: never past ``max_tokens``, the context or the request's slots."""
+    n = min(max_drafts, plan.num_masks - (0 if logits_shift else 1),
+            max_model_len - committed, num_slots - committed)
+    if num_left is not None:
+        n = min(n, num_left - 1)
+    return max(n, 0)
+
+
+@dataclass
+class _Branches:
+    """This step's branch tokens, laid out branch index by branch index (``a`` = 0, 1 ..;
+    within one ``a``, request by request), and the attention metadata of each index."""
+
+    plans: list[BranchPlan]
+    input_ids: torch.Tensor  # [B] mask token ids
+    positions: torch.Tensor  # [B]
+    steps: list[tuple[slice, NonCausalBlocks]]  # per branch index a, descending
+    offsets: dict[tuple[int, int], int]  # (row, a) -> first branch token of that branch
+    restore_index: torch.Tensor | None  # [R] verify tokens d_1 .. d_n (runner's layout)
+
+
+class TiDARProposer:
+    """The drafter vLLM's ``custom_class`` hook instantiates for method ``tidar``: its
+    :meth:`forward_with_runner` replaces the verify forward, its
+    :meth:`propose_with_runner` reads the accepted branch."""
+
+    method = "tidar"
+
+    def __init__(self, vllm_config) -> None:
+        hf_config = vllm_config.model_config.hf_config
+        self.vllm_config = vllm_config
+        self.num_speculative_tokens: int = vllm_config.speculative_config.num_speculative_tokens
+        self.mask_token_id = int(hf_config.mask_token_id)
+        self.logits_shift = getattr(hf_config, "dlm_type", None) == "dream"
+        self.max_model_len: int = vllm_config.model_config.max_model_len
+        self.num_forwards = 0  # forwards run by forward_with_runner (one per step)
+        self._branches: _Branches | None = None
+        self._branch_hidden: torch.Tensor | None = None  # [B, hidden]
+
+    def load_model(self, model) -> None:
+        """Called by the runner with the target model: check it has the layers this
+        drafter runs (a decoder-only model whose layers take ``(positions, hidden,
+        residual)`` and hold ``self_attn.attn``)."""
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or not hasattr(inner, "embed_input_ids") or not all(
+                hasattr(getattr(layer, "self_attn", None), "attn")
+                for layer in islice(layers, inner.start_layer, inner.end_layer)):
+            raise TypeError(f"method 'tidar' runs a decoder-only model whose layers hold "
+                            f"self_attn.attn; {type(model).__name__} is not one (check "
+                            f"config.json architectures)")
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError("method 'tidar' drafts through diffspec's runner patches, which "
+                           "are not applied: is the diffspec vLLM plugin loaded (VLLM_PLUGINS)?")
+
+    # ---------------------------------------------------------------- the forward
+
+    def forward_with_runner(self, runner, fallback: Callable[[], torch.Tensor], input_ids,
+                            positions, intermediate_tensors=None, inputs_embeds=None,
+                            **model_kwargs) -> torch.Tensor:
+        """The step's one forward: the runner's tokens (returned hidden states, as the
+        model's forward returns them) plus this step's branches (kept for
+        :meth:`propose_with_runner`)."""
+        self._branches = self._branch_hidden = None
+        plans = self._plan(runner)
+        if not plans or input_ids is None or intermediate_tensors is not None:
+            return fallback()
+        self.num_forwards += 1
+        model = runner.get_model()
+        num_verify = input_ids.shape[0]
+        branches = self._build_branches(runner, plans, num_verify)
+        ids = torch.cat([input_ids, branches.input_ids])  # [T + B]
+        pos = torch.cat([positions[:num_verify], branches.positions])  # [T + B]
+        with _quadratic_attention(model, num_verify, branches):
+            hidden = _decoder_forward(model.model, ids, pos)  # [T + B, hidden]
+        self._branches, self._branch_hidden = branches, hidden[num_verify:]
+        return hidden[:num_verify]
+
+    def _plan(self, runner) -> list[BranchPlan]:
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        query_start = runner.query_start_loc.np[:num_reqs + 1]
+        table = batch.block_table[0]
+        return plan_branches(
+            np.diff(query_start).tolist(),
+            [len(batch.spec_token_ids[i]) for i in range(num_reqs)],
+            batch.num_computed_tokens_cpu[:num_reqs].tolist(),
+            batch.num_tokens_no_spec[:num_reqs].tolist(),
+            _num_left(runner),
+            (table.num_blocks_per_row[:num_reqs] * table.block_size).tolist(),
+            self.num_speculative_tokens, self.logits_shift, self.max_model_len)
+
+    def _build_branches(self, runner, plans: list[BranchPlan], num_verify: int) -> _Branches:
+        pos, steps, offsets = [], [], {}
+        total = 0
+        for a in range(max(p.num_drafts for p in plans) + 1):
+            group = [p for p in plans if p.num_drafts >= a]
+            lengths = np.array([p.num_masks for p in group], dtype=np.int32)
+            blocks = non_causal_blocks(runner, [p.row for p in group],
+                                       [p.anchor + a + 1 for p in group], lengths, self.method)
+            for p, start in zip(group, blocks.query_start[:-1]):
+                offsets[(p.row, a)] = total + int(start)
+            steps.append((slice(total, total + blocks.num_tokens), blocks))
+            pos.append(blocks.positions)
+            total += blocks.num_tokens
+        query_start = runner.query_start_loc.np
+        restore = np.concatenate([np.arange(query_start[p.row + 1] - p.num_drafts,
+                                            query_start[p.row + 1]) for p in plans])
+        return _Branches(
+            plans=plans,
+            input_ids=torch.full((total,), self.mask_token_id, dtype=torch.long,
+                                 device=runner.device),
+            positions=torch.cat(pos),
+            steps=steps[::-1],
+            offsets=offsets,
+            restore_index=_on(runner, restore.astype(np.int64)) if len(restore) else None,
+        )
+
+    # ---------------------------------------------------------------- the drafts
+
+    @torch.inference_mode()
+    def propose_with_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """Draft token ids ``[num_reqs][k_i]``: the argmax of the branch each request's
+        acceptance selected."""
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        branches, hidden = self._branches, self._branch_hidden
+        self._branches = self._branch_hidden = None
+        if branches is None:
+            return drafts
+        batch = runner.input_batch
+        table = batch.block_table[0]
+        num_left = _num_left(runner)
+        skip = 0 if self.logits_shift else 1
+        rows, counts, index = [], [], []
+        for plan in branches.plans:
+            emitted = sampled_token_ids[plan.row]
+            if not emitted:
+                continue
+            a = len(emitted) - 1  # drafts accepted: this branch pre-drafted the outcome
+            count = next_draft_count(
+                plan, int(batch.num_tokens_no_spec[plan.row]), num_left[plan.row],
+                int(table.num_blocks_per_row[plan.row]) * table.block_size,
+                self.num_speculative_tokens, self.logits_shift, self.max_model_len)
+            if count > 0:
+                start = branches.offsets[(plan.row, a)] + skip
+                rows.append(plan.row)
+                counts.append(count)
+                index.extend(range(start, start + count))
+        if not index:
+            return drafts
+        model = runner.get_model()
+        logits = model.compute_logits(hidden[_on(runner, np.asarray(index, dtype=np.int64))])
+        if logits is None:  # a TP rank that does not hold the gathered logits
+            return drafts
+        tokens = logits.argmax(dim=-1).tolist()  # [sum k]
+        for row, end, count in zip(rows, np.cumsum(counts), counts):
+            drafts[row] = tokens[end - count:end]
+        return drafts
+
+
+def _num_left(runner) -> list[int | None]:
+    """``max_tokens`` minus the tokens emitted so far, per request row."""
+    out = []
+    for req_id in runner.input_batch.req_ids:
+        state = runner.requests[req_id]
+        max_tokens = getattr(state.sampling_params, "max_tokens", None)
+        out.append(None if max_tokens is None else max_tokens - len(state.output_token_ids))
+    return out
+
+
+def _decoder_forward(
+    inner: nn.Module,  # vLLM's *Model (Qwen3Model, LlamaModel, ...)
+    input_ids: torch.Tensor,  # [N]
+    positions: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [N, hidden]
+    """The model's own layers, eagerly (bypassing the compiled ``forward``)."""
+    hidden = inner.embed_input_ids(input_ids)
+    residual = None
+    for layer in islice(inner.layers, inner.start_layer, inner.end_layer):
+        hidden, residual = layer(positions, hidden, residual)
+    hidden, _ = inner.norm(hidden, residual)
+    return hidden
+
+
+@contextmanager
+def _quadratic_attention(model: nn.Module, num_verify: int, branches: _Branches):
+    """Swap every layer's ``Attention`` for a :class:`_QuadraticAttention` around it."""
+    inner = model.model
+    attns = [layer.self_attn for layer in islice(inner.layers, inner.start_layer,
+                                                 inner.end_layer)]
+    originals = [a.attn for a in attns]
+    try:
+        for holder, attn in zip(attns, originals):
+            holder.attn = _QuadraticAttention(attn, num_verify, branches)
+        yield
+    finally:
+        for holder, attn in zip(attns, originals):
+            holder.attn = attn
+
+
+class _QuadraticAttention(nn.Module):
+    """One layer's attention over the verify tokens then the branches (module docstring)."""
+
+    def __init__(self, attn: nn.Module, num_verify: int, branches: _Branches) -> None:
+        super().__init__()
+        object.__setattr__(self, "attn", attn)  # not a submodule: the layer still owns it
+        self.num_verify = num_verify
+        self.branches = branches
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T + B, heads * head_dim]
+        key: torch.Tensor,  # [T + B, kv_heads * head_dim]
+        value: torch.Tensor,  # [T + B, kv_heads * head_dim]
+        **kwargs,
+    ) -> torch.Tensor:  # [T + B, heads * head_dim]
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+
+        attn, t = self.attn, self.num_verify
+        out = torch.empty((query.shape[0], attn.num_heads * attn.head_size_v),
+                          dtype=query.dtype, device=query.device)
+        out[:t] = attn(query[:t], key[:t], value[:t])  # the runner's causal verify
+        context = get_forward_context()
+        name = attn.layer_name
+        metadata, slots = context.attn_metadata[name], context.slot_mapping[name]
+        try:
+            for part, blocks in self.branches.steps:  # a = n .. 0
+                context.attn_metadata[name] = blocks.attn_metadata[name]
+                context.slot_mapping[name] = blocks.slot_mapping
+                b = slice(t + part.start, t + part.stop)
+                out[b] = attn(query[b], key[b], value[b])
+            index = self.branches.restore_index
+            if index is not None:  # the branches overwrote d_1 .. d_n: write them back
+                context.slot_mapping[name] = slots[index]
+                unified_kv_cache_update(key[index].view(-1, attn.num_kv_heads, attn.head_size),
+                                        value[index].view(-1, attn.num_kv_heads,
+                                                          attn.head_size_v), name)
+        finally:
+            context.attn_metadata[name], context.slot_mapping[name] = metadata, slots
+        return out

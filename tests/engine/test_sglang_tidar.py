@@ -1,0 +1,369 @@
+"""Engine tier: TiDAR / NLD quadratic self-speculation (``--speculative-algorithm TIDAR``)
+served by a real SGLang 0.5.23 on its CPU path (fp32, torch-native attention).
+
+One ``sglang_generate.py`` subprocess runs every engine of this module one after the other
+(the trained tiny TiDAR ``synth-tidar`` under AR and ``TIDAR``, a tiny random NLD checkpoint
+in its real layout under AR and ``TIDAR``) and builds server arguments that must fail. The
+checks:
+
+* greedy, one batch of mixed-length prompts, ``max_new_tokens`` ending mid-block, an EOS
+  inside a block: ``TIDAR`` output equals SGLang's own AR output token for token
+  (continuous batching: requests join and leave the running batch at different steps);
+* radix cache: a request whose prompt extends an earlier one by 90 of its generated tokens
+  hits the cache over K/V that quadratic steps committed, and still decodes as AR;
+* acceptance: each request's accepted drafts per step equal the reference decoder's
+  (:func:`diffspec.spec_workers.reference.tidar.tidar_generate`) on the same checkpoint;
+* one forward per step: SGLang's model forwards, counted inside its scheduler process, are
+  one prefill (fused with the bootstrap branch) plus one ``TARGET_VERIFY`` per step, the
+  reference's ``num_forwards``; several tokens come out of each forward;
+* sampled requests follow the AR distribution (chi-square, like SGLang's own sampler);
+* clear errors at server-argument time; ``avg_spec_accept_length`` in the server info.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffspec.assets import SYNTH_TIDAR_DIR
+from tests.engine.conftest import require_sglang
+from tests.engine.sglang_generate import RESULT_PREFIX
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+SYNTH_WIDTH = 9  # synth-tidar: block_size 8, shifted drafts -> anchor + 8 drafts (default)
+NLD_WIDTH = 8  # the tiny NLD (block_size 32, unshifted): anchor + 7 drafts, 8 masks a branch
+SPEC = {"speculative_algorithm": "TIDAR", "decode_log_interval": 1, "max_total_tokens": 32768}
+NLD_SPEC = {**SPEC, "speculative_num_draft_tokens": NLD_WIDTH}
+# Sampling at temperature 1 after a complete phrase: the next phrase is the successor
+# (~70%), an end of document (~14%, then a chat turn ~3% or a plain document) or another
+# phrase, each of which then runs deterministically: the drafts (the successor) are
+# accepted and rejected, and three tokens give three chi-square cells (the successor, the
+# chat turn, the rest pooled).
+# Sampling on the trained model: 4 tokens after a one-token prompt at T = 0.3, top-p 0.9 put
+# about 70% of the mass on ~20 sequences (enough per chi-square cell), and its drafts are
+# accepted at some steps and rejected at others.
+TEMPERATURE, TOP_P, NUM_SAMPLES, SAMPLED_TOKENS = 0.3, 0.9, 300, 4
+SINGLES = ("single_0", "single_1")  # requests served alone: forwards per step
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def _synth_prompts() -> list[list[int]]:
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+
+    tokenizer = build_tokenizer()
+    prompts = [tokenizer(p).input_ids for p in sample_prompts(6, seed=1234)]
+    lengths = (2, 9, 17, None, 25, None)  # mixed lengths: some prompts cut short
+    return [p[:n] for p, n in zip(prompts, lengths)]
+
+
+def _greedy_requests() -> list[dict]:
+    max_tokens = (20, 45, 7, 50, 33, 61)  # none a multiple of the 9-token step
+    return [{"input_ids": p, "max_new_tokens": m} for p, m in zip(_synth_prompts(), max_tokens)]
+
+
+def _nld_requests() -> list[dict]:
+    rng = np.random.default_rng(7)
+    lengths, max_tokens = (3, 9, 17, 70, 40), (20, 45, 7, 50, 33)
+    return [{"input_ids": rng.integers(20, 250, n).tolist(), "max_new_tokens": m}
+            for n, m in zip(lengths, max_tokens)]
+
+
+def _sampling_prompt() -> list[int]:
+    return [31]
+
+
+def _sampled_requests() -> list[dict]:
+    return [{"input_ids": _sampling_prompt(), "max_new_tokens": SAMPLED_TOKENS,
+             "temperature": TEMPERATURE, "top_p": TOP_P, "ignore_eos": True}
+            for _ in range(NUM_SAMPLES)]
+
+
+def _ar_tokens(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    return ar_generate(load_quadratic(path).lm, [Request(prompt, max_tokens)])[0].token_ids
+
+
+def _set_eos_inside_a_block(path: Path) -> int:
+    """Make a token the AR model emits mid-generation an EOS of the checkpoint
+    (generation_config.json), so a greedy request stops inside a step."""
+    request = _greedy_requests()[1]
+    out = _ar_tokens(path, request["input_ids"], request["max_new_tokens"])
+    k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
+    config_file = path / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    eos = config["eos_token_id"]
+    config["eos_token_id"] = [out[k], *(eos if isinstance(eos, list) else [eos])]
+    config_file.write_text(json.dumps(config))
+    return out[k]
+
+
+def _near_context_end_requests() -> list[dict]:
+    """A request that ends 7 tokens before synth-tidar's 512-token context: its last
+    steps' branches reach past the context (their positions are clamped there)."""
+    prompt = _synth_prompts()[3]
+    return [{"input_ids": prompt, "max_new_tokens": 505 - len(prompt), "ignore_eos": True}]
+
+
+def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
+    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
+    prompt plus 90 of those tokens, so its cached prefix is mostly K/V of generated
+    tokens, committed by quadratic steps."""
+    prompt = _synth_prompts()[3]
+    out = _ar_tokens(path, prompt, 90)
+    seed = [{"input_ids": prompt, "max_new_tokens": 100, "ignore_eos": True}]
+    reuse = [{"input_ids": prompt + out, "max_new_tokens": 20, "ignore_eos": True}]
+    return seed, reuse
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
+
+    root = tmp_path_factory.mktemp("sglang_tidar_ckpts")
+    synth = root / "synth-tidar"
+    shutil.copytree(SYNTH_TIDAR_DIR, synth)
+    _set_eos_inside_a_block(synth)
+    return {"synth": synth, "nld": write_nld(root / "nld"),
+            "orthrus": write_orthrus(root / "orthrus"), "qwen3": write_qwen3(root / "qwen3")}
+
+
+def _run_script(job: dict, tmp: Path, timeout: int = 1800) -> dict:
+    from tests.engine.sglang_cpu import sglang_cpu_env
+
+    python = require_sglang()
+    job_file = tmp / "job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run([python, str(HERE / "sglang_generate.py"), str(job_file)],
+                          capture_output=True, text=True, timeout=timeout, check=False,
+                          env=sglang_cpu_env(python), start_new_session=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every offline engine run of this module, in one subprocess."""
+    require_sglang()
+    prefix_seed, prefix_reuse = _prefix_requests(ckpts["synth"])
+    greedy = _greedy_requests()
+    batches = {"greedy": greedy, "prefix_seed": prefix_seed, "prefix_reuse": prefix_reuse,
+               "sampled": _sampled_requests(), SINGLES[0]: [greedy[3]],
+               SINGLES[1]: [greedy[5]], "near_context_end": _near_context_end_requests()}
+    synth, nld = str(ckpts["synth"]), str(ckpts["nld"])
+    job = {
+        "runs": [
+            {"name": "synth_ar", "model": synth, "batches": batches, "count_forwards": True},
+            {"name": "synth_spec", "model": synth, "engine": SPEC, "batches": batches,
+             "count_forwards": True},
+            {"name": "nld_ar", "model": nld, "batches": {"greedy": _nld_requests()}},
+            {"name": "nld_spec", "model": nld, "engine": NLD_SPEC,
+             "batches": {"greedy": _nld_requests()}},
+        ],
+        "config_errors": {
+            "too_many_drafts": {"model": synth, "server_args": {
+                **SPEC, "speculative_num_draft_tokens": SYNTH_WIDTH + 1}},
+            "nld_too_many_drafts": {"model": nld, "server_args": {
+                **SPEC, "speculative_num_draft_tokens": 33}},
+            "wrong_family": {"model": str(ckpts["orthrus"]), "server_args": SPEC},
+            "plain_qwen3": {"model": str(ckpts["qwen3"]), "server_args": SPEC},
+            "draft_model": {"model": synth, "server_args": {
+                **SPEC, "speculative_draft_model_path": nld}},
+            "tensor_parallel": {"model": synth, "server_args": {**SPEC, "tp_size": 2}},
+            "eagle_topk": {"model": synth, "server_args": {**SPEC, "speculative_eagle_topk": 4}},
+        },
+    }
+    return _run_script(job, tmp_path_factory.mktemp("sglang_tidar"))
+
+
+# ------------------------------------------------------------------------------ lossless
+
+
+@pytest.mark.parametrize("family", ["synth", "nld"])
+def test_greedy_equals_sglang_ar(engine, family: str) -> None:
+    ar = engine["runs"][f"{family}_ar"]["greedy"]
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    if family == "synth":  # the batch really has both endings
+        assert set(ar["finish_reasons"]) == {"stop", "length"}
+    assert all(m["spec_verify_ct"] for m in spec["meta"])  # every request was speculated
+
+
+def test_radix_cache_reuse_of_quadratic_kv_equals_ar(engine) -> None:
+    """K/V committed by quadratic steps (the verify tokens; never a branch) is inserted into
+    the radix cache only up to the committed length: a request that hits it (prompt *and*
+    generated tokens) decodes exactly as under AR."""
+    for batch in ("prefix_seed", "prefix_reuse"):
+        ar = engine["runs"]["synth_ar"][batch]
+        assert engine["runs"]["synth_spec"][batch]["outputs"] == ar["outputs"], batch
+    seed = engine["runs"]["synth_spec"]["prefix_seed"]["meta"][0]
+    assert seed["spec_num_correct_drafts"] > 50  # the cached K/V came from accepted drafts
+    reuse = engine["runs"]["synth_spec"]["prefix_reuse"]["meta"][0]
+    # the prompt and the 90 generated tokens were committed by the seed request
+    assert reuse["cached_tokens"] >= 90
+
+
+def test_near_the_context_end_equals_ar(engine) -> None:
+    """Up to 7 tokens before the 512-token context: still SGLang's AR output."""
+    ar = engine["runs"]["synth_ar"]["near_context_end"]
+    spec = engine["runs"]["synth_spec"]["near_context_end"]
+    assert len(ar["outputs"][0]) == _near_context_end_requests()[0]["max_new_tokens"]
+    assert spec["outputs"] == ar["outputs"]
+
+
+# ------------------------------------------------------------------------------ acceptance
+
+
+def _reference(path: Path, width: int, prompt: list[int], max_tokens: int):
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.spec_workers.reference.decoder import Request
+    from diffspec.spec_workers.reference.tidar import tidar_generate
+
+    stop = inspect_checkpoint(path).eos_token_ids
+    return tidar_generate(load_quadratic(path), [Request(prompt, max_tokens, stop_token_ids=stop)],
+                          width - 1)[0]
+
+
+@pytest.mark.parametrize("family", ["synth", "nld"])
+def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str) -> None:
+    """The reference's first step (anchor + branch 0, one accepted token) is fused into
+    SGLang's prefill; from then on SGLang's steps are the reference's: the same drafts
+    and the same number of accepted drafts per step. SGLang reports a request's steps as a
+    histogram of accepted drafts, so they are compared as multisets. The reference runs
+    with a larger budget, so its last steps verify full blocks as SGLang's do (SGLang
+    cuts at ``max_new_tokens`` after accepting); for a request that stopped at an EOS, the
+    last step is left out (the reference counts its drafts only up to the EOS)."""
+    width = SYNTH_WIDTH if family == "synth" else NLD_WIDTH
+    requests = _greedy_requests() if family == "synth" else _nld_requests()
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    accepted_all = []
+    for request, out, meta, finish in zip(requests, spec["outputs"], spec["meta"],
+                                          spec["finish_reasons"]):
+        ref = _reference(ckpts[family], width, request["input_ids"],
+                         request["max_new_tokens"] + width)
+        assert ref.token_ids[: len(out)] == out
+        assert ref.accept_lengths[0] == 1  # the bootstrap step: the first token only
+        ref_steps = [a - 1 for a in ref.accept_lengths[1:]]
+        steps = meta["spec_verify_ct"]
+        sglang_steps = Counter({k: c for k, c in enumerate(meta["spec_correct_drafts_histogram"])
+                                if c})
+        assert sum(sglang_steps.values()) == steps
+        if finish == "length":
+            assert Counter(ref_steps[:steps]) == sglang_steps
+        else:
+            reference_steps = Counter(ref_steps[: steps - 1])
+            assert not reference_steps - sglang_steps, (reference_steps, sglang_steps)
+        accepted_all += [k for k, c in sglang_steps.items() for _ in range(c)]
+    if family == "synth":  # the trained branches really draft: long accepted runs
+        assert sum(accepted_all) / len(accepted_all) > 5
+
+
+def test_one_forward_per_step(engine, ckpts) -> None:
+    """A request served alone: SGLang runs one prefill forward (the prompt fused with
+    branch 0) and then exactly one ``TARGET_VERIFY`` forward per step, and no other pass
+    through the network (counted inside its scheduler process); that is the reference
+    decoder's ``num_forwards`` (bootstrap step included), and each forward yields several
+    tokens (plain AR: one)."""
+    requests = _greedy_requests()
+    for name, request in zip(SINGLES, (requests[3], requests[5])):
+        spec = engine["runs"]["synth_spec"][name]
+        ar = engine["runs"]["synth_ar"][name]
+        out = spec["outputs"][0]
+        assert out == ar["outputs"][0]
+        # the counter counts: AR is one forward (one pass through the network) per token
+        assert ar["forwards"] == {"EXTEND": 1, "DECODE": len(out) - 1, "EMBED": len(out)}
+        steps = spec["meta"][0]["spec_verify_ct"]
+        # no pass through the network outside these forwards (EMBED: every pass)
+        assert spec["forwards"] == {"EXTEND": 1, "TARGET_VERIFY": steps, "EMBED": 1 + steps}
+        ref = _reference(ckpts["synth"], SYNTH_WIDTH, request["input_ids"],
+                         request["max_new_tokens"])
+        assert ref.token_ids == out
+        assert ref.num_forwards == 1 + steps
+        assert len(out) / (1 + steps) > 4  # tokens per forward
+
+
+def _tokens_per_verify_step(metas: list[dict]) -> float:
+    from diffspec.serving import spec_decode_counters_from_sglang
+
+    counters = [spec_decode_counters_from_sglang(m) for m in metas]
+    steps = sum(c.drafts for c in counters)
+    assert steps > 0, "no verify step at all"
+    return 1 + sum(c.accepted for c in counters) / steps
+
+
+def test_avg_spec_accept_length_in_server_info(engine) -> None:
+    """``avg_spec_accept_length`` (what ``sglang.bench_serving`` reports) is the tokens per
+    verify step of every request the engine served, as the requests' own counters add up
+    (those are the reference decoder's). The trained synth-tidar accepts long runs."""
+    for run in ("synth_spec", "nld_spec"):
+        metas = [m for batch in engine["runs"][run].values() for m in batch["meta"]]
+        assert engine["server_info"][run]["avg_spec_accept_length"] == pytest.approx(
+            _tokens_per_verify_step(metas)), run
+    # the greedy batch (the sampled one, at T = 0.3, accepts less and dominates the total)
+    assert _tokens_per_verify_step(engine["runs"]["synth_spec"]["greedy"]["meta"]) > 4
+    assert engine["server_info"]["synth_ar"]["avg_spec_accept_length"] is None
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
+    """Sampled requests (temperature 0.3, top-p 0.9): SGLang's AR sampler and the quadratic worker's
+    rejection sampling both pass a chi-square goodness-of-fit test against the exact
+    sequence probabilities; the worker's drafts were both accepted and rejected."""
+    from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
+
+    runs = {name: engine["runs"][f"synth_{name}"]["sampled"] for name in ("ar", "spec")}
+    samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
+    assert all(len(s) == SAMPLED_TOKENS for seqs in samples.values() for s in seqs)
+    accepted = sum(m["spec_num_correct_drafts"] for m in runs["spec"]["meta"])
+    steps = sum(m["spec_verify_ct"] for m in runs["spec"]["meta"])
+    assert 0 < accepted < steps * (SYNTH_WIDTH - 1)  # drafts accepted and rejected
+    assert len(set(samples["spec"])) > 3  # really sampled
+
+    next_probs = lm_next_probs(load_quadratic(ckpts["synth"]).lm, _sampling_prompt(),
+                               TEMPERATURE, top_p=TOP_P)
+    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
+    for name, seqs in samples.items():
+        result = chi_square_test(seqs, probs, NUM_SAMPLES)
+        assert len(result.observed) >= 10, f"{name}: {result}"
+        assert result.pvalue > 1e-3, f"{name}: {result}"
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("too_many_drafts",
+         r"num-draft-tokens 10 is the anchor plus 9 drafts.*block_size=8 \(shifted.*at most 8 "),
+        ("nld_too_many_drafts",
+         r"anchor plus 32 drafts.*block_size=32 \(unshifted.*at most 31 tokens"),
+        ("wrong_family", r"method 'tidar' needs a checkpoint of family tidar or nld.*'orthrus'"),
+        ("plain_qwen3", r"method 'tidar' needs a checkpoint of family tidar or nld.*'qwen3'"),
+        ("draft_model", r"drafts with the served model itself"),
+        ("tensor_parallel", r"TIDAR supports --tp-size 1 only"),
+        ("eagle_topk", r"--speculative-eagle-topk must be 1"),
+    ],
+)
+def test_clear_errors(engine, case: str, match: str) -> None:
+    message = engine["config_errors"][case]
+    assert message is not None, f"{case}: the server arguments were accepted"
+    assert re.search(match, message, re.DOTALL), message

