@@ -44,6 +44,7 @@ from diffspec.testing.tokenizer import CHAT_TEMPLATE, build_word_tokenizer, save
 __all__ = [
     "LAYOUTS",
     "ORTHRUS_DIFF_NOISE",
+    "add_eos_token",
     "default_words",
     "tiny_checkpoint",
     "write_dream",
@@ -602,6 +603,18 @@ LAYOUTS: dict[str, Callable[..., Path]] = {
     "llama": write_llama,
     "llama_orthrus": write_llama_orthrus,
 }
+
+
+def add_eos_token(path: str | Path, token_id: int) -> None:
+    """Make ``token_id`` the first EOS of the checkpoint at ``path`` (its
+    ``generation_config.json``, which engines and the reference read), keeping the others:
+    tests use it to make a greedy request stop inside a draft block."""
+    config_file = Path(path) / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    eos = config.get("eos_token_id")
+    others = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    config["eos_token_id"] = [int(token_id), *others]
+    config_file.write_text(json.dumps(config))
 
 
 def tiny_checkpoint(layout: str, root: str | Path) -> Path:

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from diffspec.assets import SYNTH_TIDAR_DIR
+from diffspec.testing.checkpoints import add_eos_token
 from tests.engine.conftest import require_sglang
 from tests.engine.sglang_generate import RESULT_PREFIX
 
@@ -102,11 +103,7 @@ def _set_eos_inside_a_block(path: Path) -> int:
     request = _greedy_requests()[1]
     out = _ar_tokens(path, request["input_ids"], request["max_new_tokens"])
     k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
-    config_file = path / "generation_config.json"
-    config = json.loads(config_file.read_text())
-    eos = config["eos_token_id"]
-    config["eos_token_id"] = [out[k], *(eos if isinstance(eos, list) else [eos])]
-    config_file.write_text(json.dumps(config))
+    add_eos_token(path, out[k])
     return out[k]
 
 

@@ -33,6 +33,7 @@ import pytest
 
 from diffspec.assets import ASSETS_DIR
 from diffspec.serving import spec_decode_counters
+from diffspec.testing.checkpoints import add_eos_token
 from tests.engine.conftest import require_engine
 from tests.engine.vllm_generate import RESULT_PREFIX
 
@@ -80,10 +81,7 @@ def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
     lm = load_orthrus(path).lm
     out = ar_generate(lm, [Request(requests[1]["prompt_token_ids"], 45)])[0].token_ids
     k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
-    config_file = path / "generation_config.json"
-    config = json.loads(config_file.read_text())
-    config["eos_token_id"] = [out[k], *config["eos_token_id"]]
-    config_file.write_text(json.dumps(config))
+    add_eos_token(path, out[k])
     return out[k]
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from diffspec.assets import ASSETS_DIR
+from diffspec.testing.checkpoints import add_eos_token
 from tests.engine.conftest import require_engine
 from tests.engine.vllm_generate import RESULT_PREFIX
 
@@ -92,11 +93,7 @@ def _set_eos_inside_a_block(path: Path, request: dict) -> int:
     out = ar_generate(_ar_lm(path), [Request(request["prompt_token_ids"],
                                              request["max_tokens"])])[0].token_ids
     k = next(k for k in range(19, len(out)) if out[k] not in out[:k] and k % 8 not in (0, 7))
-    config_file = path / "generation_config.json"
-    config = json.loads(config_file.read_text())
-    eos = config.get("eos_token_id")
-    config["eos_token_id"] = [out[k], *(eos if isinstance(eos, list) else [eos])]
-    config_file.write_text(json.dumps(config))
+    add_eos_token(path, out[k])
     return out[k]
 
 

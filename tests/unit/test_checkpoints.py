@@ -542,3 +542,17 @@ def test_reference_loaders_refuse_a_checkpoint_missing_a_tensor(layout: str, tmp
     loader = {"orthrus": load_orthrus, "nld": load_nld, "refusion": load_refusion}[layout]
     with pytest.raises(CheckpointError, match="lacks 1 tensor"):
         loader(path)
+
+
+def test_add_eos_token_puts_it_first_and_keeps_the_others(tmp_path) -> None:
+    import json
+
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.testing.checkpoints import add_eos_token, write_qwen3
+
+    path = write_qwen3(tmp_path / "qwen3")
+    before = inspect_checkpoint(path).eos_token_ids
+    add_eos_token(path, 77)
+    config = json.loads((path / "generation_config.json").read_text())
+    assert config["eos_token_id"][0] == 77
+    assert set(inspect_checkpoint(path).eos_token_ids) == {77, *before}

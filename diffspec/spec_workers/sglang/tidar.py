@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -87,7 +86,6 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
-from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 from diffspec.core.checkpoint import inspect_checkpoint, require_method
 from diffspec.model_executors.sglang.quadratic import (
@@ -98,7 +96,7 @@ from diffspec.model_executors.sglang.quadratic import (
     prefill_branch_layout,
     verify_step_layout,
 )
-from diffspec.spec_workers.sglang.self_spec import _accept
+from diffspec.spec_workers.sglang.self_spec import SelfSpecDraftInput, _accept
 
 __all__ = ["TiDARDraftInput", "TiDARWorker"]
 
@@ -106,37 +104,21 @@ logger = logging.getLogger("diffspec")
 
 
 @dataclass
-class TiDARDraftInput(SpecInput):
-    """Per-request state carried from one step to the next (filtered / merged with the
-    batch by the scheduler)."""
+class TiDARDraftInput(SelfSpecDraftInput):
+    """The linear worker's carried state (anchor, committed length) plus the anchor's
+    drafts, pre-drafted by the last step's accepted branch."""
 
-    bonus_tokens: torch.Tensor  # [bs] the anchor: last emitted token, no K/V yet
-    drafts: torch.Tensor  # [bs, n] its drafts, pre-drafted by the last step's branch
-    new_seq_lens: torch.Tensor  # [bs] committed K/V length C
-
-    # read by SGLang's generic relay code; this algorithm carries no hidden state
-    topk_p: ClassVar[torch.Tensor | None] = None
-    topk_index: ClassVar[torch.Tensor | None] = None
-    hidden_states: ClassVar[torch.Tensor | None] = None
-    future_indices: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        # neither a draft nor a verify input: state between steps (as UNO's carried state)
-        super().__init__(SpecInputType.UNO_STATE)
-        self.num_tokens_per_req = 1
-        self.num_tokens_for_logprob_per_req = 1
+    drafts: torch.Tensor | None = None  # [bs, n]
 
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu=None) -> None:
-        self.bonus_tokens = self.bonus_tokens[new_indices]
+        super().filter_batch(new_indices, new_indices_cpu)
         self.drafts = self.drafts[new_indices]
-        self.new_seq_lens = self.new_seq_lens[new_indices]
 
     def merge_batch(self, other: TiDARDraftInput) -> None:
         if not isinstance(other, TiDARDraftInput):
             raise TypeError(f"cannot merge TiDARDraftInput with {type(other).__name__}")
-        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
+        super().merge_batch(other)
         self.drafts = torch.cat([self.drafts, other.drafts])
-        self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
 
 
 class TiDARWorker(BaseSpecWorker):
