@@ -25,7 +25,7 @@ Vocabulary (used everywhere in diffspec, defined once here):
 * **TPF**: tokens per forward = generated tokens / forward passes (a draft + verify
   cycle counts two forwards).
 
-Submodules import torch; this package file does not.
+Submodules import torch (``adaptive`` does not); this package file does not.
 """
 
 PLACEHOLDER_TOKEN_ID = -1

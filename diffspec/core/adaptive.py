@@ -1,0 +1,177 @@
+"""Adaptive draft length: how many tokens each request drafts this step, given the load.
+
+Speculation pays when a step's extra query tokens are nearly free (memory-bound decoding at
+low concurrency) and stops paying when the batch is large enough that every extra token
+costs compute. The policy here chooses, per step, a draft count ``k_r`` for every running
+request (0 = a plain AR step for that request) that maximizes the **expected committed
+tokens per second** of the whole step:
+
+    rate(k) = sum_r E_r(k_r) / latency(k)
+
+* ``E_r(k) = 1 + sum_{j=1..k} prod_{i<=j} a_r(i)``: expected tokens a step commits for a
+  request that drafts ``k`` tokens, with ``a_r(i)`` the probability that draft ``i`` is
+  accepted given that drafts ``1 .. i - 1`` were (:class:`AcceptanceEstimate`, a running
+  estimate from the engine's own verify outcomes);
+* ``latency(k)``: the step's forward time from a measured profile of this model on this
+  machine (:class:`LatencyProfile`: seconds per forward as a function of the query tokens
+  in it), and the method's cost in tokens (:class:`StepCost`): Orthrus / NLD linear run a
+  draft forward over ``k + 1`` tokens and a verify forward over ``k + 1`` tokens per
+  drafting request (a request with ``k = 0`` takes one token in the verify forward and none
+  in the draft forward, which is skipped when no request drafts); TiDAR runs one forward
+  of ``(k + 1)(1 + k + skip)`` tokens per request (verify chain plus its branches).
+
+The search (:func:`choose_draft_counts`) is exact for costs that depend on the number of
+drafts only through their total: every extra draft adds the same tokens to the step, so
+for a given number ``m`` of drafts in the step the best set is the ``m`` drafts with the
+largest expected gains ``prod_{i<=j} a_r(i)``, and the best step is the best prefix of the
+drafts sorted by gain. Other costs (two forwards, quadratic branches) are searched the same
+way, which is a greedy approximation there; ties go to fewer drafts. Greedy output is the
+same whatever the policy picks: the verify rule, not the draft count, decides the tokens.
+
+Nothing here imports torch or an engine: the engines' drafters call it with their own
+batch state and counters.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "AcceptanceEstimate",
+    "LatencyProfile",
+    "StepCost",
+    "choose_draft_counts",
+    "expected_tokens",
+]
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Seconds per forward as a function of its query tokens (all requests together),
+    piecewise linear between measured points and extrapolated from the last two beyond
+    them. Built from :mod:`benchmarks.profile_forward` tables or measured at start-up."""
+
+    points: Mapping[int, float]  # query tokens -> seconds per forward
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a latency profile needs at least one measured point")
+        if any(t < 1 or s <= 0 for t, s in self.points.items()):
+            raise ValueError(f"profile points need tokens >= 1 and seconds > 0: {dict(self.points)}")
+
+    def __call__(self, tokens: int) -> float:
+        """Seconds for one forward of ``tokens`` query tokens (0: no forward, 0 s)."""
+        if tokens <= 0:
+            return 0.0
+        xs = sorted(self.points)
+        ys = [self.points[x] for x in xs]
+        if len(xs) == 1 or tokens <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), ys[0])
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """How a method turns draft counts into forwards (see the module docstring)."""
+
+    kind: Literal["linear", "two_pass", "quadratic"]
+    skip: int = 0  # quadratic: 1 when the branch's first mask drafts nothing (unshifted)
+
+    def latency(self, profile: LatencyProfile, counts: Sequence[int]) -> float:
+        """Seconds for one step of requests drafting ``counts`` tokens each."""
+        verify = sum(1 + k for k in counts)
+        if self.kind == "linear":  # e.g. a drafter whose own cost is negligible
+            return profile(verify)
+        if self.kind == "two_pass":  # Orthrus / NLD linear: draft forward + verify forward
+            return profile(sum(1 + k for k in counts if k > 0)) + profile(verify)
+        # TiDAR: verify chain + one branch of k + skip masks per outcome, one forward
+        return profile(sum((1 + k) * (1 + (k + self.skip if k > 0 else 0)) for k in counts))
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """``1 + sum_{j<=k} prod_{i<=j} a(i)``: tokens a step with ``k`` drafts commits in
+    expectation (``acceptance[i]``: conditional acceptance of draft ``i + 1``)."""
+    total, survive = 1.0, 1.0
+    for i in range(k):
+        survive *= acceptance[i] if i < len(acceptance) else 0.0
+        total += survive
+    return total
+
+
+def choose_draft_counts(
+    acceptance: Sequence[Sequence[float]],  # [num_reqs][max_drafts] conditional acceptance
+    max_drafts: Sequence[int],  # [num_reqs] most drafts each request may take this step
+    profile: LatencyProfile,
+    cost: StepCost,
+) -> list[int]:
+    """Draft counts ``[num_reqs]`` maximizing expected committed tokens per second."""
+    counts = [0] * len(max_drafts)
+    if not counts:
+        return counts
+    gains = []  # (gain, request, draft index): prod_{i<=j} a_r(i)
+    for r, (acc, limit) in enumerate(zip(acceptance, max_drafts)):
+        survive = 1.0
+        for j in range(limit):
+            survive *= acc[j] if j < len(acc) else 0.0
+            gains.append((survive, r, j))
+    gains.sort(key=lambda g: (-g[0], g[2], g[1]))  # best gain first; per request in order
+
+    best_rate = len(counts) / cost.latency(profile, counts)
+    best = list(counts)
+    tokens = float(len(counts))
+    for gain, r, j in gains:
+        if gain <= 0.0:
+            break
+        if j != counts[r]:  # gains of one request are non-increasing: keep them in order
+            continue
+        counts[r] += 1
+        tokens += gain
+        rate = tokens / cost.latency(profile, counts)
+        if rate > best_rate * (1 + 1e-9):
+            best_rate, best = rate, list(counts)
+    return best
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Running estimate of the conditional acceptance of each draft position, from verify
+    outcomes (``(drafts proposed, drafts accepted)`` per request and step, which both
+    engines report). Each position keeps exponentially weighted counts of trials (the
+    position was verified: every earlier draft was accepted) and successes, starting from a
+    prior of ``prior_weight`` pseudo-trials at ``prior`` (optimistic by default, so a fresh
+    server drafts and measures)."""
+
+    max_drafts: int
+    prior: float = 0.8
+    prior_weight: float = 4.0
+    decay: float = 0.999  # per update; ~1000 verify outcomes of memory
+    trials: list[float] = field(init=False)
+    successes: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prior <= 1.0 or self.prior_weight <= 0 or not 0 < self.decay <= 1:
+            raise ValueError("prior in [0, 1], prior_weight > 0 and decay in (0, 1] needed")
+        self.trials = [self.prior_weight] * self.max_drafts
+        self.successes = [self.prior * self.prior_weight] * self.max_drafts
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        """One verify outcome: ``num_accepted`` of ``num_drafts`` drafts passed."""
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(f"accepted {num_accepted} of {num_drafts} drafts")
+        verified = min(num_drafts, num_accepted + 1, self.max_drafts)
+        for i in range(self.max_drafts):
+            self.trials[i] *= self.decay
+            self.successes[i] *= self.decay
+        for i in range(verified):
+            self.trials[i] += 1.0
+            self.successes[i] += 1.0 if i < num_accepted else 0.0
+
+    @property
+    def conditional(self) -> list[float]:
+        """``a(i)``, ``i = 1 .. max_drafts``: P(draft i accepted | drafts before it were)."""
+        return [s / t for s, t in zip(self.successes, self.trials)]

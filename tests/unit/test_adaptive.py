@@ -1,0 +1,107 @@
+"""The adaptive draft-length policy on hand-built latency profiles and acceptance rates:
+it drafts nothing where drafting cannot pay, the full block where it is free, and moves
+between the two with the load."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffspec.core.adaptive import (
+    AcceptanceEstimate,
+    LatencyProfile,
+    StepCost,
+    choose_draft_counts,
+    expected_tokens,
+)
+
+LINEAR, TWO_PASS, QUADRATIC = StepCost("linear"), StepCost("two_pass"), StepCost("quadratic")
+# memory-bound up to 64 query tokens (flat), compute-bound past it (linear)
+ROOFLINE = LatencyProfile({1: 0.010, 64: 0.010, 128: 0.020, 1024: 0.160})
+
+
+def test_latency_profile_interpolates_and_extrapolates() -> None:
+    profile = LatencyProfile({1: 1.0, 8: 1.0, 16: 3.0})
+    assert profile(0) == 0.0
+    assert profile(4) == 1.0
+    assert profile(12) == pytest.approx(2.0)
+    assert profile(32) == pytest.approx(7.0)  # the last segment's line, extended
+    with pytest.raises(ValueError):
+        LatencyProfile({})
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([1.0], 3) == 2.0  # positions past the estimate never accept
+
+
+def test_the_full_block_where_drafting_is_free() -> None:
+    flat = LatencyProfile({1: 0.01, 4096: 0.01})
+    for cost in (LINEAR, QUADRATIC):
+        assert choose_draft_counts([[0.6] * 7] * 3, [7, 7, 7], flat, cost) == [7, 7, 7]
+
+
+def test_nothing_where_drafting_cannot_pay() -> None:
+    # every query token costs the same (compute-bound): k drafts cost k + 1 tokens' time
+    # and commit fewer than k + 1 tokens unless every draft is accepted
+    compute = LatencyProfile({1: 0.001, 1000: 1.0})
+    assert choose_draft_counts([[0.9] * 7] * 4, [7] * 4, compute, LINEAR) == [0, 0, 0, 0]
+    # drafts that are never accepted are never worth a token, even when tokens are free
+    flat = LatencyProfile({1: 0.01, 4096: 0.01})
+    assert choose_draft_counts([[0.0] * 7] * 2, [7, 7], flat, LINEAR) == [0, 0]
+    # Orthrus: the draft forward has a fixed cost; weak drafts do not pay for it
+    assert choose_draft_counts([[0.2] * 7], [7], flat, TWO_PASS) == [0]
+    assert choose_draft_counts([[0.95] * 7], [7], flat, TWO_PASS) == [7]
+
+
+def test_it_drafts_less_as_the_batch_grows() -> None:
+    acceptance = [0.8] * 15
+    per_request = []
+    for batch in (1, 4, 16, 64, 256):
+        counts = choose_draft_counts([acceptance] * batch, [15] * batch, ROOFLINE, LINEAR)
+        assert len(set(counts)) <= 2  # the same rates: counts differ by the tie order only
+        per_request.append(sum(counts) / batch)
+    assert per_request[0] == 15  # one request: 16 tokens are inside the flat part
+    assert per_request == sorted(per_request, reverse=True)
+    assert per_request[-1] == 0  # 256 requests: already compute-bound without drafts
+
+
+def test_better_requests_draft_more() -> None:
+    counts = choose_draft_counts([[0.95] * 15, [0.3] * 15], [15, 15],
+                                 LatencyProfile({1: 0.01, 16: 0.01, 32: 0.03}), LINEAR)
+    assert counts[0] > counts[1]
+
+
+def test_limits_per_request_are_kept() -> None:
+    flat = LatencyProfile({1: 0.01, 4096: 0.01})
+    assert choose_draft_counts([[0.9] * 7] * 3, [7, 2, 0], flat, LINEAR) == [7, 2, 0]
+    assert choose_draft_counts([], [], flat, LINEAR) == []
+
+
+def test_quadratic_cost_counts_the_branches() -> None:
+    # TiDAR with k drafts forwards (k + 1)(1 + k) tokens: the flat region of 64 tokens fits
+    # k = 7 for one request (64 tokens) but not k = 8 (81)
+    counts = choose_draft_counts([[0.99] * 15], [15], ROOFLINE, QUADRATIC)
+    assert counts == [7]
+
+
+def test_acceptance_estimate_learns_the_rates() -> None:
+    estimate = AcceptanceEstimate(max_drafts=3, prior=0.8, prior_weight=1.0, decay=1.0)
+    for _ in range(1000):  # draft 1 always passes, draft 2 half the time, draft 3 never
+        estimate.update(3, 1)
+        estimate.update(3, 2)
+    a = estimate.conditional
+    assert a[0] == pytest.approx(1.0, abs=0.001)
+    assert a[1] == pytest.approx(0.5, abs=0.001)
+    assert a[2] == pytest.approx(0.0, abs=0.001)
+    with pytest.raises(ValueError):
+        estimate.update(2, 3)
+
+
+def test_acceptance_estimate_forgets() -> None:
+    estimate = AcceptanceEstimate(max_drafts=1, prior_weight=1.0, decay=0.99)
+    for _ in range(2000):
+        estimate.update(1, 1)
+    for _ in range(2000):
+        estimate.update(1, 0)
+    assert estimate.conditional[0] < 0.05
