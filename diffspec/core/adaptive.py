@@ -41,10 +41,12 @@ from typing import Literal
 
 __all__ = [
     "AcceptanceEstimate",
+    "AdaptiveDrafts",
     "LatencyProfile",
     "StepCost",
     "choose_draft_counts",
     "expected_tokens",
+    "load_latency_profile",
 ]
 
 
@@ -175,3 +177,66 @@ class AcceptanceEstimate:
     def conditional(self) -> list[float]:
         """``a(i)``, ``i = 1 .. max_drafts``: P(draft i accepted | drafts before it were)."""
         return [s / t for s, t in zip(self.successes, self.trials)]
+
+
+def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyProfile:
+    """A :class:`LatencyProfile` from JSON data: ``{"points": {tokens: seconds}}``, or the
+    ``forward_latency.json`` of ``benchmarks/profile_forward.py`` (``latency_s[context]
+    [query_len]``; the measured context nearest ``context``, default the smallest)."""
+    if "points" in data:
+        return LatencyProfile({int(t): float(s) for t, s in data["points"].items()})
+    if "latency_s" in data:
+        contexts = sorted(int(c) for c in data["latency_s"])
+        ctx = contexts[0] if context is None else min(contexts, key=lambda c: abs(c - context))
+        return LatencyProfile({int(q): float(s)
+                               for q, s in data["latency_s"][str(ctx)].items()})
+    raise ValueError("a latency profile is {\"points\": {tokens: seconds}} or the "
+                     "forward_latency.json of benchmarks/profile_forward.py")
+
+
+class AdaptiveDrafts:
+    """The per-server state of the policy: one acceptance estimate, fed by each request's
+    verify outcomes, and the draft counts of every step (:func:`choose_draft_counts`).
+
+    A drafter calls :meth:`observe` with what each request emitted this step, then
+    :meth:`choose` with the requests it may draft for and their limits."""
+
+    def __init__(self, max_drafts: int, profile: LatencyProfile, cost: StepCost,
+                 log_every: int = 100) -> None:
+        self.estimate = AcceptanceEstimate(max_drafts)
+        self.profile, self.cost = profile, cost
+        self.proposed: dict[str, int] = {}  # request id -> drafts proposed for its next step
+        self.log_every = log_every
+        self.steps = 0
+        self.last_counts: list[int] = []
+
+    def observe(self, req_id: str, num_emitted: int) -> None:
+        """``num_emitted`` tokens came out of request ``req_id``'s step (accepted drafts +
+        the recovered / bonus token); its drafts were the ones :meth:`choose` gave it."""
+        proposed = self.proposed.pop(req_id, 0)
+        if proposed > 0 and num_emitted > 0:
+            self.estimate.update(proposed, min(num_emitted - 1, proposed))
+
+    def choose(self, req_ids: Sequence[str], max_drafts: Sequence[int]) -> list[int]:
+        """Drafts for each of ``req_ids`` this step (each at most its ``max_drafts``)."""
+        acceptance = self.estimate.conditional
+        counts = choose_draft_counts([acceptance] * len(req_ids), max_drafts, self.profile,
+                                     self.cost)
+        self.proposed.update(zip(req_ids, counts))
+        self.steps += 1
+        self.last_counts = counts
+        return counts
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        """Drop the proposals of requests that left the batch."""
+        for req_id in list(self.proposed):
+            if req_id not in live_req_ids:
+                del self.proposed[req_id]
+
+    def summary(self) -> str:
+        """One log line: the last step's choice and the acceptance estimate."""
+        counts = self.last_counts or [0]
+        head = ", ".join(f"{a:.2f}" for a in self.estimate.conditional[:4])
+        return (f"adaptive drafts: batch {len(counts)}, drafts per request mean "
+                f"{sum(counts) / len(counts):.1f} (min {min(counts)}, max {max(counts)}); "
+                f"acceptance of drafts 1-4 {head}")

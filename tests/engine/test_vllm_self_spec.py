@@ -146,6 +146,17 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         return {**LLM_KWARGS, **SPEC_KWARGS,
                 "speculative_config": {"method": method, "num_speculative_tokens": NUM_DRAFTS}}
 
+    profiles = tmp_path_factory.mktemp("latency_profiles")
+    for name, points in (("free", {"1": 0.01, "4096": 0.01}),  # extra tokens cost nothing
+                         ("compute", {"1": 0.001, "1000": 1.0})):  # every token costs the same
+        (profiles / f"{name}.json").write_text(json.dumps({"points": points}))
+
+    def adaptive(profile: str) -> dict:
+        spec_ = spec("orthrus")
+        spec_["speculative_config"] = {**spec_["speculative_config"], "adaptive": True,
+                                       "latency_profile": str(profiles / f"{profile}.json")}
+        return spec_
+
     prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
     orthrus_batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
                        "prefix_reuse": prefix_reuse, "sampled": _sampled_requests()}
@@ -160,6 +171,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": nld_batches},
             *([{"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "llm": spec("orthrus"),
                 "batches": {"greedy": _synth_requests()}}] if SYNTH_ORTHRUS.is_dir() else []),
+            *([{"name": f"synth_adaptive_{p}", "model": str(SYNTH_ORTHRUS), "llm": adaptive(p),
+                "batches": {"greedy": _synth_requests()}} for p in ("free", "compute")]
+              if SYNTH_ORTHRUS.is_dir() else []),
         ],
         "config_errors": {
             "too_many_drafts": {"speculative_config": {"method": "orthrus",
@@ -172,6 +186,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "method": "orthrus", "num_speculative_tokens": 4, "prompt_lookup_max": 3}},
             "wrong_family": {"model": str(ckpts["nld"]), "speculative_config": {
                 "method": "orthrus", "num_speculative_tokens": 4}},
+            "adaptive_without_profile": {"speculative_config": {
+                "method": "orthrus", "num_speculative_tokens": 4, "adaptive": True}},
         },
     }
     return _run_script(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_self_spec"))
@@ -275,6 +291,7 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
          r"unknown speculative method 'orthros'.*diffspec adds linear_self_spec, orthrus"),
         ("unhonoured_option", r"'prompt_lookup_max' does not apply to method 'orthrus'"),
         ("wrong_family", r"method 'orthrus' needs a checkpoint of family orthrus"),
+        ("adaptive_without_profile", r"add \"latency_profile\": PATH to the speculative_config"),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:
@@ -351,3 +368,31 @@ def test_vllm_serve_reports_acceptance_length(ckpts, engine, tmp_path: Path) -> 
         sum(a > k for s in steps for a in s) for k in range(NUM_DRAFTS)]
     # what vllm bench serve reports: 1 + accepted / drafts
     assert counters.acceptance_length == 1 + sum(map(sum, steps)) / sum(map(len, steps))
+
+
+# ------------------------------------------------------------------------------ adaptive
+
+
+def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
+    """``"adaptive": true``: where extra query tokens are free the policy drafts (nearly)
+    the full block, as fixed K does (it may stop short where the estimated gain of the
+    last drafts is vanishing), where every token costs the same it drafts nothing (plain
+    AR steps, no verify step counted); the output is AR's either way."""
+    if not SYNTH_ORTHRUS.is_dir():
+        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
+    fixed = engine["runs"]["synth_spec"]["greedy"]
+    free = engine["runs"]["synth_adaptive_free"]["greedy"]
+    compute = engine["runs"]["synth_adaptive_compute"]["greedy"]
+    assert free["outputs"] == fixed["outputs"] == compute["outputs"]
+    metrics = {run: engine["metrics"][run]["greedy"]
+               for run in ("synth_spec", "synth_adaptive_free", "synth_adaptive_compute")}
+    assert metrics["synth_adaptive_compute"]["vllm:spec_decode_num_drafts"] == 0
+    assert all(not steps for steps in compute["spec_steps"])
+
+    def drafts_per_step(run: str) -> float:
+        return (metrics[run]["vllm:spec_decode_num_draft_tokens"]
+                / metrics[run]["vllm:spec_decode_num_drafts"])
+
+    assert drafts_per_step("synth_adaptive_free") >= 0.9 * drafts_per_step("synth_spec")
+    accepted = {run: metrics[run]["vllm:spec_decode_num_accepted_tokens"] for run in metrics}
+    assert accepted["synth_adaptive_free"] >= 0.95 * accepted["synth_spec"]

@@ -105,3 +105,31 @@ def test_acceptance_estimate_forgets() -> None:
     for _ in range(2000):
         estimate.update(1, 0)
     assert estimate.conditional[0] < 0.05
+
+
+def test_load_latency_profile_reads_both_formats() -> None:
+    from diffspec.core.adaptive import load_latency_profile
+
+    assert load_latency_profile({"points": {"1": 0.5, "8": 1.0}})(8) == 1.0
+    profiler = {"latency_s": {"256": {"1": 0.1, "8": 0.2}, "4096": {"1": 0.3, "8": 0.6}}}
+    assert load_latency_profile(profiler)(8) == 0.2  # the smallest context by default
+    assert load_latency_profile(profiler, context=3000)(8) == 0.6
+    with pytest.raises(ValueError):
+        load_latency_profile({"nothing": 1})
+
+
+def test_adaptive_drafts_learns_from_outcomes_and_backs_off() -> None:
+    from diffspec.core.adaptive import AdaptiveDrafts
+
+    # every extra token costs a little: drafting pays only while acceptance is high
+    policy = AdaptiveDrafts(7, LatencyProfile({1: 0.010, 2: 0.011, 16: 0.030}), LINEAR)
+    assert min(policy.choose(["a", "b"], [7, 7])) > 0  # optimistic prior: draft
+    for _ in range(300):  # every draft rejected, for both requests
+        for req in ("a", "b"):
+            policy.observe(req, 1)
+        policy.choose(["a", "b"], [7, 7])
+    assert policy.last_counts == [0, 0]
+    assert policy.estimate.conditional[0] < 0.3  # frozen once it stops drafting
+    policy.forget({"a"})
+    assert set(policy.proposed) <= {"a"}
+    assert "batch 2" in policy.summary()

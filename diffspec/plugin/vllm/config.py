@@ -10,6 +10,7 @@ This module imports neither torch, transformers nor vLLM.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +27,7 @@ from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["is_self_spec_proposer", "proposer_path", "self_spec_methods",
+__all__ = ["diffspec_options", "is_self_spec_proposer", "proposer_path", "self_spec_methods",
            "translate_speculative_config"]
 
 def self_spec_methods() -> dict[str, Method]:
@@ -49,7 +50,11 @@ _ALLOWED_OPTIONS: dict[str, tuple[Any, ...] | None] = {
     "enforce_eager": None,
     "draft_sample_method": ("greedy",),  # drafts are point masses (argmax of the diffusion view)
     "rejection_sample_method": ("standard",),
+    # diffspec's own (not vLLM's): handed to the proposer through additional_config
+    "adaptive": (True, False),  # draft counts chosen per step from the load
+    "latency_profile": None,  # JSON forward-latency profile the adaptive policy reads
 }
+DIFFSPEC_OPTIONS = ("adaptive", "latency_profile")
 
 def is_self_spec_proposer(speculative_config: Any) -> bool:
     """True when a vLLM ``SpeculativeConfig`` is one :func:`translate_speculative_config` made."""
@@ -134,7 +139,8 @@ def translate_speculative_config(
                               f"so it drafts at most {int(block_size) - 1} tokens per step; "
                               f"{num} requested")
 
-    out = {k: v for k, v in spec.items() if k not in ("method", "model")}
+    diffspec_options(spec)  # validated here; the patch moves them to additional_config
+    out = {k: v for k, v in spec.items() if k not in ("method", "model", *DIFFSPEC_OPTIONS)}
     out.update(method="custom_class", model=proposer_path(name), num_speculative_tokens=num)
     return out
 
@@ -159,3 +165,24 @@ def _inspect(checkpoint: str | Path, hf_config: Mapping[str, Any] | None):
         return None
 
 
+def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The diffspec-only keys of a ``speculative_config`` (``adaptive``,
+    ``latency_profile``), checked; the proposer reads them from
+    ``vllm_config.additional_config["diffspec"]``."""
+    options = {k: spec[k] for k in DIFFSPEC_OPTIONS if k in spec}
+    if options.get("adaptive"):
+        path = options.get("latency_profile")
+        if not path:
+            raise CheckpointError(
+                "add \"latency_profile\": PATH to the speculative_config: \"adaptive\": true "
+                "chooses draft counts from a measured forward-latency profile (write one with "
+                "python benchmarks/profile_forward.py --model CKPT --out DIR)")
+        try:
+            from diffspec.core.adaptive import load_latency_profile
+
+            options["latency_profile"] = str(Path(path).expanduser().resolve())
+            load_latency_profile(json.loads(Path(options["latency_profile"]).read_text()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"latency_profile {path!r} cannot be read as a forward-latency "
+                                  f"profile: {exc}") from None
+    return options

@@ -29,10 +29,13 @@ Verify, accept and commit are vLLM's own (scheduler, ``RejectionSampler``, KV ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("diffspec")
 
 __all__ = ["DraftBlock", "NonCausalBlocks", "SelfSpecProposer", "non_causal_blocks",
            "plan_blocks"]
@@ -90,6 +93,7 @@ class SelfSpecProposer:
         self.max_model_len: int = vllm_config.model_config.max_model_len
         self.max_forward_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
                                       self.num_speculative_tokens + 1)
+        self.adaptive = _adaptive_policy(vllm_config, self.num_speculative_tokens, "two_pass")
 
     def load_model(self, model) -> None:
         """Called by the runner with the target model: the drafter runs its diffusion view."""
@@ -117,6 +121,8 @@ class SelfSpecProposer:
         num_slots = (table.num_blocks_per_row[:len(num_left)] * table.block_size).tolist()
         blocks = plan_blocks(sampled_token_ids, batch.num_tokens_no_spec.tolist(), num_left,
                              num_slots, self.num_speculative_tokens, self.max_model_len)
+        if self.adaptive is not None:
+            blocks = _adapt(self.adaptive, batch.req_ids, sampled_token_ids, blocks)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for chunk in _chunks(blocks, self.max_forward_tokens):
             for block, tokens in zip(chunk, self._draft(runner, chunk)):
@@ -219,6 +225,36 @@ def non_causal_blocks(
 
 def _on(runner, array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array).to(runner.device, non_blocking=True)
+
+
+def _adaptive_policy(vllm_config, max_drafts: int, cost: str):
+    """The adaptive draft-count policy of ``speculative_config["adaptive"]`` (moved to
+    ``additional_config["diffspec"]`` by the config translation), or ``None``."""
+    import json
+    from pathlib import Path
+
+    from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
+
+    options = (getattr(vllm_config, "additional_config", None) or {}).get("diffspec") or {}
+    if not options.get("adaptive"):
+        return None
+    profile = load_latency_profile(json.loads(Path(options["latency_profile"]).read_text()))
+    logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
+                "profile %s", max_drafts, options["latency_profile"])
+    return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
+
+
+def _adapt(policy, req_ids: list[str], sampled_token_ids: list[list[int]],
+           blocks: list[DraftBlock]) -> list[DraftBlock]:
+    """Feed this step's outcomes to ``policy`` and cut each block to the drafts it picks
+    (a block cut to 0 drafts is dropped: a plain AR step for that request)."""
+    for row, emitted in enumerate(sampled_token_ids):
+        policy.observe(req_ids[row], len(emitted))
+    policy.forget(set(req_ids))
+    counts = policy.choose([req_ids[b.row] for b in blocks], [b.num_drafts for b in blocks])
+    if policy.steps % policy.log_every == 1:
+        logger.info("diffspec: %s", policy.summary())
+    return [replace(b, num_drafts=k) for b, k in zip(blocks, counts) if k > 0]
 
 
 def _chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:

@@ -173,6 +173,11 @@ class TiDARProposer:
         plans = self._plan(runner)
         if not plans or input_ids is None or intermediate_tensors is not None:
             return fallback()
+        from vllm.forward_context import get_forward_context
+
+        if not isinstance(get_forward_context().attn_metadata, dict):
+            raise NotImplementedError("method 'tidar' runs one attention metadata per layer; "
+                               "micro-batching (--enable-dbo / ubatches) is not supported")
         self.num_forwards += 1
         model = runner.get_model()
         num_verify = input_ids.shape[0]

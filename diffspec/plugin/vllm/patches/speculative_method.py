@@ -71,7 +71,11 @@ def _check_engine(target_model_config, target_parallel_config, method: str) -> N
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from diffspec.plugin.vllm.config import self_spec_methods, translate_speculative_config
+    from diffspec.plugin.vllm.config import (
+        diffspec_options,
+        self_spec_methods,
+        translate_speculative_config,
+    )
 
     original = EngineArgs.create_speculative_config
     if is_applied(original):
@@ -86,6 +90,8 @@ def apply() -> None:
             hf_config = target_model_config.hf_config.to_dict()
             self.speculative_config = translate_speculative_config(
                 spec, target_model_config.model, hf_config)
+            self.additional_config = {**(self.additional_config or {}),
+                                      "diffspec": diffspec_options(spec)}
             self.spec_method = self.spec_model = self.spec_tokens = None
         elif isinstance(method, str) and method not in _vllm_methods():
             raise ValueError(
