@@ -1,0 +1,938 @@
+"""EAGLE-3 drafter training: a real EAGLE-3 baseline for a served target, on CPU.
+
+The drafter is the one vLLM's ``{"method": "eagle3"}`` loads (``LlamaForCausalLMEagle3``,
+:mod:`vllm.model_executor.models.llama_eagle3`, the layout the EAGLE authors publish and
+``benchmarks/tiny_drafters.py`` writes with random weights): one decoder layer
+``midlayer.*`` whose q/k/v read ``2 x hidden`` (normed token embedding ++ normed hidden
+state), ``fc`` fusing three target layers' hidden states, ``norm``, ``lm_head`` (the draft
+vocabulary; the target's unless ``draft_vocab`` reduces it, then ``d2t`` maps it back);
+the token embedding is the target's (not saved, vLLM shares it). Written anew from vLLM's
+inference code (what the trained weights must match) and the EAGLE-3 paper's recipe.
+
+**What the drafter computes** (mirrors ``llama_eagle3.py``, ``norm_before_residual`` off)::
+
+    e = input_layernorm(embed(token));  r = h;  x = cat(e, hidden_norm(h))
+    r = r + o_proj(attention(x));        out = r + mlp(post_attention_layernorm(r))
+    logits = lm_head(norm(out))          # `out` (before `norm`) is the next step's h
+
+with ``h = fc(cat(target aux hidden states))`` at the first draft step (``fc_norm``: each
+layer's state RMS-normed first, vLLM's optional ``fc_norm``) and ``h = out`` of the
+previous step after that.
+
+**Alignment** (vLLM's proposer): for a row ``x_0 .. x_{T-1}`` with target features
+``g_t`` (the aux layers' residual streams at token ``t``), draft slot ``t`` at step 0 reads
+token ``x_{t+1}``, ``h = fc(g_t)`` at rotary position ``t``, and predicts ``x_{t+2}``; step
+``k`` reads ``x_{t+k+1}`` (teacher-forced: the data are the target's own greedy answers,
+what a greedy verifier accepts), the previous step's ``out`` at position ``t+k``, and
+predicts ``x_{t+k+2}``, matched to the **target's distribution at position t+k+1**.
+
+**Training-time test** (EAGLE-3): ``ttt_steps`` unrolled steps; at step ``k`` slot ``t``
+attends to the step-0 keys of slots ``0..t`` (what the drafter's KV cache holds for the
+verified prefix) and to its own keys of steps ``1..k`` (the chain drafted so far), exactly
+the draft KV cache at inference. Implemented as a causal score block plus ``k`` diagonal
+scores per query (no dense ``[kT, kT]`` mask).
+
+**Loss**: forward KL(target || drafter) per step (the target's full softmax, restricted to
+the draft vocabulary when it is reduced), summed over steps with weight ``ttt_decay^k``,
+averaged over the answer tokens (those at or after ``prompt_len`` when the row has it)
+inside the row. Logged per step: KL, top-1 agreement with the target's argmax, and the
+chained agreement (steps ``0..k`` all right), whose sum + 1 estimates the acceptance length
+of a ``ttt_steps``-long chain.
+
+**Target features**: the frozen target (transformers, fp32) run on each batch; vLLM's aux
+layer id ``i`` is the residual stream entering decoder layer ``i`` (``0`` = the
+embeddings, ``num_layers`` = the last layer's output before the final norm), captured with
+hooks. Default ids: vLLM's own default for a target whose drafter names none, ``(2, L // 2,
+L - 3)``, when those are distinct and in range, else the ids ``tiny_drafters`` uses for
+shallow targets; they are written into the drafter's config either way.
+
+**Runs**: ``python -m diffspec.train eagle3 --base TARGET --data DATA --out DIR``. Every
+``save_every`` steps and at the end: ``DIR/`` is the vLLM-loadable drafter
+(``config.json`` + ``model.safetensors`` + ``training.json``) and ``DIR/checkpoint/`` the
+resumable state (weights, AdamW, step, cumulative tokens / CPU time, the data files and
+their hash); ``--resume`` continues from it (same data files, even if more shards appeared
+since; ``--steps`` may be raised). Data order: a seeded permutation of the rows per epoch,
+so step ``s`` reads the same rows in a fresh run and in a resumed one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from diffspec.train import TrainConfig, cosine_lr_scale
+
+__all__ = [
+    "DrafterSpec",
+    "Eagle3Drafter",
+    "Eagle3Result",
+    "Row",
+    "TargetFeatures",
+    "default_aux_layer_ids",
+    "eagle3_loss",
+    "greedy_rows",
+    "load_rows",
+    "save_drafter",
+    "train_eagle3",
+]
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "state.pt"
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+
+
+# ------------------------------------------------------------------------------- config
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux layers ``(2, L // 2, L - 3)`` when distinct and in
+    ``0 .. L``; else (shallow targets) ``tiny_drafters``' choice."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if all(0 <= i <= num_layers for i in ids) and ids[0] < ids[1] < ids[2]:
+        return ids
+    if num_layers >= 3:
+        return [1, num_layers // 2 + 1, num_layers]
+    return [0, 1, num_layers]
+
+
+@dataclass
+class DrafterSpec:
+    """Sizes of the drafter (the target's, one layer) and what vLLM reads from config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    eos_token_id: int = 0
+    fc_norm: bool = False  # vLLM's `fc_norm`: an RMSNorm per aux layer before `fc`
+
+    @classmethod
+    def from_target(cls, target_config: dict[str, Any], *, aux_layer_ids: Sequence[int] | None
+                    = None, draft_vocab_size: int | None = None, fc_norm: bool = False
+                    ) -> DrafterSpec:
+        t = target_config
+        heads = t["num_attention_heads"]
+        rope = t.get("rope_parameters") or {}
+        eos = t.get("eos_token_id", 0)
+        return cls(
+            hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+            num_attention_heads=heads, num_key_value_heads=t.get("num_key_value_heads", heads),
+            head_dim=t.get("head_dim") or t["hidden_size"] // heads,
+            vocab_size=t["vocab_size"],
+            draft_vocab_size=draft_vocab_size or t["vocab_size"],
+            aux_layer_ids=list(aux_layer_ids if aux_layer_ids is not None
+                               else default_aux_layer_ids(t["num_hidden_layers"])),
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
+            max_position_embeddings=t.get("max_position_embeddings", 2048),
+            eos_token_id=eos[0] if isinstance(eos, list) else (eos or 0), fc_norm=fc_norm,
+        )
+
+    def vllm_config(self) -> dict[str, Any]:
+        """``config.json`` of the drafter (the keys ``tiny_drafters.build_eagle3`` writes,
+        plus ``rope_parameters`` and ``draft_vocab_size`` as trained)."""
+        extra = {"fc_norm": True} if self.fc_norm else {}
+        return extra | {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False, "target_hidden_size": self.hidden_size,
+            "eos_token_id": self.eos_token_id, "torch_dtype": "float32",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                             "use_aux_hidden_state": True},
+        }
+
+
+# ------------------------------------------------------------------------------ drafter
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.q_proj = nn.Linear(2 * h, spec.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, spec.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, spec.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(spec.num_attention_heads * d, h, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.self_attn = _Attention(spec)
+        self.mlp = _MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Eagle3Drafter(nn.Module):
+    """The EAGLE-3 draft model with parameter names as published (``state_dict()`` is the
+    ``model.safetensors`` content, plus ``d2t`` / ``t2d`` with a reduced vocabulary)."""
+
+    def __init__(self, spec: DrafterSpec, draft_ids: Tensor | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * h, h, bias=False)
+        if spec.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(h, spec.rms_norm_eps)
+                                         for _ in spec.aux_layer_ids)
+        else:
+            self.fc_norm = None
+        self.midlayer = _MidLayer(spec)
+        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2,
+                                                           dtype=torch.float64) / spec.head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        if draft_ids is not None:  # reduced vocabulary: draft id i is target id draft_ids[i]
+            if len(draft_ids) != spec.draft_vocab_size:
+                raise ValueError("draft_ids must have draft_vocab_size entries")
+            self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
+        else:
+            self.draft_ids = None
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    # -- inference-equivalent pieces
+
+    def combine(self, aux: Tensor) -> Tensor:  # [.., n_aux * H] -> [.., H]
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)],
+                            dim=-1)
+        return self.fc(aux)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [S] -> cos, sin [S, d]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def step(self, embeds: Tensor, hidden: Tensor, position_offset: int,
+             cache: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """One draft step over all slots: ``embeds``/``hidden`` [B, S, H], slot ``t`` at
+        rotary position ``t + position_offset``. ``cache`` holds the (k, v) of the
+        previous steps (step 0 first) and gets this step's appended. Returns ``out``
+        [B, S, H], the pre-norm hidden state (logits: :meth:`logits`)."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        b, s, _ = embeds.shape
+        nh, nkv, d = (self.spec.num_attention_heads, self.spec.num_key_value_heads,
+                      self.spec.head_dim)
+        residual = hidden
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        q = attn.q_proj(x).view(b, s, nh, d).transpose(1, 2)
+        k = attn.k_proj(x).view(b, s, nkv, d).transpose(1, 2)
+        v = attn.v_proj(x).view(b, s, nkv, d).transpose(1, 2)
+        cos, sin = self.rope(torch.arange(s, device=embeds.device) + position_offset)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.append((k, v))
+        o = _ttt_attention(q, cache, nh // nkv)  # [B, nh, S, d]
+        residual = residual + attn.o_proj(o.transpose(1, 2).reshape(b, s, nh * d))
+        return residual + layer.mlp(layer.post_attention_layernorm(residual))
+
+    def logits(self, out: Tensor) -> Tensor:
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_token_ids: Tensor) -> Tensor:
+        return draft_token_ids if self.draft_ids is None else self.draft_ids[draft_token_ids]
+
+    def export_state(self) -> dict[str, Tensor]:
+        """The tensors of ``model.safetensors`` (names as vLLM loads them)."""
+        state = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
+        if self.draft_ids is not None:
+            ids = self.draft_ids.cpu()
+            state["d2t"] = (ids - torch.arange(len(ids))).long()
+            t2d = torch.zeros(self.spec.vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            state["t2d"] = t2d
+        return state
+
+
+def _ttt_attention(q: Tensor, cache: list[tuple[Tensor, Tensor]], groups: int) -> Tensor:
+    """Attention of step ``len(cache) - 1``: query slot t sees step-0 keys of slots <= t and
+    its own keys of steps 1 .. k. q [B, nh, S, d]; cache entries [B, nkv, S, d]."""
+    scale = q.shape[-1] ** -0.5
+    k0, v0 = (t.repeat_interleave(groups, dim=1) for t in cache[0])
+    s = q.shape[2]
+    scores = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, nh, S, S]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    extra_v = []
+    parts = [scores]
+    for kj, vj in cache[1:]:
+        kj, vj = kj.repeat_interleave(groups, dim=1), vj.repeat_interleave(groups, dim=1)
+        parts.append((q * kj).sum(-1, keepdim=True) * scale)  # [B, nh, S, 1]
+        extra_v.append(vj)
+    probs = torch.softmax(torch.cat(parts, dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :s], v0)
+    for j, vj in enumerate(extra_v):
+        out = out + probs[..., s + j: s + j + 1] * vj
+    return out
+
+
+# ------------------------------------------------------------------------------- target
+
+
+class TargetFeatures:
+    """The frozen target (transformers, fp32, eval): per batch the aux layers' hidden
+    states, its final hidden states (for the teacher logits) and its token embedding."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int]) -> None:
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        inner = model.model
+        self.layers = inner.layers
+        self.num_layers = len(self.layers)
+        self.aux_layer_ids = list(aux_layer_ids)
+        bad = [i for i in self.aux_layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} out of 0..{self.num_layers}")
+        self.embed = model.get_input_embeddings()
+        self.final_norm = inner.norm
+        self.lm_head = model.get_output_embeddings()
+
+    @classmethod
+    def load(cls, base: str | Path, aux_layer_ids: Sequence[int]) -> TargetFeatures:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        return cls(model, aux_layer_ids)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(aux [B, T, n_aux * H] in ``aux_layer_ids`` order, final pre-norm hidden [B, T, H])."""
+        captured: dict[int, Tensor] = {}
+        handles = []
+
+        def pre_hook(i: int) -> Callable:
+            def hook(module, args, kwargs):
+                captured[i] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        def post_hook(module, args, output):
+            captured[self.num_layers] = output[0] if isinstance(output, tuple) else output
+
+        for i in set(self.aux_layer_ids) | {self.num_layers}:
+            if i < self.num_layers:
+                handles.append(self.layers[i].register_forward_pre_hook(pre_hook(i),
+                                                                         with_kwargs=True))
+            else:
+                handles.append(self.layers[-1].register_forward_hook(post_hook))
+        try:
+            self.model.model(input_ids=input_ids, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        aux = torch.cat([captured[i].float() for i in self.aux_layer_ids], dim=-1)
+        return aux, captured[self.num_layers].float()
+
+    @torch.no_grad()
+    def teacher_logits(self, last_hidden: Tensor) -> Tensor:  # [N, H] pre-norm -> [N, V]
+        return self.lm_head(self.final_norm(last_hidden)).float()
+
+
+# --------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Row:
+    token_ids: list[int]
+    prompt_len: int = 0  # loss on tokens at index >= prompt_len
+
+
+def _expand(paths: Sequence[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*")
+                            if f.is_file() and f.suffix in (*TEXT_SUFFIXES, ".jsonl")
+                            and not f.name.startswith("."))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no such file or folder: {p}")
+    return files
+
+
+def data_files(data: Sequence[str]) -> list[Path]:
+    """The files ``data`` names (folders: their ``*.jsonl`` and text files, recursively,
+    hidden temp files skipped); ``[]`` for ``["synthetic"]``."""
+    return [] if list(data) == ["synthetic"] else _expand(data)
+
+
+def load_rows(
+    data: Sequence[str] | None,
+    seq_len: int,
+    *,
+    files: Sequence[Path] | None = None,
+    tokenizer_from: str | Path | None = None,
+    synthetic_rows: int = 0,
+    seed: int = 0,
+    min_loss_tokens: int = 4,
+) -> tuple[list[Row], dict[str, Any]]:
+    """Training rows (cut to ``seq_len``) and a summary (counts, sha256 of the rows).
+
+    JSONL rows give ``token_ids`` (+ ``prompt_len``: loss on the answer only) or ``text``
+    (tokenized with ``tokenizer_from``'s tokenizer, loss everywhere); text files are cut
+    into ``seq_len`` windows; ``["synthetic"]`` packs ``synthetic_rows`` rows of the
+    synthetic language. A row cut at ``seq_len`` keeps its beginning (the exact context the
+    target saw); rows left with fewer than ``min_loss_tokens`` trainable positions are
+    dropped (e.g. prompts longer than ``seq_len``)."""
+    rows: list[Row] = []
+    tokenizer = None
+
+    def tok():
+        nonlocal tokenizer
+        if tokenizer is None:
+            if tokenizer_from is None:
+                raise ValueError("text data needs a tokenizer (tokenizer_from)")
+            from diffspec.train.data import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer_from)
+        return tokenizer
+
+    stats = {"rows_read": 0, "rows_cut": 0, "rows_dropped": 0}
+    if data is not None and list(data) == ["synthetic"]:
+        from diffspec.train.data import document_source, pack_rows
+
+        source = document_source(["synthetic"], tok(), seed=seed)
+        for i, ids in enumerate(pack_rows(source(), seq_len)):
+            if i >= synthetic_rows:
+                break
+            rows.append(Row(ids, 0))
+    else:
+        for path in files if files is not None else _expand(data or []):
+            if path.suffix == ".jsonl":
+                with path.open(encoding="utf-8") as f:
+                    for line in f:
+                        if not line.strip():
+                            continue
+                        r = json.loads(line)
+                        if "token_ids" in r:
+                            rows.append(Row([int(t) for t in r["token_ids"]],
+                                            int(r.get("prompt_len") or 0)))
+                        else:
+                            rows.append(Row(list(tok()(r["text"], add_special_tokens=False)
+                                                 ["input_ids"]), 0))
+            else:
+                ids = list(tok()(path.read_text(encoding="utf-8", errors="replace"),
+                                 add_special_tokens=False)["input_ids"])
+                rows += [Row(ids[i:i + seq_len], 0) for i in range(0, len(ids), seq_len)]
+    stats["rows_read"] = len(rows)
+    kept: list[Row] = []
+    for r in rows:
+        if len(r.token_ids) > seq_len:
+            r = Row(r.token_ids[:seq_len], r.prompt_len)
+            stats["rows_cut"] += 1
+        if len(r.token_ids) - max(r.prompt_len, 2) < min_loss_tokens:
+            stats["rows_dropped"] += 1
+            continue
+        kept.append(r)
+    digest = hashlib.sha256()
+    for r in kept:
+        digest.update(json.dumps([r.prompt_len, r.token_ids]).encode())
+    stats.update(rows=len(kept), tokens=sum(len(r.token_ids) for r in kept),
+                 answer_tokens=sum(len(r.token_ids) - r.prompt_len for r in kept),
+                 rows_sha256=digest.hexdigest())
+    return kept, stats
+
+
+def files_sha256(files: Sequence[Path]) -> str:
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def batch_rows(rows: Sequence[Row], step: int, batch_size: int, seed: int) -> list[Row]:
+    """Rows of optimizer step ``step``: global row indices ``step*B .. step*B+B-1`` in a
+    per-epoch seeded permutation (the same rows in a fresh and a resumed run)."""
+    n = len(rows)
+    out = []
+    for g in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(g, n)
+        perm = _permutation(n, seed, epoch)
+        out.append(rows[perm[i]])
+    return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int], list[int]] = {}
+
+
+def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+    key = (n, seed, epoch)
+    if key not in _PERM_CACHE:
+        _PERM_CACHE.clear()
+        perm = list(range(n))
+        random.Random(f"diffspec.eagle3:{seed}:{epoch}").shuffle(perm)
+        _PERM_CACHE[key] = perm
+    return _PERM_CACHE[key]
+
+
+def collate(rows: Sequence[Row], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids [B, T] right-padded, lengths [B], prompt_lens [B])."""
+    t = max(len(r.token_ids) for r in rows)
+    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.long)
+    lengths = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.long)
+    prompt_lens = torch.tensor([r.prompt_len for r in rows], dtype=torch.long)
+    return ids, lengths, prompt_lens
+
+
+def greedy_rows(base: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                stop_token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """The target's own greedy answers to ``prompts`` as training rows
+    (``{"token_ids": prompt + answer, "prompt_len": len(prompt)}``), with the reference
+    decoder (tiny models; real ones: :mod:`diffspec.train.sharegpt`)."""
+    from transformers import AutoModelForCausalLM
+
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    requests = [Request(list(p), max_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+                for p in prompts]
+    with torch.inference_mode():
+        outs = ar_generate(model, requests)
+    return [{"token_ids": list(p) + list(o.token_ids), "prompt_len": len(p)}
+            for p, o in zip(prompts, outs, strict=True)]
+
+
+# --------------------------------------------------------------------------------- loss
+
+
+def valid_slots(lengths: Tensor, prompt_lens: Tensor, num_slots: int, k: int) -> Tensor:
+    """[B, S] bool: draft slot ``t`` at step ``k`` has a loss (the token it predicts,
+    index ``t + k + 2``, is inside the row and at or after ``prompt_len``)."""
+    predicted = torch.arange(num_slots)[None, :] + k + 2
+    return (predicted < lengths[:, None]) & (predicted >= prompt_lens[:, None])
+
+
+def loss_counts(lengths: Tensor, prompt_lens: Tensor, ttt_steps: int) -> list[int]:
+    """Positions with a loss at each draft step, over rows of these lengths."""
+    s = int(lengths.max()) - 1
+    return [int(valid_slots(lengths, prompt_lens, s, k).sum()) for k in range(ttt_steps)]
+
+
+@dataclass
+class StepLoss:
+    """One (micro-)batch: ``loss`` to back-propagate and, per draft step ``k``, the sums
+    behind the metrics (``kl_k``, ``right_k``: top-1 agreements, ``chain_k``: slots whose
+    steps 0..k all agree) and ``count_k`` (positions with a loss)."""
+
+    loss: Tensor
+    sums: dict[str, float] = field(default_factory=dict)
+    loss_tokens: int = 0
+
+    def metrics(self, ttt_steps: int) -> dict[str, float]:
+        return step_metrics(self.sums, ttt_steps)
+
+
+def step_metrics(sums: dict[str, float], ttt_steps: int) -> dict[str, float]:
+    """``kl_k`` (mean KL), ``acc_k`` (top-1 agreement), ``chain_k`` (steps 0..k all agree)."""
+    out = {}
+    for k in range(ttt_steps):
+        n = sums.get(f"count_{k}", 0)
+        if n:
+            out[f"kl_{k}"] = sums[f"kl_{k}"] / n
+            out[f"acc_{k}"] = sums[f"right_{k}"] / n
+            out[f"chain_{k}"] = sums[f"chain_{k}"] / n
+    return out
+
+
+def eagle3_loss(
+    drafter: Eagle3Drafter,
+    target: TargetFeatures,
+    input_ids: Tensor,  # [B, T]
+    lengths: Tensor,  # [B]
+    prompt_lens: Tensor,  # [B]
+    ttt_steps: int,
+    ttt_decay: float = 1.0,
+    counts: Sequence[int] | None = None,
+) -> StepLoss:
+    """Target features, ``ttt_steps`` unrolled draft steps, ``sum_k ttt_decay^k x KL_k``
+    with ``KL_k`` the mean over the positions with a loss at step ``k``. ``counts``: the
+    number of such positions in the whole batch when this is one micro-batch of it (the
+    micro-batches' losses then add up to the batch's)."""
+    b, t = input_ids.shape
+    s = t - 1  # draft slots 0 .. T-2
+    if counts is None:
+        counts = loss_counts(lengths, prompt_lens, ttt_steps)
+    aux, last_hidden = target(input_ids)
+    embed = target.embed
+    ids_ext = torch.cat([input_ids, input_ids.new_zeros(b, ttt_steps)], dim=1)
+    # teacher: log-probs at every position q some step needs (q + 1 an answer token)
+    pos = torch.arange(t)
+    need = (pos[None, :] + 1 < lengths[:, None]) & (pos[None, :] + 1 >= prompt_lens[:, None])
+    row_of = torch.full((b, t + ttt_steps), -1, dtype=torch.long)  # (b, q) -> teacher row
+    row_of[:, :t][need] = torch.arange(int(need.sum()))
+    with torch.no_grad():
+        teacher = target.teacher_logits(last_hidden[need])  # [M, V]
+        teacher_argmax = teacher.argmax(-1)
+        if drafter.draft_ids is not None:
+            teacher = teacher[:, drafter.draft_ids]
+        teacher_logp = torch.log_softmax(teacher, dim=-1)
+        del teacher
+    hidden = drafter.combine(aux[:, :-1])  # [B, S, H]
+    cache: list[tuple[Tensor, Tensor]] = []
+    total = hidden.new_zeros(())
+    sums: dict[str, float] = {}
+    chain = torch.ones(b, s, dtype=torch.bool)
+    loss_tokens = 0
+    for k in range(ttt_steps):
+        with torch.no_grad():
+            embeds = embed(ids_ext[:, 1 + k: 1 + k + s])
+        out = drafter.step(embeds, hidden, k, cache)
+        valid = valid_slots(lengths, prompt_lens, s, k)
+        n = int(valid.sum())
+        sums[f"count_{k}"] = n
+        if n:
+            rows_idx = row_of[:, k + 1: k + 1 + s][valid]  # teacher rows at q = t + k + 1
+            logq = torch.log_softmax(drafter.logits(out[valid]).float(), dim=-1)
+            logp = teacher_logp[rows_idx]
+            kl_sum = (logp.exp() * (logp - logq)).sum()
+            total = total + (ttt_decay ** k) * kl_sum / counts[k]
+            with torch.no_grad():
+                right = drafter.to_target_ids(logq.argmax(-1)) == teacher_argmax[rows_idx]
+                correct = torch.ones(b, s, dtype=torch.bool)
+                correct[valid] = right
+                chain &= correct
+                sums[f"kl_{k}"] = float(kl_sum.detach())
+                sums[f"right_{k}"] = int(right.sum())
+                sums[f"chain_{k}"] = int(chain[valid].sum())
+            loss_tokens += n
+        hidden = out
+    return StepLoss(total, sums, loss_tokens)
+
+
+# ------------------------------------------------------------------------------ trainer
+
+
+@dataclass
+class Eagle3Result:
+    drafter: Eagle3Drafter
+    out_dir: Path | None
+    record: dict[str, Any]
+    history: list[dict[str, float]]
+
+
+def _select_draft_vocab(rows: Sequence[Row], vocab: int, size: int) -> Tensor:
+    """The ``size`` target ids most frequent among the rows' answer tokens (ties: lower id
+    first), sorted; ids never seen fill the rest in id order."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for r in rows:
+        ids = torch.tensor(r.token_ids[r.prompt_len:], dtype=torch.long)
+        counts += torch.bincount(ids, minlength=vocab)[:vocab]
+    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
+def _init_from_target(drafter: Eagle3Drafter, target: TargetFeatures,
+                      fc_init: str = "random") -> None:
+    """``lm_head`` from the target's LM head (its draft-vocabulary rows) and ``norm`` from
+    the target's final norm: step 0 starts from the target's own read-out. ``fc_init``:
+    ``"random"`` (normal, std 0.02) or ``"last"``: ``fc`` passes the last aux layer's
+    hidden state through unchanged (the other blocks zero), so the first draft starts as
+    the target's read-out of its own deep features ("logit lens")."""
+    with torch.no_grad():
+        w = target.lm_head.weight.float()
+        if drafter.draft_ids is not None:
+            w = w[drafter.draft_ids]
+        drafter.lm_head.weight.copy_(w)
+        drafter.norm.weight.copy_(target.final_norm.weight.float())
+        if fc_init == "last":
+            h = drafter.spec.hidden_size
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, -h:] = torch.eye(h)
+        elif fc_init != "random":
+            raise ValueError(f"fc_init must be 'random' or 'last', got {fc_init!r}")
+
+
+def save_drafter(out_dir: str | Path, drafter: Eagle3Drafter,
+                 extra_config: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (vLLM's eagle3 layout) to ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter.spec.vllm_config() | (extra_config or {})
+    tmp = out / ".model.safetensors.tmp"
+    save_file(drafter.export_state(), str(tmp))
+    os.replace(tmp, out / "model.safetensors")
+    _write_json(out / "config.json", config)
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def train_eagle3(
+    base: str | Path,
+    out_dir: str | Path | None,
+    cfg: TrainConfig,
+    *,
+    data: Sequence[str] = ("synthetic",),
+    ttt_steps: int = 3,
+    ttt_decay: float = 1.0,
+    aux_layer_ids: Sequence[int] | None = None,
+    draft_vocab_size: int | None = None,
+    freeze_lm_head: bool = False,
+    save_every: int = 100,
+    micro_batch: int = 1,
+    fc_init: str = "random",
+    fc_norm: bool = False,
+    max_cpu_s: float | None = None,
+    resume: bool = False,
+    max_rows: int | None = None,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Eagle3Result:
+    """Train an EAGLE-3 drafter for ``base`` for ``cfg.steps`` optimizer steps in all
+    (``resume``: continue ``out_dir/checkpoint`` up to ``cfg.steps``). ``max_cpu_s``: stop
+    early (saving) once the run's CPU time, all sessions together, reaches it."""
+    from diffspec.core.checkpoint import resolve_checkpoint
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if ttt_steps < 1:
+        raise ValueError("ttt_steps must be >= 1")
+    given, base = str(base), resolve_checkpoint(base)
+    out = Path(out_dir) if out_dir is not None else None
+    state = None
+    ckpt = out / CHECKPOINT_DIR / STATE_FILE if out is not None else None
+    if resume:
+        if ckpt is None or not ckpt.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        saved = state["settings"]
+        aux_layer_ids, draft_vocab_size = saved["aux_layer_ids"], saved["draft_vocab_size"]
+        ttt_steps, ttt_decay = saved["ttt_steps"], saved["ttt_decay"]
+        freeze_lm_head, fc_init = saved["freeze_lm_head"], saved["fc_init"]
+        fc_norm = saved["fc_norm"]
+    previous_threads = torch.get_num_threads()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        target_config = json.loads((base / "config.json").read_text())
+        spec = DrafterSpec.from_target(target_config, aux_layer_ids=aux_layer_ids,
+                                       fc_norm=fc_norm)
+        target = TargetFeatures.load(base, spec.aux_layer_ids)
+
+        # data: on resume, exactly the files (and rows) of the first session
+        files = ([Path(f) for f in state["data"]["files"]] if state is not None
+                 else data_files(data))
+        synthetic = (state["data"]["synthetic"] if state is not None
+                     else list(data) == ["synthetic"])
+        rows, data_stats = load_rows(
+            ["synthetic"] if synthetic else None, cfg.seq_len, files=None if synthetic
+            else files, tokenizer_from=base, synthetic_rows=max_rows or cfg.steps
+            * cfg.batch_size, seed=cfg.seed)
+        if max_rows is not None and not synthetic:
+            rows = rows[:max_rows]
+        if not rows:
+            raise ValueError(f"no training rows in {list(data)}")
+        data_info = {"sources": [str(d) for d in data], "synthetic": synthetic,
+                     "files": [str(f) for f in files],
+                     "files_sha256": files_sha256(files) if files else None,
+                     **data_stats}
+        if state is not None and state["data"]["rows_sha256"] != data_info["rows_sha256"]:
+            raise ValueError("--resume: the data rows differ from the first session's "
+                             "(a data file changed)")
+        if state is not None and data_files(data) != files and not synthetic:
+            log(f"resume: reading the first session's {len(files)} files only "
+                f"({len(data_files(data)) - len(files)} newer files ignored)")
+
+        draft_ids = None
+        if draft_vocab_size and draft_vocab_size < spec.vocab_size:
+            draft_ids = (state["draft_ids"] if state is not None
+                         else _select_draft_vocab(rows, spec.vocab_size, draft_vocab_size))
+            spec.draft_vocab_size = draft_vocab_size
+        drafter = Eagle3Drafter(spec, draft_ids)
+        _init_from_target(drafter, target, fc_init)
+        if freeze_lm_head:
+            drafter.lm_head.weight.requires_grad_(False)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
+                                      weight_decay=cfg.weight_decay)
+        history: list[dict[str, float]] = []
+        start_step, tokens_seen, loss_tokens_seen = 0, 0, 0
+        cpu_before, wall_before = 0.0, 0.0
+        if state is not None:
+            drafter.load_state_dict(state["drafter"])
+            optimizer.load_state_dict(state["optimizer"])
+            start_step, history = state["step"], state["history"]
+            tokens_seen, loss_tokens_seen = state["tokens_seen"], state["loss_tokens_seen"]
+            cpu_before, wall_before = state["cpu_time_s"], state["wall_time_s"]
+            torch.set_rng_state(state["torch_rng"])
+            log(f"resume: step {start_step} of {cfg.steps} from {ckpt}")
+
+        settings = {"aux_layer_ids": spec.aux_layer_ids, "draft_vocab_size": draft_vocab_size,
+                    "ttt_steps": ttt_steps, "ttt_decay": ttt_decay,
+                    "freeze_lm_head": freeze_lm_head, "fc_init": fc_init, "fc_norm": fc_norm}
+        cfg.extra.update(method="eagle3", base=given, base_name=base.name, **settings)
+        trainable = sum(p.numel() for p in params)
+        log(f"eagle3: target {base.name} ({target.num_layers} layers), aux layers "
+            f"{spec.aux_layer_ids}, draft vocab {spec.draft_vocab_size}, {trainable:,} "
+            f"trainable parameters; {data_stats['rows']} rows, {data_stats['tokens']:,} tokens")
+        sessions = list(state.get("sessions", [])) if state is not None else []
+        session = {"start_step": start_step, "command": command,
+                   "num_threads": torch.get_num_threads()}
+
+        def record() -> dict[str, Any]:
+            tail = history[-20:]
+            last = {k: round(sum(h[k] for h in tail if k in h)
+                             / max(1, sum(k in h for h in tail)), 4)
+                    for k in (tail[-1] if tail else {}) if k != "lr"}
+            chain = [last.get(f"chain_{k}", 0.0) for k in range(ttt_steps)]
+            return {
+                "method": "eagle3", "base": given, "base_path": str(base),
+                "command": command, "config": cfg.as_dict(), "data": data_info,
+                "steps": len(history), "tokens_seen": tokens_seen,
+                "loss_tokens_seen": loss_tokens_seen,
+                "cpu_time_s": round(cpu_before + time.process_time() - cpu0, 1),
+                "wall_time_s": round(wall_before + time.perf_counter() - wall0, 1),
+                "sessions": sessions + [dict(session, end_step=len(history))],
+                "trainable_parameters": trainable,
+                "first_loss": history[0]["loss"] if history else None,
+                "final_metrics_mean_last_20": last,
+                "estimated_acceptance_length": round(1 + sum(chain), 3),
+                "history_every": cfg.log_every,
+                "history": history[::cfg.log_every] + history[-1:],
+            }
+
+        def save() -> None:
+            if out is None:
+                return
+            rec = record()
+            save_drafter(out, drafter, {"diffspec_training": {
+                "steps": rec["steps"], "data_sha256": data_info["rows_sha256"]}})
+            _write_json(out / "training.json", rec)
+            (out / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
+            tmp = out / CHECKPOINT_DIR / f".{STATE_FILE}.tmp"
+            torch.save({
+                "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": len(history), "history": history, "tokens_seen": tokens_seen,
+                "loss_tokens_seen": loss_tokens_seen, "cpu_time_s": rec["cpu_time_s"],
+                "wall_time_s": rec["wall_time_s"], "torch_rng": torch.get_rng_state(),
+                "settings": settings, "draft_ids": draft_ids,
+                "data": {k: data_info[k] for k in ("files", "synthetic", "rows_sha256")},
+                "sessions": rec["sessions"], "config": cfg.as_dict(),
+            }, tmp)
+            os.replace(tmp, out / CHECKPOINT_DIR / STATE_FILE)
+
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        session_tokens0 = tokens_seen
+        drafter.train()
+        for step in range(start_step, cfg.steps):
+            lr = cfg.lr * cosine_lr_scale(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = batch_rows(rows, step, cfg.batch_size, cfg.seed)
+            _, lengths, prompt_lens = collate(batch)
+            counts = loss_counts(lengths, prompt_lens, ttt_steps)
+            optimizer.zero_grad(set_to_none=True)
+            loss, sums, n_loss = 0.0, {}, 0
+            # micro-batches of `micro_batch` rows (1: no padding at all); gradients add up
+            for i in range(0, len(batch), micro_batch):
+                ids, mb_lengths, mb_prompt_lens = collate(batch[i:i + micro_batch])
+                part = eagle3_loss(drafter, target, ids, mb_lengths, mb_prompt_lens,
+                                   ttt_steps, ttt_decay, counts)
+                if part.loss.requires_grad:  # a micro-batch may have no loss position
+                    part.loss.backward()
+                loss += float(part.loss.detach())
+                n_loss += part.loss_tokens
+                for key, value in part.sums.items():
+                    sums[key] = sums.get(key, 0) + value
+            if cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            result = StepLoss(torch.tensor(loss), sums, n_loss)
+            tokens_seen += int(lengths.sum())
+            loss_tokens_seen += result.loss_tokens
+            entry = {"loss": loss, **result.metrics(ttt_steps), "lr": lr}
+            history.append(entry)
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                elapsed = time.perf_counter() - wall0
+                accs = " ".join(f"{entry.get(f'acc_{k}', float('nan')):.3f}"
+                                for k in range(ttt_steps))
+                chains = " ".join(f"{entry.get(f'chain_{k}', float('nan')):.3f}"
+                                  for k in range(ttt_steps))
+                rate = (tokens_seen - session_tokens0) / max(elapsed, 1e-9)
+                log(f"step {step:5d}  loss {entry['loss']:.4f}  acc {accs}  chain {chains}  "
+                    f"lr {lr:.2e}  {rate:.0f} tok/s")
+            if save_every and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
+                save()
+            cpu_used = cpu_before + time.process_time() - cpu0
+            if max_cpu_s is not None and cpu_used >= max_cpu_s and step + 1 < cfg.steps:
+                log(f"stopping after step {step}: {cpu_used:.0f} s CPU >= the budget "
+                    f"{max_cpu_s:.0f} s (continue with --resume and a larger budget)")
+                session["stopped_by_cpu_budget"] = True
+                break
+        save()
+        drafter.eval()
+        return Eagle3Result(drafter, out, record(), history)
+    finally:
+        torch.set_num_threads(previous_threads)
