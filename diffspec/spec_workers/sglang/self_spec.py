@@ -58,7 +58,7 @@ from diffspec.core.accept import AcceptOutput, greedy_accept, rejection_sample_a
 from diffspec.core.sampling import process_logits
 from diffspec.model_executors.sglang.views import DraftBlocks
 
-__all__ = ["SelfSpecDraftInput", "SelfSpecVerifyInput", "SelfSpecWorker"]
+__all__ = ["SelfSpecDraftInput", "SelfSpecVerifyInput", "SelfSpecWorker", "TargetModelSpecWorker"]
 
 logger = logging.getLogger("diffspec")
 
@@ -111,14 +111,18 @@ class SelfSpecVerifyInput(SpecInput):
         self.num_tokens_for_logprob_per_req = self.draft_token_num
 
 
-class SelfSpecWorker(BaseSpecWorker):
-    """Draft with the served model's diffusion view, verify with its AR view."""
+class TargetModelSpecWorker(BaseSpecWorker):
+    """What every diffspec SGLang worker shares: it drafts with the served (target) model
+    itself, on the target's KV pool, so it has no draft worker and no private state; it
+    answers the scheduler's other questions through the target worker; it refuses, per
+    batch, the request options it cannot honour. Subclasses implement ``_prefill`` and
+    ``_decode``."""
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
         super().__init__()
-        self.method = str(server_args.speculative_algorithm).lower()  # orthrus, ...
         from sglang.srt.runtime_context import get_spec
 
+        self.method = str(server_args.speculative_algorithm).lower()  # orthrus, tidar, ...
         self.server_args = server_args
         self._target_worker = target_worker
         self._draft_worker = None
@@ -128,17 +132,10 @@ class SelfSpecWorker(BaseSpecWorker):
         self.speculative_num_draft_tokens = self.width
         self.speculative_num_steps = 1
         self.topk = 1
-        model = self.model_runner.model
-        if not hasattr(model, "diffusion_draft_logits"):
-            raise TypeError(
-                f"--speculative-algorithm {self.method.upper()} needs a model with a diffusion "
-                f"view; {type(model).__name__} has none (check config.json architectures)")
-        self.mask_token_id = int(model.config.mask_token_id)
-        self._offsets = torch.arange(self.width, device=self.device)  # [W]
 
     @property
     def draft_worker(self):
-        return None  # both passes run the target model on the target KV pool
+        return None  # every pass runs the target model on the target KV pool
 
     def clear_cache_pool(self) -> None:
         pass  # no private state outside SGLang's pools
@@ -154,6 +151,7 @@ class SelfSpecWorker(BaseSpecWorker):
         self, batch, on_publish=None, **_: object
     ) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify():
+            self._check_batch(batch)
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_decode():
             self._check_batch(batch)
@@ -169,6 +167,26 @@ class SelfSpecWorker(BaseSpecWorker):
             raise NotImplementedError(f"{self.method.upper()} does not return logprobs")
         if batch.has_grammar:
             raise NotImplementedError(f"{self.method.upper()} does not support grammars")
+
+    def _prefill(self, batch, on_publish) -> GenerationBatchResult:
+        raise NotImplementedError
+
+    def _decode(self, batch, on_publish) -> GenerationBatchResult:
+        raise NotImplementedError
+
+
+class SelfSpecWorker(TargetModelSpecWorker):
+    """Draft with the served model's diffusion view, verify with its AR view."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        model = self.model_runner.model
+        if not hasattr(model, "diffusion_draft_logits"):
+            raise TypeError(
+                f"--speculative-algorithm {self.method.upper()} needs a model with a diffusion "
+                f"view; {type(model).__name__} has none (check config.json architectures)")
+        self.mask_token_id = int(model.config.mask_token_id)
+        self._offsets = torch.arange(self.width, device=self.device)  # [W]
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         result = self._target_worker.forward_batch_generation(batch)

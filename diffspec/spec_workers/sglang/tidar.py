@@ -84,7 +84,6 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
 )
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from diffspec.core.checkpoint import inspect_checkpoint, require_method
@@ -96,7 +95,11 @@ from diffspec.model_executors.sglang.quadratic import (
     prefill_branch_layout,
     verify_step_layout,
 )
-from diffspec.spec_workers.sglang.self_spec import SelfSpecDraftInput, _accept
+from diffspec.spec_workers.sglang.self_spec import (
+    SelfSpecDraftInput,
+    TargetModelSpecWorker,
+    _accept,
+)
 
 __all__ = ["TiDARDraftInput", "TiDARWorker"]
 
@@ -121,22 +124,11 @@ class TiDARDraftInput(SelfSpecDraftInput):
         self.drafts = torch.cat([self.drafts, other.drafts])
 
 
-class TiDARWorker(BaseSpecWorker):
+class TiDARWorker(TargetModelSpecWorker):
     """Draft and verify with the served model in one quadratic forward per step."""
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
-        super().__init__()
-        from sglang.srt.runtime_context import get_spec
-
-        self.server_args = server_args
-        self._target_worker = target_worker
-        self._draft_worker = None
-        self.model_runner = target_worker.model_runner
-        self.device = self.model_runner.device
-        self.width = int(get_spec().speculative_num_draft_tokens)  # N = anchor + drafts
-        self.speculative_num_draft_tokens = self.width
-        self.speculative_num_steps = 1
-        self.topk = 1
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
         info = inspect_checkpoint(server_args.model_path)
         require_method(info, "tidar")
         self.mask_token_id = int(info.mask_token_id)
@@ -166,41 +158,6 @@ class TiDARWorker(BaseSpecWorker):
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
         return isinstance(self.model_runner.attn_backend, TorchNativeAttnBackend)
-
-    @property
-    def draft_worker(self):
-        return None  # one forward on the target model and its KV pool
-
-    def clear_cache_pool(self) -> None:
-        pass  # no private state outside SGLang's pools
-
-    def __getattr__(self, name: str):
-        if name == "_target_worker":
-            raise AttributeError(name)
-        return getattr(self._target_worker, name)
-
-    # ---------------------------------------------------------------------- scheduler API
-
-    def forward_batch_generation(
-        self, batch, on_publish=None, **_: object
-    ) -> GenerationBatchResult:
-        if batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify():
-            self._check_batch(batch)
-            return self._prefill(batch, on_publish)
-        if batch.forward_mode.is_decode():
-            self._check_batch(batch)
-            return self._decode(batch, on_publish)
-        raise RuntimeError(f"tidar: unexpected batch mode {batch.forward_mode} "
-                           f"(idle and mixed batches are not supported)")
-
-    def _check_batch(self, batch) -> None:
-        info = batch.sampling_info
-        if info is not None and info.need_min_p_sampling:
-            raise NotImplementedError("TIDAR does not support min_p sampling")
-        if batch.return_logprob:
-            raise NotImplementedError("TIDAR does not return logprobs")
-        if batch.has_grammar:
-            raise NotImplementedError("TIDAR does not support grammars")
 
     # ---------------------------------------------------------------------------- prefill
 
