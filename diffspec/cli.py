@@ -243,21 +243,31 @@ def build_parser() -> argparse.ArgumentParser:
                       " - 1; tidar: one trained branch)")
     opts.add_argument("--block-size", type=int, default=None,
                       help="fast_dllm: tokens per block (default: the checkpoint's, else 32)")
+    fast_dllm, refusion = METHODS["fast_dllm"].defaults, METHODS["refusion"].defaults
     opts.add_argument("--threshold", type=float, default=None,
                       help="fast_dllm: unmask every position with confidence > this (and at "
-                      "least the top-1); 1.0 = one token per step (default 0.9)")
+                      "least the top-1); 1.0 = one token per step (default "
+                      f"{fast_dllm['threshold']})")
     opts.add_argument("--cache", choices=("none", "prefix", "dual"), default=None,
-                      help="fast_dllm: KV cache mode (default: prefix)")
+                      help=f"fast_dllm: KV cache mode (default: {fast_dllm['cache']})")
     opts.add_argument("--slot-size", type=int, default=None,
-                      help="refusion: tokens per slot (default 8)")
+                      help="refusion: tokens per slot, the unit a plan picks and infills; "
+                      "max_tokens is rounded up to whole slots (default "
+                      f"{refusion['slot_size']}; ReFusion checkpoints are trained on 4 / 8 / 16 "
+                      "/ 32; the refusion defaults are GSAI-ML/ReFusion's GSM8K settings in "
+                      "one serial block)")
     opts.add_argument("--num-blocks", type=int, default=None,
-                      help="refusion: serial blocks (default 1)")
+                      help="refusion: serial blocks: the response is cut into this many equal "
+                      "blocks of whole slots, each planned and infilled before the next "
+                      f"starts (default {refusion['num_blocks']})")
     opts.add_argument("--slot-threshold", type=float, default=None,
-                      help="refusion: plan slots whose first-token probability is > this "
-                      "(default 0.9)")
+                      help="refusion: each plan picks every masked slot of the block whose "
+                      "first-token probability is > this, else the most likely one (default "
+                      f"{refusion['slot_threshold']})")
     opts.add_argument("--token-threshold", type=float, default=None,
-                      help="refusion: keep infilled tokens whose causal probability is > "
-                      "this (default 0.4)")
+                      help="refusion: verify keeps a picked slot's first token and its drafts "
+                      "up to the first whose causal probability is not > this; the rest are "
+                      f"drafted again (default {refusion['token_threshold']})")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=-1, help="-1 = off")

@@ -24,11 +24,12 @@ budget.
 CLI::
 
     python -m diffspec.testing.synthetic_refusion train --out DIR [--steps N --seed S]
-    python -m diffspec.testing.synthetic_refusion eval --model DIR [--slot-size 8 ...]
+    python -m diffspec.testing.synthetic_refusion eval [--model DIR --slot-size 32 ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
@@ -37,10 +38,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from diffspec.assets import ASSETS_DIR
+from diffspec.methods import METHODS
 from diffspec.testing import synthetic
 
 __all__ = [
     "ReFusionTrainConfig",
+    "build_parser",
     "evaluate",
     "refusion_example",
     "refusion_loss",
@@ -214,20 +218,32 @@ def evaluate(model_dir: str | Path, slot_size: int, num_blocks: int, slot_thresh
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    module = "diffspec.testing.synthetic_refusion"
+_MODULE = "diffspec.testing.synthetic_refusion"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``train`` and ``eval``; ``eval`` decodes with the registry's refusion defaults (those
+    of ``diffspec generate --method refusion``) unless told otherwise."""
     parser, sub, _ = synthetic.trainer_cli(
-        module, "fine-tune synth-qwen3 with the ReFusion objective", ReFusionTrainConfig)
-    ev = sub.add_parser("eval", help="TPF and slots per plan of ReFusion decoding")
-    ev.add_argument("--model", required=True)
-    ev.add_argument("--slot-size", type=int, default=8)
-    ev.add_argument("--num-blocks", type=int, default=2)
-    ev.add_argument("--slot-threshold", type=float, default=0.9)
-    ev.add_argument("--token-threshold", type=float, default=0.4)
+        _MODULE, "fine-tune synth-qwen3 with the ReFusion objective", ReFusionTrainConfig)
+    ev = sub.add_parser("eval", help="TPF and slots per plan of ReFusion decoding (default "
+                        "settings: those of `diffspec generate --method refusion`)")
+    ev.add_argument("--model", default=str(ASSETS_DIR / METHODS["refusion"].bundled),
+                    help="checkpoint folder (default: the bundled synth-refusion)")
+    defaults = METHODS["refusion"].defaults
+    ev.add_argument("--slot-size", type=int, default=defaults["slot_size"])
+    ev.add_argument("--num-blocks", type=int, default=defaults["num_blocks"])
+    ev.add_argument("--slot-threshold", type=float, default=defaults["slot_threshold"])
+    ev.add_argument("--token-threshold", type=float, default=defaults["token_threshold"])
     synthetic.add_prompt_args(ev, prompts=20)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd == "train":
-        return synthetic.run_train(module, args, train_synthetic_refusion)
+        return synthetic.run_train(_MODULE, args, train_synthetic_refusion)
     print(json.dumps(evaluate(args.model, args.slot_size, args.num_blocks, args.slot_threshold,
                               args.token_threshold, args.max_tokens, args.prompts, args.seed),
                      indent=2))

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_QWEN3_DIR, SYNTH_REFUSION_DIR, SYNTH_TIDAR_DIR
-from diffspec.cli import main
+from diffspec.cli import _decode_options, build_parser, main
 from diffspec.methods import METHODS
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_help_lists_methods_with_their_bundled_model_and_imports_no_torch():
@@ -95,3 +99,94 @@ def test_generate_with_method_options(method, model, options, capsys):
     assert main(args + (["--model", str(model)] if model else [])) == 0
     err = capsys.readouterr().err
     assert f"[{method}]" in err and "TPF" in err
+
+
+# ---------------------------------------------------------------- refusion defaults, README
+
+REFUSION_OPTIONS = ("slot_size", "num_blocks", "slot_threshold", "token_threshold")
+
+
+def _readme_commands(prefix: str) -> list[list[str]]:
+    """The README's indented command lines starting with ``prefix``, split as a shell does."""
+    lines = [line.strip() for line in README.read_text().splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith(prefix)]
+
+
+def test_refusion_defaults_are_the_published_settings_in_one_block():
+    """GSAI-ML/ReFusion's GSM8K slot size and thresholds (:class:`ReFusionConfig`'s defaults)
+    in one serial block, so any --max-tokens splits into whole slots."""
+    from diffspec.spec_workers.reference.refusion import ReFusionConfig
+
+    published = ReFusionConfig()
+    assert dict(METHODS["refusion"].defaults) == {
+        "slot_size": published.slot_size, "num_blocks": 1,
+        "slot_threshold": published.slot_threshold,
+        "token_threshold": published.token_threshold}
+    for max_tokens in (1, 31, 64, 100):
+        ReFusionConfig(**METHODS["refusion"].defaults).layout(max_tokens)  # no ValueError
+
+
+def test_generate_decodes_refusion_with_the_registry_defaults(capsys):
+    """No option given: the parsed options are None and the decoder resolves them to the
+    registry's defaults; ``generate --help`` names each of them."""
+    from diffspec.spec_workers.reference import load_decoder
+
+    args = build_parser().parse_args(["generate", "--method", "refusion", "--prompt", "x"])
+    assert all(getattr(args, k) is None for k in REFUSION_OPTIONS)
+    decoder = load_decoder("refusion", SYNTH_REFUSION_DIR,
+                           **{k: getattr(args, k) for k in _decode_options()})
+    assert {k: decoder.options[k] for k in REFUSION_OPTIONS} == dict(
+        METHODS["refusion"].defaults)
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for key, value in METHODS["refusion"].defaults.items():
+        flag = f"--{key.replace('_', '-')}"
+        entry = help_text[help_text.index(f"{flag} {key.upper()} refusion: "):]
+        assert f"(default {value}" in entry[:entry.index(")") + 1]
+
+
+def _generate_stats(argv: list[str], capsys) -> tuple[int, int]:
+    """``(tokens, forwards)`` from the summary line ``diffspec generate`` prints."""
+    assert main(argv) == 0
+    summary = capsys.readouterr().err
+    head = summary[summary.index("] ") + 2:].split(", ")
+    return int(head[0].split()[0]), int(head[1].split()[0])
+
+
+def test_refusion_defaults_are_fast_on_a_prompt_that_small_slots_stall(capsys):
+    """sample_prompts(16, 1)[6]: with slot 8 the plan commits later slots first and decodes
+    about one token per forward (measured 64 tokens in 66 forwards); the defaults, 64 in 12."""
+    from diffspec.testing.synthetic import sample_prompts
+
+    argv = ["generate", "--method", "refusion", "--prompt", sample_prompts(16, seed=1)[6]]
+    tokens, forwards = _generate_stats(argv, capsys)
+    slot8_tokens, slot8_forwards = _generate_stats([*argv, "--slot-size", "8"], capsys)
+    assert tokens == slot8_tokens == 64
+    assert tokens / forwards > 4 and slot8_tokens / slot8_forwards < 2
+
+
+def test_readme_refusion_commands_parse_and_use_the_generate_defaults(capsys):
+    """The README's ReFusion figures come from commands a user can run as written: the
+    ``eval`` lines decode with ``generate``'s defaults (bar the option they name), and the
+    ``diffspec generate`` line prints the summary the README quotes."""
+    from diffspec.testing.synthetic_refusion import build_parser as eval_parser
+
+    readme = " ".join(README.read_text().split())
+    evals = _readme_commands("python -m diffspec.testing.synthetic_refusion eval")
+    assert len(evals) == 2
+    for command in evals:
+        args = eval_parser().parse_args(command[3:])
+        given = {a.lstrip("-").replace("-", "_") for a in command[3:] if a.startswith("--")}
+        for key, value in METHODS["refusion"].defaults.items():
+            if key not in given:
+                assert getattr(args, key) == value, (command, key)
+        assert args.model == str(SYNTH_REFUSION_DIR) and args.max_tokens == 64
+
+    [generate] = _readme_commands("diffspec generate --method refusion")
+    args = build_parser().parse_args(generate[1:])
+    assert args.method == "refusion" and args.model is None
+    assert all(getattr(args, k) is None for k in REFUSION_OPTIONS)
+    tokens, forwards = _generate_stats(generate[1:], capsys)
+    assert f"prints `[refusion] {tokens} tokens, {forwards} forwards, TPF " \
+           f"{tokens / forwards:.2f}, ...`" in readme
