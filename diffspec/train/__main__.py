@@ -49,6 +49,10 @@ def _add_train_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     g.add_argument("--num-threads", type=int, default=1,
                    help="torch CPU threads (default 1, reproducible; 0 = torch's default)")
     g.add_argument("--log-every", type=int, default=defaults.log_every)
+    g.add_argument("--autocast-bf16", action="store_true",
+                   help="CPU autocast to bf16 for the matmuls (about 2x faster on CPUs with "
+                        "AVX512-BF16 / AMX; weights, optimizer and losses stay fp32); "
+                        "eagle3 and orthrus --answers-only")
 
 
 def _add_data_arg(p: argparse.ArgumentParser) -> None:
@@ -106,6 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--measure", action="store_true",
                    help="after training, measure TPF / acceptance with the reference decoder on "
                         "synthetic prompts (synthetic-language models only)")
+    a = o.add_argument_group(
+        "answer rows (real models: python -m diffspec.train.sharegpt shards)",
+        "--answers-only trains on whole conversation rows (JSONL token_ids + prompt_len), "
+        "anchors in the answers only, one row per forward, resumable and CPU-budgeted; "
+        "--out receives the heads (with --rank) plus checkpoint/state.pt")
+    a.add_argument("--answers-only", action="store_true",
+                   help="conversation rows, anchors in answers (rows longer than --seq-len "
+                        "keep their beginning)")
+    a.add_argument("--save-every", type=int, default=25,
+                   help="write the heads and the resumable state every N steps")
+    a.add_argument("--snapshot-every", type=int, default=0,
+                   help="also keep the heads of every N-th step in OUT/snapshots/ (for the "
+                        "acceptance-vs-training-tokens curve)")
+    a.add_argument("--max-cpu-minutes", type=float,
+                   help="stop (and save) once the run's CPU time, all sessions together, "
+                        "reaches this; set --steps so that the schedule ends near it")
+    a.add_argument("--resume", action="store_true",
+                   help="continue OUT/checkpoint up to --steps (the first session's data "
+                        "files and settings)")
+    a.add_argument("--max-rows", type=int, help="use only the first N rows of the data")
     _add_train_args(o, TrainConfig(steps=1200, lr=3e-3, batch_size=16, seq_len=192))
 
     n = sub.add_parser(
@@ -216,7 +240,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _orthrus(args: argparse.Namespace, command: str) -> int:
-    from diffspec.train.orthrus import measure_orthrus, train_orthrus, write_training_md
+    from diffspec.train.orthrus import (
+        measure_orthrus,
+        train_orthrus,
+        train_orthrus_answers,
+        write_training_md,
+    )
+
+    if args.answers_only:
+        if args.measure:
+            raise SystemExit("--measure is for synthetic-language models; measure heads "
+                             "trained with --answers-only in an engine (benchmarks/)")
+        result = train_orthrus_answers(
+            args.base, args.out, _config(args), data=args.data, block_size=args.block_size,
+            mask_token_id=args.mask_token_id, num_anchors=args.num_anchors, rank=args.rank,
+            save_every=args.save_every, snapshot_every=args.snapshot_every,
+            max_cpu_s=None if args.max_cpu_minutes is None else 60 * args.max_cpu_minutes,
+            resume=args.resume, max_rows=args.max_rows, autocast_bf16=args.autocast_bf16,
+            command=command,
+        )
+        keys = ("steps", "tokens_seen", "cpu_time_s", "wall_time_s", "first_loss",
+                "final_metrics_mean_last_20", "estimated_acceptance_length")
+        print(json.dumps({k: result.record[k] for k in keys}, indent=2))
+        return 0
+    if args.resume or args.max_cpu_minutes is not None:
+        raise SystemExit("--resume / --max-cpu-minutes need --answers-only (the packed-row "
+                         "trainer runs in one session)")
 
     result = train_orthrus(
         args.base, args.out, _config(args), data=args.data, block_size=args.block_size,
@@ -273,7 +322,8 @@ def _eagle3(args: argparse.Namespace, command: str) -> int:
         ttt_decay=args.ttt_decay, aux_layer_ids=args.aux_layers,
         draft_vocab_size=args.draft_vocab or None, freeze_lm_head=args.freeze_lm_head,
         save_every=args.save_every, micro_batch=args.micro_batch, fc_init=args.fc_init,
-        fc_norm=args.fc_norm, resume=args.resume, max_rows=args.max_rows,
+        fc_norm=args.fc_norm, autocast_bf16=args.autocast_bf16, resume=args.resume,
+        max_rows=args.max_rows,
         max_cpu_s=None if args.max_cpu_minutes is None else 60 * args.max_cpu_minutes,
         command=command,
     )

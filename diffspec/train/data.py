@@ -19,6 +19,7 @@ row). Documents come from
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,13 +28,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = [
     "AnchorBlocks",
     "PackedRows",
+    "Row",
     "anchor_blocks",
+    "batch_rows",
+    "collate",
+    "data_files",
     "document_source",
+    "files_sha256",
+    "load_rows",
     "load_tokenizer",
     "make_dataloader",
     "pack_rows",
@@ -212,6 +220,142 @@ def anchor_blocks(
     return AnchorBlocks(ids.flatten(1), positions[:, seq_len:], mask[:, seq_len:], anchors)
 
 
+# ------------------------------------------------------------- conversation rows
+
+
+@dataclass
+class Row:
+    token_ids: list[int]
+    prompt_len: int = 0  # loss on tokens at index >= prompt_len
+
+
+def data_files(data: Sequence[str]) -> list[Path]:
+    """The files ``data`` names (folders: their ``*.jsonl`` and text files, recursively,
+    hidden temp files skipped); ``[]`` for ``["synthetic"]``."""
+    return [] if list(data) == ["synthetic"] else _expand(data)
+
+
+def load_rows(
+    data: Sequence[str] | None,
+    seq_len: int,
+    *,
+    files: Sequence[Path] | None = None,
+    tokenizer_from: str | Path | None = None,
+    synthetic_rows: int = 0,
+    seed: int = 0,
+    min_loss_tokens: int = 4,
+) -> tuple[list[Row], dict[str, Any]]:
+    """Training rows (cut to ``seq_len``) and a summary (counts, sha256 of the rows).
+
+    JSONL rows give ``token_ids`` (+ ``prompt_len``: loss on the answer only) or ``text``
+    (tokenized with ``tokenizer_from``'s tokenizer, loss everywhere); text files are cut
+    into ``seq_len`` windows; ``["synthetic"]`` packs ``synthetic_rows`` rows of the
+    synthetic language. A row cut at ``seq_len`` keeps its beginning (the exact context the
+    target saw); rows left with fewer than ``min_loss_tokens`` trainable positions are
+    dropped (e.g. prompts longer than ``seq_len``)."""
+    rows: list[Row] = []
+    tokenizer = None
+
+    def tok():
+        nonlocal tokenizer
+        if tokenizer is None:
+            if tokenizer_from is None:
+                raise ValueError("text data needs a tokenizer (tokenizer_from)")
+            tokenizer = load_tokenizer(tokenizer_from)
+        return tokenizer
+
+    stats = {"rows_read": 0, "rows_cut": 0, "rows_dropped": 0}
+    if data is not None and list(data) == ["synthetic"]:
+        source = document_source(["synthetic"], tok(), seed=seed)
+        for i, ids in enumerate(pack_rows(source(), seq_len)):
+            if i >= synthetic_rows:
+                break
+            rows.append(Row(ids, 0))
+    else:
+        for path in files if files is not None else _expand(data or []):
+            if path.suffix == ".jsonl":
+                with path.open(encoding="utf-8") as f:
+                    for line in f:
+                        if not line.strip():
+                            continue
+                        r = json.loads(line)
+                        if "token_ids" in r:
+                            rows.append(Row([int(t) for t in r["token_ids"]],
+                                            int(r.get("prompt_len") or 0)))
+                        else:
+                            rows.append(Row(list(tok()(r["text"], add_special_tokens=False)
+                                                 ["input_ids"]), 0))
+            else:
+                ids = list(tok()(path.read_text(encoding="utf-8", errors="replace"),
+                                 add_special_tokens=False)["input_ids"])
+                rows += [Row(ids[i:i + seq_len], 0) for i in range(0, len(ids), seq_len)]
+    stats["rows_read"] = len(rows)
+    kept: list[Row] = []
+    for r in rows:
+        if len(r.token_ids) > seq_len:
+            r = Row(r.token_ids[:seq_len], r.prompt_len)
+            stats["rows_cut"] += 1
+        if len(r.token_ids) - max(r.prompt_len, 2) < min_loss_tokens:
+            stats["rows_dropped"] += 1
+            continue
+        kept.append(r)
+    digest = hashlib.sha256()
+    for r in kept:
+        digest.update(json.dumps([r.prompt_len, r.token_ids]).encode())
+    stats.update(rows=len(kept), tokens=sum(len(r.token_ids) for r in kept),
+                 answer_tokens=sum(len(r.token_ids) - r.prompt_len for r in kept),
+                 rows_sha256=digest.hexdigest())
+    return kept, stats
+
+
+def files_sha256(files: Sequence[Path]) -> str:
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def batch_rows(rows: Sequence[Row], step: int, batch_size: int, seed: int,
+               salt: str = "diffspec.eagle3") -> list[Row]:
+    """Rows of optimizer step ``step``: global row indices ``step*B .. step*B+B-1`` in a
+    per-epoch seeded permutation (the same rows in a fresh and a resumed run)."""
+    n = len(rows)
+    out = []
+    for g in range(step * batch_size, (step + 1) * batch_size):
+        epoch, i = divmod(g, n)
+        perm = _permutation(n, seed, epoch, salt)
+        out.append(rows[perm[i]])
+    return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int, str], list[int]] = {}
+
+
+def _permutation(n: int, seed: int, epoch: int, salt: str) -> list[int]:
+    key = (n, seed, epoch, salt)
+    if key not in _PERM_CACHE:
+        _PERM_CACHE.clear()
+        perm = list(range(n))
+        random.Random(f"{salt}:{seed}:{epoch}").shuffle(perm)
+        _PERM_CACHE[key] = perm
+    return _PERM_CACHE[key]
+
+
+def collate(rows: Sequence[Row], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids [B, T] right-padded, lengths [B], prompt_lens [B])."""
+    t = max(len(r.token_ids) for r in rows)
+    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.long)
+    lengths = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.long)
+    prompt_lens = torch.tensor([r.prompt_len for r in rows], dtype=torch.long)
+    return ids, lengths, prompt_lens
+
+
+
 # ---------------------------------------------------------------------------- helpers
 
 
@@ -221,6 +365,7 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
         if p.is_dir():
             files += sorted(
                 f for f in p.rglob("*") if f.is_file() and f.suffix in (*TEXT_SUFFIXES, ".jsonl")
+                and not f.name.startswith(".")  # skip temp files of a writer at work
             )
         elif p.is_file():
             files.append(p)

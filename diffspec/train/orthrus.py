@@ -330,3 +330,254 @@ def _measured_section(measured: dict[str, dict[str, Any]], num_drafts: int) -> l
             lines.append(f"| `{name}` | {when} | {m['tpf']} | {m['mean_accept_length']} | "
                          f"{m['mean_accepted_drafts']} | {m['equal_ar']} |")
     return [*lines, ""]
+
+
+# ------------------------------------------------- answer rows: resumable, CPU-budgeted
+
+
+def answer_anchors(
+    length: int, prompt_len: int, block_size: int, num: int, generator: torch.Generator
+) -> Tensor:  # [min(num, candidates)] int64, sorted
+    """Distinct anchors whose drafts predict answer tokens: ``a`` in ``max(1, prompt_len -
+    1) .. length - 2`` (the last prompt token anchors the first block of an answer, as at
+    inference; every anchor has at least one draft inside the row). Empty when the row has
+    no such position."""
+    lo, hi = max(1, prompt_len - 1), length - 2
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.long)
+    picked = torch.randperm(hi - lo + 1, generator=generator)[:num] + lo
+    return torch.sort(picked).values
+
+
+def answer_positions(anchors: Tensor, block_size: int, length: int) -> tuple[Tensor, Tensor]:
+    """Teacher positions ``a + j`` (draft ``j`` predicts token ``a + j + 1``) ``[n, K-1]``,
+    clamped inside the row, and which of them have a target token in the row."""
+    positions = anchors[:, None] + torch.arange(block_size - 1)  # [n, K-1]
+    valid = positions <= length - 2
+    return positions.clamp(max=length - 1), valid
+
+
+def chain_lengths(agree: Tensor) -> Tensor:  # [n, K-1] bool -> [n] int64
+    """Leading drafts equal to the teacher's argmax: what a greedy verify accepts."""
+    return torch.cumprod(agree.long(), dim=-1).sum(-1)
+
+
+def orthrus_row_step(
+    model,  # OrthrusModel (lm frozen but for the *_diff parameters)
+    distiller: BlockDistiller,
+    ids: Tensor,  # [1, T] one conversation row (prompt + answer)
+    anchors: Tensor,  # [n] from answer_anchors
+    normalizer: int,  # supervised positions in the whole batch (the loss is their mean)
+) -> tuple[Tensor, dict[str, float]]:
+    """Loss (back-propagated by the caller) and metric sums of one row: forward KL from the
+    AR view to the diffusion view at every valid draft position of every anchor block."""
+    length, block_size = ids.shape[1], model.block_size
+    teacher_logits, cache = distiller._teacher(ids)  # [1, T, V]
+    blocks = anchor_blocks(ids, anchors[None], block_size, model.mask_token_id)
+    with model.diffusion_view():
+        logits = block_view_logits(model.lm, blocks.input_ids, blocks.position_ids, cache,
+                                   blocks.attention_mask)  # [1, n*K, V]
+    n, vocab = anchors.shape[0], logits.shape[-1]
+    student = logits.view(n, block_size, vocab)[:, :-1]  # [n, K-1, V] shifted drafts
+    positions, valid = answer_positions(anchors, block_size, length)
+    teacher = teacher_logits[0, positions]  # [n, K-1, V]
+    logq = torch.log_softmax(student[valid].float(), dim=-1)
+    logp = torch.log_softmax(teacher[valid].float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum()
+    with torch.no_grad():
+        agree = (student.argmax(-1) == teacher.argmax(-1)) & valid
+        full = valid.all(-1)  # anchors whose whole block lies in the row
+        chains = chain_lengths(agree[full])
+        sums = {"kl": float(kl), "count": int(valid.sum()), "right": int(agree.sum()),
+                "anchors": int(full.sum()), "chain": int(chains.sum())}
+        for j in range(block_size - 1):
+            sums[f"accept_{j}"] = int((chains > j).sum())
+    return kl / normalizer, sums
+
+
+def answer_metrics(sums: dict[str, float], block_size: int) -> dict[str, float]:
+    """``kl`` / ``acc`` per supervised position; ``est_al``: 1 + mean accepted drafts of
+    a full block (greedy, teacher-forced on the model's own answers); ``accept_j``: share of
+    blocks whose first ``j + 1`` drafts are all accepted."""
+    out: dict[str, float] = {}
+    if sums.get("count"):
+        out["kl"] = sums["kl"] / sums["count"]
+        out["acc"] = sums["right"] / sums["count"]
+    if sums.get("anchors"):
+        out["est_al"] = 1 + sums["chain"] / sums["anchors"]
+        for j in range(block_size - 1):
+            out[f"accept_{j}"] = sums[f"accept_{j}"] / sums["anchors"]
+    return out
+
+
+def train_orthrus_answers(
+    base: str | Path,
+    out_dir: str | Path | None,
+    cfg: TrainConfig,
+    *,
+    data: list[str] | tuple[str, ...],
+    block_size: int = 8,
+    mask_token_id: int | None = None,
+    num_anchors: int = 64,
+    rank: int | None = 64,
+    save_every: int = 25,
+    snapshot_every: int = 0,
+    max_cpu_s: float | None = None,
+    resume: bool = False,
+    max_rows: int | None = None,
+    autocast_bf16: bool = False,
+    command: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Orthrus heads distilled on whole conversation rows (JSONL ``token_ids`` +
+    ``prompt_len``, e.g. :mod:`diffspec.train.sharegpt` shards), anchors in the answers
+    only, ``num_anchors`` blocks per row in one dual-pass forward (every block over the
+    same AR cache), one row per forward (no padding), gradients accumulated over
+    ``cfg.batch_size`` rows. Resumable (``out_dir/checkpoint/state.pt`` every
+    ``save_every`` steps; ``resume`` continues it on the first session's data files), and
+    stopped at ``max_cpu_s`` of CPU, all sessions together. Every ``snapshot_every``
+    steps the heads are also copied to ``out_dir/snapshots/step-NNNNN`` (the curve of
+    acceptance against training tokens is measured on those). ``autocast_bf16``: matmuls
+    in bf16 (CPU autocast; about twice as fast where the CPU has AVX512-BF16 / AMX), the
+    weights, optimizer and losses in fp32."""
+    import sys
+
+    from diffspec.core.checkpoint import resolve_checkpoint
+    from diffspec.model_executors.reference.orthrus import save_orthrus, save_orthrus_heads
+    from diffspec.train import cosine_lr_scale
+    from diffspec.train.data import batch_rows, data_files, files_sha256, load_rows
+    from diffspec.train.runs import ResumableRun, write_json
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    given, base = str(base), resolve_checkpoint(base)
+    run = ResumableRun.open(out_dir, resume=resume, max_cpu_s=max_cpu_s, command=command)
+    state = run.state
+    if state is not None:
+        saved = state["settings"]
+        block_size, mask_token_id = saved["block_size"], saved["mask_token_id"]
+        num_anchors, rank = saved["num_anchors"], saved["rank"]
+        autocast_bf16 = saved["autocast_bf16"]
+    previous_threads = torch.get_num_threads()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        model = _load_start(base, block_size, mask_token_id, rank, cfg.seed)
+        params = model.diffusion_parameters()
+        freeze_all_but(model.lm, params)
+        files = [Path(f) for f in state["data"]["files"]] if state is not None \
+            else data_files(data)
+        rows, data_stats = load_rows(None, cfg.seq_len, files=files, tokenizer_from=base)
+        if max_rows is not None:
+            rows = rows[:max_rows]
+        if not rows:
+            raise ValueError(f"no training rows in {list(data)}")
+        data_info = {"sources": [str(d) for d in data], "files": [str(f) for f in files],
+                     "files_sha256": files_sha256(files), **data_stats}
+        if state is not None and state["data"]["rows_sha256"] != data_info["rows_sha256"]:
+            raise ValueError("--resume: the data rows differ from the first session's "
+                             "(a data file changed)")
+        settings = {"block_size": model.block_size, "mask_token_id": model.mask_token_id,
+                    "num_anchors": num_anchors, "rank": rank, "autocast_bf16": autocast_bf16}
+        cfg.extra.update(method="orthrus", mode="answers", base=given, base_name=base.name,
+                         data=list(data), **settings)
+        distiller = BlockDistiller(model.lm, block_size=model.block_size,
+                                   mask_token_id=model.mask_token_id, num_anchors=num_anchors,
+                                   draft_view=model.diffusion_view, seed=cfg.seed)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
+                                      weight_decay=cfg.weight_decay)
+        if state is not None:
+            model.lm.load_state_dict(state["heads"], strict=False)
+            optimizer.load_state_dict(state["optimizer"])
+            distiller.generator.set_state(state["anchor_rng"])
+            torch.set_rng_state(state["torch_rng"])
+            log(f"resume: step {run.step} of {cfg.steps} from {run.state_path}")
+        trainable = sum(p.numel() for p in params)
+        log(f"orthrus (answers): base {base.name}, block {model.block_size}, "
+            f"{num_anchors} anchors per row, rank {rank}, {trainable:,} trainable "
+            f"parameters; {data_stats['rows']} rows, {data_stats['answer_tokens']:,} answer "
+            f"tokens")
+        out = Path(out_dir) if out_dir is not None else None
+
+        def record() -> dict[str, Any]:
+            tail = run.history[-20:]
+            keys = [k for k in (tail[-1] if tail else {}) if k not in ("lr", "tokens_seen")]
+            last = {k: round(sum(h[k] for h in tail if k in h)
+                             / max(1, sum(k in h for h in tail)), 4) for k in keys}
+            return {"method": "orthrus", "mode": "answers", "base": given,
+                    "base_path": str(base), "command": command, "config": cfg.as_dict(),
+                    "data": data_info, **run.counters(), "trainable_parameters": trainable,
+                    "first_loss": run.history[0]["loss"] if run.history else None,
+                    "final_metrics_mean_last_20": last,
+                    "estimated_acceptance_length": last.get("est_al"),
+                    "history": run.history, "torch": torch.__version__,
+                    "date": time.strftime("%Y-%m-%d")}
+
+        def save(folder: Path, *, state_too: bool) -> None:
+            if rank is None:
+                save_orthrus(model, folder)
+            else:
+                save_orthrus_heads(model, folder, round_model=False)
+            write_json(folder / "training.json", record())
+            if state_too:
+                run.save_state({
+                    "heads": {n: p.detach().clone() for n, p in model.lm.named_parameters()
+                              if "_diff." in n},
+                    "optimizer": optimizer.state_dict(), "settings": settings,
+                    "anchor_rng": distiller.generator.get_state(),
+                    "data": {k: data_info[k] for k in ("files", "rows_sha256")},
+                    "config": cfg.as_dict()})
+
+        model.lm.train()
+        run.start()
+        for step in range(run.step, cfg.steps):
+            lr = cfg.lr * cosine_lr_scale(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = batch_rows(rows, step, cfg.batch_size, cfg.seed, salt="diffspec.orthrus")
+            anchors = [answer_anchors(len(r.token_ids), r.prompt_len, model.block_size,
+                                      num_anchors, distiller.generator) for r in batch]
+            normalizer = sum(int(answer_positions(a, model.block_size,
+                                                  len(r.token_ids))[1].sum())
+                             for a, r in zip(anchors, batch, strict=True))
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            loss = 0.0
+            for r, a in zip(batch, anchors, strict=True):
+                if not len(a):
+                    continue
+                ids = torch.tensor(r.token_ids, dtype=torch.long)[None]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+                    part, row_sums = orthrus_row_step(model, distiller, ids, a, normalizer)
+                part.backward()
+                loss += float(part.detach())
+                for k, v in row_sums.items():
+                    sums[k] = sums.get(k, 0) + v
+            if cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            entry = {"loss": loss, **answer_metrics(sums, model.block_size), "lr": lr}
+            run.record_step(entry, sum(len(r.token_ids) for r in batch))
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                eta = run.eta_s(cfg.steps)
+                log(f"step {step:5d}/{cfg.steps}  loss {loss:.4f}  acc "
+                    f"{entry.get('acc', float('nan')):.3f}  est. AL "
+                    f"{entry.get('est_al', float('nan')):.2f}  lr {lr:.2e}  "
+                    f"{run.session_rate():.0f} tok/s  {run.cpu_time_s / 60:.1f} CPU-min  "
+                    f"ETA {eta / 60:.0f} min")
+            done = step + 1
+            if out is not None and snapshot_every and done % snapshot_every == 0:
+                save(out / "snapshots" / f"step-{done:05d}", state_too=False)
+            if out is not None and save_every and done % save_every == 0 and done < cfg.steps:
+                save(out, state_too=True)
+            if done < cfg.steps and run.over_budget():
+                log(f"stopping after step {step}: {run.cpu_time_s:.0f} s CPU >= the budget "
+                    f"{max_cpu_s:.0f} s (continue with --resume and a larger budget)")
+                break
+        if out is not None:
+            save(out, state_too=True)
+        model.lm.eval()
+        fit_result = FitResult(run.history, run.wall_time_s, run.cpu_time_s, model.lm)
+        return TrainResult(model, out, record(), fit_result)
+    finally:
+        torch.set_num_threads(previous_threads)

@@ -472,14 +472,16 @@ def base_weights_sha256(base: str | Path | nn.Module) -> str:
 
 
 def save_orthrus_heads(
-    model: OrthrusModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16
+    model: OrthrusModel, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *,
+    round_model: bool = True,
 ) -> Path:
     """Write the compact heads folder of a low-rank Orthrus model: ``heads.safetensors``
     (``model.layers.N.self_attn.{q,k,v,o}_proj_diff.lora_A`` ``[rank, in]`` / ``.lora_B``
     ``[out, rank]`` in ``dtype``, plus ``{q,k}_norm_diff.weight`` on Qwen3) and
     ``heads.json`` (base architecture and sizes, rank, block_size, mask_token_id, EOS ids,
     the sha256 of the base weights, dtype). The factors are rounded to ``dtype`` *in the
-    model too*, so the model in memory is the one the folder describes."""
+    model too*, so the model in memory is the one the folder describes (``round_model=False``
+    leaves the model as it is: a snapshot taken while training goes on)."""
     from safetensors.torch import save_file
 
     if model.rank is None:
@@ -489,9 +491,10 @@ def save_orthrus_heads(
     if name is None:
         raise ValueError(f"heads dtype must be one of {', '.join(_HEADS_DTYPES)}, got {dtype}")
     lm = model.lm
-    with torch.no_grad():
-        for p in model.diffusion_parameters():
-            p.copy_(p.to(dtype))  # round in place: memory == file
+    if round_model:
+        with torch.no_grad():
+            for p in model.diffusion_parameters():
+                p.copy_(p.to(dtype))  # round in place: memory == file
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in lm.state_dict().items()
                if "_diff." in k}
     base = model.source if model.source is not None else lm

@@ -1,0 +1,151 @@
+"""Resumable training runs under a CPU budget (a run may span several sessions).
+
+:class:`ResumableRun` keeps what a trainer needs to stop and continue bit for bit: the
+per-step history, tokens seen, CPU and wall time of all sessions together, and one
+``state.pt`` written atomically (``checkpoint/state.pt`` under the output folder). The
+trainer owns the model and optimizer state; the run adds its own counters and checks the
+CPU budget after each step.
+
+Used by :func:`diffspec.train.orthrus.train_orthrus_answers`; the EAGLE-3 trainer keeps
+the same file layout and fields (``checkpoint/state.pt``; ``step``, ``history``,
+``tokens_seen``, ``cpu_time_s``, ``wall_time_s``, ``sessions``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "state.pt"
+
+__all__ = ["CHECKPOINT_DIR", "STATE_FILE", "ResumableRun", "write_json"]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically (a temp file, then a rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class ResumableRun:
+    """Counters of one run across sessions; ``state`` is what the last session saved
+    (``None`` for a fresh run)."""
+
+    out: Path | None
+    max_cpu_s: float | None = None
+    command: str | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    tokens_seen: int = 0
+    cpu_before: float = 0.0
+    wall_before: float = 0.0
+    sessions: list[dict[str, Any]] = field(default_factory=list)
+    state: dict[str, Any] | None = None
+    stopped_by_budget: bool = False
+
+    def __post_init__(self) -> None:
+        self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
+        self._session_tokens0 = 0
+
+    @property
+    def state_path(self) -> Path | None:
+        return None if self.out is None else self.out / CHECKPOINT_DIR / STATE_FILE
+
+    @classmethod
+    def open(cls, out: str | Path | None, *, resume: bool, max_cpu_s: float | None = None,
+             command: str | None = None) -> ResumableRun:
+        """A fresh run, or (``resume``) the one saved under ``out``."""
+        import torch
+
+        run = cls(Path(out) if out is not None else None, max_cpu_s, command)
+        if resume:
+            path = run.state_path
+            if path is None or not path.is_file():
+                raise FileNotFoundError(f"--resume: no checkpoint at {path} (start the run "
+                                        f"without --resume first)")
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            run.state = state
+            run.history = list(state["history"])
+            run.tokens_seen = int(state["tokens_seen"])
+            run.cpu_before, run.wall_before = state["cpu_time_s"], state["wall_time_s"]
+            run.sessions = list(state.get("sessions", []))
+        run.start()
+        return run
+
+    def start(self) -> None:
+        """Start this session's clocks (call right before the first step)."""
+        self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
+        self._session_tokens0 = self.tokens_seen
+        self._session = {"start_step": self.step, "command": self.command}
+
+    @property
+    def step(self) -> int:
+        """Steps done, all sessions together (the next step's index)."""
+        return len(self.history)
+
+    @property
+    def cpu_time_s(self) -> float:
+        return self.cpu_before + time.process_time() - self._cpu0
+
+    @property
+    def wall_time_s(self) -> float:
+        return self.wall_before + time.perf_counter() - self._wall0
+
+    def session_rate(self) -> float:
+        """Tokens per wall second in this session."""
+        return (self.tokens_seen - self._session_tokens0) / max(
+            time.perf_counter() - self._wall0, 1e-9)
+
+    def record_step(self, entry: dict[str, float], tokens: int) -> None:
+        self.tokens_seen += tokens
+        self.history.append(dict(entry, tokens_seen=self.tokens_seen))
+
+    def over_budget(self) -> bool:
+        """True (and noted in the session record) once the CPU budget is spent."""
+        if self.max_cpu_s is not None and self.cpu_time_s >= self.max_cpu_s:
+            self.stopped_by_budget = True
+            self._session["stopped_by_cpu_budget"] = True
+            return True
+        return False
+
+    def eta_s(self, total_steps: int) -> float:
+        """Wall seconds left at this session's pace (to ``total_steps`` or the CPU budget,
+        whichever comes first)."""
+        done = self.step - self._session["start_step"]
+        per_step_wall = (time.perf_counter() - self._wall0) / max(done, 1)
+        left = (total_steps - self.step) * per_step_wall
+        if self.max_cpu_s is not None and done:
+            per_step_cpu = (time.process_time() - self._cpu0) / done
+            cpu_left_steps = max(0.0, self.max_cpu_s - self.cpu_time_s) / max(per_step_cpu,
+                                                                               1e-9)
+            left = min(left, cpu_left_steps * per_step_wall)
+        return left
+
+    def counters(self) -> dict[str, Any]:
+        """The run's counters for ``training.json`` and ``state.pt``."""
+        return {
+            "steps": self.step, "tokens_seen": self.tokens_seen,
+            "cpu_time_s": round(self.cpu_time_s, 1), "wall_time_s": round(self.wall_time_s, 1),
+            "sessions": self.sessions + [dict(self._session, end_step=self.step)],
+        }
+
+    def save_state(self, payload: dict[str, Any]) -> None:
+        """``payload`` (the trainer's model / optimizer / settings) plus the counters and
+        torch's RNG state, written atomically to ``checkpoint/state.pt``."""
+        import torch
+
+        if self.out is None:
+            return
+        path = self.state_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        counters = self.counters()
+        torch.save({**payload, **counters, "history": self.history,
+                    "step": self.step, "torch_rng": torch.get_rng_state()}, tmp)
+        os.replace(tmp, path)

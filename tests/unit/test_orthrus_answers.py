@@ -1,0 +1,104 @@
+"""Orthrus heads on conversation rows (train_orthrus_answers): answer-only anchors, metrics,
+resume bit for bit, the CPU budget, snapshots. The bundled synth-qwen3; seconds on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from diffspec.train import TrainConfig
+from diffspec.train.orthrus import (
+    answer_anchors,
+    answer_metrics,
+    answer_positions,
+    chain_lengths,
+    train_orthrus_answers,
+)
+
+BASE = Path(__file__).resolve().parents[2] / "diffspec" / "assets" / "synth-qwen3"
+
+
+def test_answer_anchors_stay_in_the_answer():
+    g = torch.Generator().manual_seed(0)
+    a = answer_anchors(length=40, prompt_len=10, block_size=8, num=100, generator=g)
+    # the last prompt token (9) anchors the first answer block; every anchor has a target
+    assert a.tolist() == list(range(9, 39))
+    assert answer_anchors(40, 10, 8, 5, g).unique().numel() == 5
+    assert answer_anchors(12, 11, 8, 4, g).tolist() == [10]  # one answer token: one anchor
+    assert answer_anchors(11, 11, 8, 4, g).numel() == 0  # no answer: no anchor
+    assert answer_anchors(5, 0, 8, 10, g).tolist() == [1, 2, 3]  # position 0 sees nothing
+
+
+def test_answer_positions_and_chains():
+    positions, valid = answer_positions(torch.tensor([3, 10]), block_size=4, length=13)
+    assert positions.tolist() == [[3, 4, 5], [10, 11, 12]]
+    assert valid.tolist() == [[True, True, True], [True, True, False]]
+    agree = torch.tensor([[True, True, False], [True, False, True], [False, True, True]])
+    assert chain_lengths(agree).tolist() == [2, 1, 0]
+    m = answer_metrics({"kl": 6.0, "count": 3, "right": 2, "anchors": 2, "chain": 3,
+                        "accept_0": 2, "accept_1": 1, "accept_2": 0}, block_size=4)
+    assert m == {"kl": 2.0, "acc": 2 / 3, "est_al": 2.5, "accept_0": 1.0, "accept_1": 0.5,
+                 "accept_2": 0.0}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> Path:
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+    from diffspec.train.eagle3 import greedy_rows
+
+    tok = build_tokenizer()
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in sample_prompts(24, 7)]
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    with path.open("w") as f:
+        for r in greedy_rows(BASE, prompts, 40):
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def _cfg(steps: int) -> TrainConfig:
+    return TrainConfig(steps=steps, lr=1e-2, warmup_steps=2, batch_size=3, seq_len=96,
+                       log_every=100)
+
+
+def _run(out, rows, steps, **kw):
+    return train_orthrus_answers(BASE, out, _cfg(steps), data=[str(rows)], block_size=8,
+                                 num_anchors=12, rank=8, log=lambda m: None, **kw)
+
+
+def _heads(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "heads.safetensors"))
+
+
+def test_training_lowers_the_divergence_and_resumes_bit_for_bit(rows, tmp_path):
+    full = _run(tmp_path / "full", rows, 30, save_every=10, snapshot_every=15)
+    hist = full.record["history"]
+    assert len(hist) == 30 and hist[-1]["tokens_seen"] == full.record["tokens_seen"]
+    first = sum(h["kl"] for h in hist[:5]) / 5
+    last = sum(h["kl"] for h in hist[-5:]) / 5
+    assert last < 0.8 * first, (first, last)  # the heads learn the AR view's distributions
+    assert all(1.0 <= h["est_al"] <= 8.0 for h in hist)
+    assert sorted(p.name for p in (tmp_path / "full" / "snapshots").iterdir()) == [
+        "step-00015", "step-00030"]
+    record = json.loads((tmp_path / "full" / "training.json").read_text())
+    assert record["mode"] == "answers" and record["steps"] == 30
+
+    _run(tmp_path / "split", rows, 30, max_cpu_s=0.0)  # stops after its first step
+    first_session = json.loads((tmp_path / "split" / "training.json").read_text())
+    assert first_session["steps"] == 1
+    assert first_session["sessions"][0]["stopped_by_cpu_budget"]
+    resumed = _run(tmp_path / "split", rows, 30, resume=True)
+    assert resumed.record["steps"] == 30 and len(resumed.record["sessions"]) == 2
+    a, b = _heads(tmp_path / "full"), _heads(tmp_path / "split")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_needs_a_checkpoint(rows, tmp_path):
+    with pytest.raises(FileNotFoundError, match="without --resume first"):
+        _run(tmp_path / "none", rows, 3, resume=True)
