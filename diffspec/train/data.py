@@ -231,8 +231,19 @@ class Row:
 
 def data_files(data: Sequence[str]) -> list[Path]:
     """The files ``data`` names (folders: their ``*.jsonl`` and text files, recursively,
-    hidden temp files skipped); ``[]`` for ``["synthetic"]``."""
-    return [] if list(data) == ["synthetic"] else _expand(data)
+    hidden temp files skipped); ``[]`` for ``["synthetic"]``. A folder whose
+    ``manifest.json`` (:mod:`diffspec.train.sharegpt`) says it answers the held-out split is
+    refused: those rows measure drafters and must never train one."""
+    if list(data) == ["synthetic"]:
+        return []
+    for d in map(Path, data):
+        manifest = d / "manifest.json"
+        if d.is_dir() and manifest.is_file():
+            split = json.loads(manifest.read_text()).get("prompts", {}).get("split")
+            if split == "held-out":
+                raise ValueError(f"{d} holds answers to the held-out prompts (its manifest "
+                                 f"says split: held-out); train on the train split's folder")
+    return _expand(data)
 
 
 def load_rows(

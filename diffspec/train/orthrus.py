@@ -581,3 +581,29 @@ def train_orthrus_answers(
         return TrainResult(model, out, record(), fit_result)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+@torch.no_grad()
+def measure_answer_acceptance(model, rows, *, max_anchors: int = 4096,
+                              seed: int = 0) -> dict[str, float]:
+    """Greedy acceptance of ``model``'s drafts on conversation rows (``diffspec.train.data.Row``,
+    e.g. the model's own answers to held-out prompts), teacher-forced: every answer anchor
+    (up to ``max_anchors`` per row) drafts a block over the AR cache of the row's prefix,
+    and a draft counts as accepted while it equals the AR view's argmax, as a greedy verify
+    decides on the model's own greedy text. Returns :func:`answer_metrics` (``est_al``,
+    ``accept_j``, ``acc``, ``kl``) over all rows."""
+    distiller = BlockDistiller(model.lm, block_size=model.block_size,
+                               mask_token_id=model.mask_token_id, num_anchors=max_anchors,
+                               draft_view=model.diffusion_view, seed=seed)
+    model.lm.eval()
+    sums: dict[str, float] = {}
+    for r in rows:
+        anchors = answer_anchors(len(r.token_ids), r.prompt_len, model.block_size, max_anchors,
+                                 distiller.generator)
+        if not len(anchors):
+            continue
+        ids = torch.tensor(r.token_ids, dtype=torch.long)[None]
+        _, row_sums = orthrus_row_step(model, distiller, ids, anchors, 1)
+        for k, v in row_sums.items():
+            sums[k] = sums.get(k, 0) + v
+    return answer_metrics(sums, model.block_size)

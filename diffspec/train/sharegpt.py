@@ -634,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
                                                        "teacher precision)")
     g.add_argument("--kv-cache-gib", type=int, default=2,
                    help="CPU KV cache (VLLM_CPU_KVCACHE_SPACE, when not already set)")
+    g.add_argument("--split", choices=("train", "held-out"), default="train",
+                   help="answer the train prompts (default) or the held-out ones: rows to "
+                        "measure drafters on, never to train on (the trainers refuse a "
+                        "folder whose manifest says held-out)")
 
     h = sub.add_parser(
         "held-out", help="write the held-out prompts as {\"prompt\": ...} JSONL",
@@ -673,7 +677,9 @@ def _run(args) -> int:
         write_held_out(args.out, held)
         _stderr(f"[sharegpt] wrote {len(held)} held-out prompts to {args.out}")
     else:
-        manifest = generate(args.model, train, args.out, max_new_tokens=args.max_new_tokens,
+        held_out = args.split == "held-out"
+        provenance["split"] = args.split
+        manifest = generate(args.model, held if held_out else train, args.out, max_new_tokens=args.max_new_tokens,
                             shard_size=args.shard_size, batch_size=args.batch_size,
                             dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                             provenance=provenance)

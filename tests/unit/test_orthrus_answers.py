@@ -102,3 +102,19 @@ def test_training_lowers_the_divergence_and_resumes_bit_for_bit(rows, tmp_path):
 def test_resume_needs_a_checkpoint(rows, tmp_path):
     with pytest.raises(FileNotFoundError, match="without --resume first"):
         _run(tmp_path / "none", rows, 3, resume=True)
+
+
+def test_trainers_refuse_held_out_answers(rows, tmp_path):
+    folder = tmp_path / "heldout"
+    folder.mkdir()
+    (folder / "shard-00000.jsonl").write_text(rows.read_text())
+    (folder / "manifest.json").write_text(json.dumps({"prompts": {"split": "held-out"}}))
+    with pytest.raises(ValueError, match="held-out prompts"):
+        train_orthrus_answers(BASE, None, _cfg(2), data=[str(folder)], log=lambda m: None)
+    from diffspec.model_executors.reference.orthrus import orthrus_from_base
+    from diffspec.train.data import load_rows
+    from diffspec.train.orthrus import measure_answer_acceptance  # evaluation reads them
+
+    measured, _ = load_rows(None, 96, files=[folder / "shard-00000.jsonl"])
+    m = measure_answer_acceptance(orthrus_from_base(BASE, 8, rank=4), measured[:3])
+    assert 1.0 <= m["est_al"] <= 8.0 and m["accept_0"] >= m["accept_1"] >= m["accept_6"]

@@ -1,0 +1,95 @@
+"""Acceptance of Orthrus heads against training tokens, measured on held-out answers.
+
+    python -m benchmarks.acceptance_curve --base BASE --run RUN_DIR --data HELDOUT_DIR \\
+        [--max-rows 32] --out DIR
+
+``RUN_DIR`` is an ``orthrus --answers-only --snapshot-every N`` output: the heads in
+``RUN_DIR/snapshots/step-*`` and the final heads in ``RUN_DIR``; ``HELDOUT_DIR`` holds the
+model's greedy answers to held-out prompts (``python -m diffspec.train.sharegpt generate
+--split held-out``), rows no trainer read. For each heads folder (and the untrained heads,
+``B = 0``), :func:`diffspec.train.orthrus.measure_answer_acceptance` gives the acceptance
+length of a full block and the acceptance per draft position, teacher-forced on those
+answers: what a greedy verify accepts when the model decodes them. Training tokens come
+from the run's ``training.json``. Writes ``DIR/acceptance_curve.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from diffspec.model_executors.reference.orthrus import load_orthrus_heads, orthrus_from_base
+    from diffspec.train.data import load_rows
+    from diffspec.train.orthrus import measure_answer_acceptance
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.acceptance_curve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True)
+    p.add_argument("--run", required=True, type=Path)
+    p.add_argument("--data", required=True, nargs="+")
+    p.add_argument("--max-rows", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True, type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    files = []
+    for d in args.data:  # held-out folders are refused by data_files: read their shards
+        files += sorted(Path(d).glob("*.jsonl")) if Path(d).is_dir() else [Path(d)]
+    rows, _ = load_rows(None, args.seq_len, files=files)
+    rows = rows[:args.max_rows]
+    record = json.loads((args.run / "training.json").read_text())
+    steps_tokens = {i + 1: h["tokens_seen"] for i, h in enumerate(record["history"])}
+    folders = sorted((args.run / "snapshots").glob("step-*")) + [args.run]
+    heads = json.loads((args.run / "heads.json").read_text())
+    points = []
+    untrained = orthrus_from_base(args.base, heads["block_size"], heads["mask_token_id"],
+                                  rank=heads["rank"])
+    t0 = time.perf_counter()
+    points.append({"heads": "untrained (B = 0)", "step": 0, "tokens": 0,
+                   **measure_answer_acceptance(untrained, rows)})
+    del untrained
+    for folder in folders:
+        rec = json.loads((folder / "training.json").read_text())
+        model = load_orthrus_heads(args.base, folder)
+        m = measure_answer_acceptance(model, rows)
+        step = rec["steps"]
+        points.append({"heads": str(folder), "step": step,
+                       "tokens": steps_tokens.get(step, rec["tokens_seen"]), **m})
+        print(f"{folder.name}: step {step}, {points[-1]['tokens']:,} tokens, "
+              f"AL {m.get('est_al', float('nan')):.3f}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = {"command": "python -m benchmarks.acceptance_curve " + " ".join(argv or []),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "rows": len(rows), "data": [str(f) for f in files], "points": points,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    (args.out / "acceptance_curve.json").write_text(json.dumps(out, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([q["tokens"] for q in points], [q["est_al"] for q in points], marker="o")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(f"acceptance length ({heads['block_size'] - 1} drafts)")
+        ax.set_title(f"Orthrus heads on {len(rows)} held-out answers ({out['date']})",
+                     fontsize=9)
+        fig.tight_layout()
+        fig.savefig(args.out / "acceptance_curve.png", dpi=100)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
