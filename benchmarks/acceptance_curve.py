@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True, type=Path)
     p.add_argument("--data", required=True, nargs="+")
     p.add_argument("--max-rows", type=int, default=32)
+    p.add_argument("--max-anchors", type=int, default=64,
+                   help="answer anchors per row (seeded, the same for every heads folder)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True, type=Path)
@@ -53,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
                                   rank=heads["rank"])
     t0 = time.perf_counter()
     points.append({"heads": "untrained (B = 0)", "step": 0, "tokens": 0,
-                   **measure_answer_acceptance(untrained, rows)})
+                   **measure_answer_acceptance(untrained, rows, max_anchors=args.max_anchors)})
     del untrained
     for folder in folders:
         rec = json.loads((folder / "training.json").read_text())
         model = load_orthrus_heads(args.base, folder)
-        m = measure_answer_acceptance(model, rows)
+        m = measure_answer_acceptance(model, rows, max_anchors=args.max_anchors)
         step = rec["steps"]
         points.append({"heads": str(folder), "step": step,
                        "tokens": steps_tokens.get(step, rec["tokens_seen"]), **m})
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"command": "python -m benchmarks.acceptance_curve " + " ".join(argv or []),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "rows": len(rows), "data": [str(f) for f in files], "points": points,
+           "rows": len(rows), "max_anchors": args.max_anchors, "data": [str(f) for f in files], "points": points,
            "seconds": round(time.perf_counter() - t0, 1)}
     (args.out / "acceptance_curve.json").write_text(json.dumps(out, indent=2) + "\n")
     try:

@@ -28,6 +28,10 @@ drafts sorted by gain. Other costs (two forwards, quadratic branches) are search
 way, which is a greedy approximation there; ties go to fewer drafts. Greedy output is the
 same whatever the policy picks: the verify rule, not the draft count, decides the tokens.
 
+A server started with one fixed draft count (vLLM's ``num_speculative_tokens``) takes the
+batch-of-one answer: :func:`recommend_draft_count`, from the acceptance per draft position
+as vLLM counts it (:func:`conditional_acceptance` turns it into ``a(i)``).
+
 Nothing here imports torch or an engine: the engines' drafters call it with their own
 batch state and counters.
 """
@@ -42,11 +46,16 @@ from typing import Literal
 __all__ = [
     "AcceptanceEstimate",
     "AdaptiveDrafts",
+    "DraftChoice",
     "LatencyProfile",
     "StepCost",
     "choose_draft_counts",
+    "choose_shared_draft_count",
+    "conditional_acceptance",
     "expected_tokens",
     "load_latency_profile",
+    "recommend_draft_count",
+    "tokens_per_second",
 ]
 
 
@@ -105,6 +114,26 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return total
 
 
+def conditional_acceptance(per_position: Sequence[float]) -> list[float]:
+    """``a(i)`` from the acceptance per draft position as vLLM counts it
+    (``num_accepted_tokens_per_pos[j] / num_drafts``: the share of verify steps in which
+    drafts ``0 .. j`` were all accepted): ``a(j) = p(j) / p(j - 1)``, clamped to [0, 1]
+    (0 after a position that was never reached)."""
+    conditional, previous = [], 1.0
+    for p in per_position:
+        p = min(max(float(p), 0.0), 1.0)
+        conditional.append(min(p / previous, 1.0) if previous > 0 else 0.0)
+        previous = p
+    return conditional
+
+
+def tokens_per_second(acceptance: Sequence[float], k: int, profile: LatencyProfile,
+                      cost: StepCost) -> float:
+    """Expected committed tokens per second of one request drafting ``k`` tokens a step
+    (``acceptance``: conditional, as for :func:`expected_tokens`)."""
+    return expected_tokens(acceptance, k) / cost.latency(profile, [k])
+
+
 def choose_draft_counts(
     acceptance: Sequence[Sequence[float]],  # [num_reqs][max_drafts] conditional acceptance
     max_drafts: Sequence[int],  # [num_reqs] most drafts each request may take this step
@@ -137,6 +166,67 @@ def choose_draft_counts(
         if rate > best_rate * (1 + 1e-9):
             best_rate, best = rate, list(counts)
     return best
+
+
+def choose_shared_draft_count(
+    acceptance: Sequence[Sequence[float]],  # [num_reqs][max_drafts] conditional acceptance
+    max_drafts: Sequence[int],  # [num_reqs] most drafts each request may take this step
+    profile: LatencyProfile,
+    cost: StepCost,
+) -> int:
+    """One draft count for every request of the step (engines whose verify forward has one
+    width per step, e.g. SGLang's linear verify): the ``k`` maximizing expected committed
+    tokens per second when every request is charged ``k + 1`` tokens in each forward and
+    request ``r`` drafts ``min(k, max_drafts[r])``. Ties go to fewer drafts; 0 = a plain AR
+    step for the whole batch."""
+    if not max_drafts:
+        return 0
+    n = len(max_drafts)
+    best_k, best_rate = 0, n / cost.latency(profile, [0] * n)
+    for k in range(1, max(max_drafts) + 1):
+        tokens = sum(expected_tokens(acc, min(k, limit))
+                     for acc, limit in zip(acceptance, max_drafts, strict=True))
+        rate = tokens / cost.latency(profile, [k] * n)
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """A fixed draft count for one request (what a static ``num_speculative_tokens``
+    sets) and the estimate behind it."""
+
+    k: int  # drafts per step
+    expected_tokens: float  # committed per step
+    step_s: float  # seconds per step (all of its forwards)
+    ar_step_s: float  # seconds per plain AR step (one 1-token forward)
+    best_k: int  # the policy's own choice; k differs only when min_drafts lifted it
+
+    @property
+    def speedup(self) -> float:
+        """Estimated tokens/s relative to plain AR."""
+        return self.expected_tokens / self.step_s * self.ar_step_s
+
+
+def recommend_draft_count(per_position: Sequence[float], max_drafts: int,
+                          profile: LatencyProfile, cost: StepCost,
+                          min_drafts: int = 0) -> DraftChoice:
+    """The draft count in ``[min_drafts, max_drafts]`` with the most expected tokens per
+    second for a single request (:func:`choose_draft_counts` with a batch of one), from
+    the acceptance per draft position as vLLM counts it (:func:`conditional_acceptance`;
+    positions past the list never accept). ``min_drafts = 1`` asks for the best
+    speculative setting where plain AR (``k = 0``) would win."""
+    if not 0 <= min_drafts <= max_drafts:
+        raise ValueError(f"need 0 <= min_drafts <= max_drafts, got {min_drafts}, {max_drafts}")
+    acceptance = conditional_acceptance(per_position)
+    best = choose_draft_counts([acceptance], [max_drafts], profile, cost)[0]
+    k = best
+    if k < min_drafts:  # first best wins: ties go to fewer drafts
+        k = max(range(min_drafts, max_drafts + 1),
+                key=lambda n: tokens_per_second(acceptance, n, profile, cost))
+    return DraftChoice(k=k, expected_tokens=expected_tokens(acceptance, k),
+                       step_s=cost.latency(profile, [k]), ar_step_s=profile(1), best_k=best)
 
 
 @dataclass
@@ -226,6 +316,18 @@ class AdaptiveDrafts:
         self.steps += 1
         self.last_counts = counts
         return counts
+
+    def choose_shared(self, req_ids: Sequence[str], max_drafts: Sequence[int]) -> int:
+        """One draft count for the whole step (:func:`choose_shared_draft_count`); each
+        request is recorded as drafting ``min(k, its max_drafts)``."""
+        acceptance = self.estimate.conditional
+        k = choose_shared_draft_count([acceptance] * len(req_ids), max_drafts, self.profile,
+                                      self.cost)
+        counts = [min(k, limit) for limit in max_drafts]
+        self.proposed.update(zip(req_ids, counts))
+        self.steps += 1
+        self.last_counts = counts
+        return k
 
     def forget(self, live_req_ids: set[str]) -> None:
         """Drop the proposals of requests that left the batch."""

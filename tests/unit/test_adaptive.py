@@ -133,3 +133,63 @@ def test_adaptive_drafts_learns_from_outcomes_and_backs_off() -> None:
     policy.forget({"a"})
     assert set(policy.proposed) <= {"a"}
     assert "batch 2" in policy.summary()
+
+
+@pytest.mark.parametrize(
+    ("per_position", "conditional"),
+    [
+        ([0.9, 0.45, 0.09], [0.9, 0.5, 0.2]),  # vLLM's counts: non-increasing shares
+        ([0.5, 0.0, 0.0], [0.5, 0.0, 0.0]),  # never reached past the first draft
+        ([0.0, 0.0], [0.0, 0.0]),
+        ([1.2, 0.6], [1.0, 0.6]),  # clamped to [0, 1]
+        ([], []),
+    ],
+    ids=["decaying", "stops", "none_accepted", "clamped", "empty"],
+)
+def test_conditional_acceptance(per_position, conditional) -> None:
+    from diffspec.core.adaptive import conditional_acceptance
+
+    assert conditional_acceptance(per_position) == pytest.approx(conditional)
+    # the expected tokens are the per-position shares summed, whichever form is used
+    assert expected_tokens(conditional, len(per_position)) == pytest.approx(
+        1 + sum(min(p, 1.0) for p in per_position))
+
+
+def test_recommend_draft_count_for_one_request() -> None:
+    from diffspec.core.adaptive import recommend_draft_count
+
+    flat = LatencyProfile({1: 0.010, 8: 0.010})
+    full = recommend_draft_count([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], 7, flat, TWO_PASS)
+    assert (full.k, full.best_k) == (7, 7)
+    assert full.expected_tokens == pytest.approx(5.2)
+    assert (full.step_s, full.ar_step_s) == (pytest.approx(0.020), pytest.approx(0.010))
+    assert full.speedup == pytest.approx(2.6)
+    # only the first drafts are cheap: 3 tokens per forward are flat, 4 cost double
+    knee = LatencyProfile({1: 0.010, 3: 0.010, 4: 0.020, 8: 0.060})
+    assert recommend_draft_count([0.95, 0.9, 0.85, 0.1, 0.05], 7, knee, TWO_PASS).k == 2
+    # weak drafts: plain AR wins (k = 0), unless at least one draft is asked for
+    weak = LatencyProfile({1: 0.010, 8: 0.012})
+    assert recommend_draft_count([0.3, 0.0], 7, weak, TWO_PASS).k == 0
+    lifted = recommend_draft_count([0.3, 0.0], 7, weak, TWO_PASS, min_drafts=1)
+    assert (lifted.k, lifted.best_k) == (1, 0) and lifted.speedup < 1
+    with pytest.raises(ValueError):
+        recommend_draft_count([0.5], 2, weak, TWO_PASS, min_drafts=3)
+
+
+def test_one_shared_count_per_step() -> None:
+    from diffspec.core.adaptive import AdaptiveDrafts, choose_shared_draft_count
+
+    flat = LatencyProfile({1: 0.01, 4096: 0.01})
+    compute = LatencyProfile({1: 0.001, 1000: 1.0})
+    assert choose_shared_draft_count([[0.6] * 7] * 3, [7] * 3, flat, TWO_PASS) == 7
+    assert choose_shared_draft_count([[0.9] * 7] * 4, [7] * 4, compute, TWO_PASS) == 0
+    assert choose_shared_draft_count([[0.2] * 7], [7], flat, TWO_PASS) == 0
+    assert choose_shared_draft_count([], [], flat, TWO_PASS) == 0
+    # per-request limits cap what a request drafts, not the step's width
+    assert choose_shared_draft_count([[0.9] * 7] * 2, [2, 7], flat, TWO_PASS) == 7
+    shared = [choose_shared_draft_count([[0.8] * 15] * b, [15] * b, ROOFLINE, LINEAR)
+              for b in (1, 4, 16, 64, 256)]
+    assert shared[0] == 15 and shared[-1] == 0 and shared == sorted(shared, reverse=True)
+    policy = AdaptiveDrafts(7, flat, TWO_PASS)
+    assert policy.choose_shared(["a", "b"], [7, 3]) == 7
+    assert policy.proposed == {"a": 7, "b": 3} and policy.last_counts == [7, 3]

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The embedded default's drafters, end to end, on CPU: distillation data, Orthrus heads and
+# an EAGLE-3 drafter trained on the same rows with the same CPU budget, the acceptance
+# curve, and the one-run comparison in vLLM (driver + vllm bench serve).
+#
+#   bash benchmarks/smollm2_drafters.sh STAGE [STAGE ...]
+#   stages: data heldout train-eagle3 train-orthrus curve profile compare bench-serve
+#
+# Every stage is resumable (data shards, training checkpoints) or cheap to rerun. Paths:
+# RUNS (default ./runs) holds data, drafters and results; OUT (default
+# benchmarks/results/smollm2-drafters) the published figures. Budgets as run on
+# 2026-11-24 (2-core AMD EPYC, shared): 60 CPU-minutes per drafter, one thread each.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+RUNS=${RUNS:-runs}
+OUT=${OUT:-benchmarks/results/smollm2-drafters}
+BASE=${BASE:-$($PY -c 'from diffspec.default_model import base_checkpoint; print(base_checkpoint())')}
+DATA=$RUNS/sharegpt-smollm2-256
+CPU_MINUTES=${CPU_MINUTES:-60}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+
+stage() {
+  case "$1" in
+    data)  # the model's own greedy answers to ShareGPT's train prompts (vLLM, fp32)
+      $PY -m diffspec.default_model --base-only
+      # the run behind the published figures used the first 15 shards (3,840 prompts);
+      # --max-prompts 3840 reproduces exactly those
+      $PY -m diffspec.train.sharegpt generate --out "$DATA" --max-new-tokens 256 \
+          --shard-size 256 --batch-size 64 --max-prompts "${MAX_PROMPTS:-3840}" ;;
+    heldout)  # held-out prompts (benchmark) and the model's answers to 48 of them (curve)
+      $PY -m diffspec.train.sharegpt held-out --out "$RUNS/heldout.jsonl"
+      $PY -m diffspec.train.sharegpt generate --split held-out --max-prompts 48 \
+          --out "$RUNS/heldout-smollm2-256" --max-new-tokens 256 --shard-size 48 --batch-size 48 ;;
+    train-eagle3)  # the baseline: vLLM's eagle3 layout, 16k draft vocabulary
+      OMP_NUM_THREADS=1 $PY -m diffspec.train eagle3 --base "$BASE" --data "$DATA" \
+          --out "$RUNS/eagle3-smollm2" --seq-len 512 --batch-size 4 --lr 1e-3 \
+          --warmup-steps 20 --steps 600 --draft-vocab 16384 --autocast-bf16 \
+          --max-cpu-minutes "$CPU_MINUTES" --save-every 25 --log-every 5 ${RESUME:+--resume} ;;
+    train-orthrus)  # ours: rank-64 heads, block 8, 64 answer anchors per row
+      OMP_NUM_THREADS=1 $PY -m diffspec.train orthrus --base "$BASE" --data "$DATA" \
+          --out "$RUNS/orthrus-smollm2" --answers-only --rank 64 --block-size 8 \
+          --mask-token-id 16 --num-anchors 64 --seq-len 512 --batch-size 4 --lr 2e-3 \
+          --warmup-steps 10 --steps 200 --autocast-bf16 --max-cpu-minutes "$CPU_MINUTES" \
+          --save-every 10 --snapshot-every 25 --log-every 1 ${RESUME:+--resume} ;;
+    curve)  # Orthrus acceptance vs training tokens, on held-out answers
+      $PY -m benchmarks.acceptance_curve --base "$BASE" --run "$RUNS/orthrus-smollm2" \
+          --data "$RUNS/heldout-smollm2-256" --max-rows 12 --max-anchors 64 --threads 2 \
+          --out "$OUT/curve" ;;
+    profile)  # this machine's forward latency for the block-size recommendation
+      $PY benchmarks/profile_forward.py --model "$BASE" --query-lens 1,2,3,4,5,6,7,8 \
+          --contexts 256 --repeats 10 --stat min --threads 2 --out "$OUT/profile" ;;
+    compare)  # the Orthrus checkpoint (base + heads), then AR / ngram / EAGLE-3 / Orthrus
+      $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
+materialize_orthrus('$BASE', '$RUNS/orthrus-smollm2', '$RUNS/orthrus-smollm2-ckpt')"
+      for ds in "jsonl --data-path $RUNS/heldout.jsonl" gsm8k humaneval; do
+        name=$(echo "$ds" | cut -d' ' -f1); [ "$name" = jsonl ] && name=sharegpt-heldout
+        $PY -m benchmarks.driver --model "$RUNS/orthrus-smollm2-ckpt" --dataset $ds \
+            --num-prompts "${NUM_PROMPTS:-12}" --chat --max-tokens 128 --max-model-len 2048 \
+            --engines vllm --baselines "${BASELINES:-ar,ngram:4,eagle3:3,orthrus:7}" \
+            --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 \
+            --profile "$OUT/profile/forward_latency.json" --out "$OUT/$name"
+      done
+      $PY -m benchmarks.compare --reports "$OUT"/{sharegpt-heldout,gsm8k,humaneval}/report.json \
+          --curve "orthrus=$RUNS/orthrus-smollm2/training.json" \
+          --curve "eagle3=$RUNS/eagle3-smollm2/training.json" --out "$OUT" ;;
+    bench-serve)  # the same baselines through vLLM's own benchmark client
+      $PY -m benchmarks.vllm_bench_serve --model "$RUNS/orthrus-smollm2-ckpt" \
+          --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:7}" \
+          --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 --num-prompts 12 \
+          --output-len 128 --out "$OUT/bench-serve" ;;
+    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus curve profile compare bench-serve)" >&2; exit 2 ;;
+  esac
+}
+
+[ $# -ge 1 ] || { sed -n 2,12p "$0"; exit 2; }
+for s in "$@"; do stage "$s"; done
