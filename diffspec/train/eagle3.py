@@ -60,7 +60,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +78,7 @@ from diffspec.train.data import (
     files_sha256,
     load_rows,
 )
+from diffspec.train.runs import ResumableRun, write_json
 
 __all__ = [
     "DrafterSpec",
@@ -93,9 +93,6 @@ __all__ = [
     "save_drafter",
     "train_eagle3",
 ]
-
-CHECKPOINT_DIR = "checkpoint"
-STATE_FILE = "state.pt"
 
 
 # ------------------------------------------------------------------------------- config
@@ -575,14 +572,8 @@ def save_drafter(out_dir: str | Path, drafter: Eagle3Drafter,
     tmp = out / ".model.safetensors.tmp"
     save_file(drafter.export_state(), str(tmp))
     os.replace(tmp, out / "model.safetensors")
-    _write_json(out / "config.json", config)
+    write_json(out / "config.json", config)
     return out
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def train_eagle3(
@@ -617,12 +608,9 @@ def train_eagle3(
         raise ValueError("ttt_steps must be >= 1")
     given, base = str(base), resolve_checkpoint(base)
     out = Path(out_dir) if out_dir is not None else None
-    state = None
-    ckpt = out / CHECKPOINT_DIR / STATE_FILE if out is not None else None
-    if resume:
-        if ckpt is None or not ckpt.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    run = ResumableRun.open(out, resume=resume, max_cpu_s=max_cpu_s, command=command)
+    state = run.state
+    if state is not None:
         saved = state["settings"]
         aux_layer_ids, draft_vocab_size = saved["aux_layer_ids"], saved["draft_vocab_size"]
         ttt_steps, ttt_decay = saved["ttt_steps"], saved["ttt_decay"]
@@ -659,7 +647,7 @@ def train_eagle3(
         if state is not None and state["data"]["rows_sha256"] != data_info["rows_sha256"]:
             raise ValueError("--resume: the data rows differ from the first session's "
                              "(a data file changed)")
-        if state is not None and data_files(data) != files and not synthetic:
+        if state is not None and not synthetic and data_files(data) != files:
             log(f"resume: reading the first session's {len(files)} files only "
                 f"({len(data_files(data)) - len(files)} newer files ignored)")
 
@@ -675,17 +663,13 @@ def train_eagle3(
         params = [p for p in drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
                                       weight_decay=cfg.weight_decay)
-        history: list[dict[str, float]] = []
-        start_step, tokens_seen, loss_tokens_seen = 0, 0, 0
-        cpu_before, wall_before = 0.0, 0.0
+        loss_tokens_seen = 0
         if state is not None:
             drafter.load_state_dict(state["drafter"])
             optimizer.load_state_dict(state["optimizer"])
-            start_step, history = state["step"], state["history"]
-            tokens_seen, loss_tokens_seen = state["tokens_seen"], state["loss_tokens_seen"]
-            cpu_before, wall_before = state["cpu_time_s"], state["wall_time_s"]
+            loss_tokens_seen = state["loss_tokens_seen"]
             torch.set_rng_state(state["torch_rng"])
-            log(f"resume: step {start_step} of {cfg.steps} from {ckpt}")
+            log(f"resume: step {run.step} of {cfg.steps} from {run.state_path}")
 
         settings = {"aux_layer_ids": spec.aux_layer_ids, "draft_vocab_size": draft_vocab_size,
                     "ttt_steps": ttt_steps, "ttt_decay": ttt_decay,
@@ -696,24 +680,18 @@ def train_eagle3(
         log(f"eagle3: target {base.name} ({target.num_layers} layers), aux layers "
             f"{spec.aux_layer_ids}, draft vocab {spec.draft_vocab_size}, {trainable:,} "
             f"trainable parameters; {data_stats['rows']} rows, {data_stats['tokens']:,} tokens")
-        sessions = list(state.get("sessions", [])) if state is not None else []
-        session = {"start_step": start_step, "command": command,
-                   "num_threads": torch.get_num_threads()}
 
         def record() -> dict[str, Any]:
+            history = run.history
             tail = history[-20:]
             last = {k: round(sum(h[k] for h in tail if k in h)
                              / max(1, sum(k in h for h in tail)), 4)
-                    for k in (tail[-1] if tail else {}) if k != "lr"}
+                    for k in (tail[-1] if tail else {}) if k not in ("lr", "tokens_seen")}
             chain = [last.get(f"chain_{k}", 0.0) for k in range(ttt_steps)]
             return {
                 "method": "eagle3", "base": given, "base_path": str(base),
                 "command": command, "config": cfg.as_dict(), "data": data_info,
-                "steps": len(history), "tokens_seen": tokens_seen,
-                "loss_tokens_seen": loss_tokens_seen,
-                "cpu_time_s": round(cpu_before + time.process_time() - cpu0, 1),
-                "wall_time_s": round(wall_before + time.perf_counter() - wall0, 1),
-                "sessions": sessions + [dict(session, end_step=len(history))],
+                **run.counters(), "loss_tokens_seen": loss_tokens_seen,
                 "trainable_parameters": trainable,
                 "first_loss": history[0]["loss"] if history else None,
                 "final_metrics_mean_last_20": last,
@@ -728,24 +706,17 @@ def train_eagle3(
             rec = record()
             save_drafter(out, drafter, {"diffspec_training": {
                 "steps": rec["steps"], "data_sha256": data_info["rows_sha256"]}})
-            _write_json(out / "training.json", rec)
-            (out / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
-            tmp = out / CHECKPOINT_DIR / f".{STATE_FILE}.tmp"
-            torch.save({
+            write_json(out / "training.json", rec)
+            run.save_state({
                 "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-                "step": len(history), "history": history, "tokens_seen": tokens_seen,
-                "loss_tokens_seen": loss_tokens_seen, "cpu_time_s": rec["cpu_time_s"],
-                "wall_time_s": rec["wall_time_s"], "torch_rng": torch.get_rng_state(),
-                "settings": settings, "draft_ids": draft_ids,
+                "loss_tokens_seen": loss_tokens_seen, "settings": settings,
+                "draft_ids": draft_ids,
                 "data": {k: data_info[k] for k in ("files", "synthetic", "rows_sha256")},
-                "sessions": rec["sessions"], "config": cfg.as_dict(),
-            }, tmp)
-            os.replace(tmp, out / CHECKPOINT_DIR / STATE_FILE)
+                "config": cfg.as_dict()})
 
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        session_tokens0 = tokens_seen
+        run.start()
         drafter.train()
-        for step in range(start_step, cfg.steps):
+        for step in range(run.step, cfg.steps):
             lr = cfg.lr * cosine_lr_scale(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -770,29 +741,26 @@ def train_eagle3(
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             result = StepLoss(torch.tensor(loss), sums, n_loss)
-            tokens_seen += int(lengths.sum())
             loss_tokens_seen += result.loss_tokens
             entry = {"loss": loss, **result.metrics(ttt_steps), "lr": lr}
-            history.append(entry)
+            run.record_step(entry, int(lengths.sum()))
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                elapsed = time.perf_counter() - wall0
                 accs = " ".join(f"{entry.get(f'acc_{k}', float('nan')):.3f}"
                                 for k in range(ttt_steps))
                 chains = " ".join(f"{entry.get(f'chain_{k}', float('nan')):.3f}"
                                   for k in range(ttt_steps))
-                rate = (tokens_seen - session_tokens0) / max(elapsed, 1e-9)
-                log(f"step {step:5d}  loss {entry['loss']:.4f}  acc {accs}  chain {chains}  "
-                    f"lr {lr:.2e}  {rate:.0f} tok/s")
-            if save_every and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
+                log(f"step {step:5d}/{cfg.steps}  loss {entry['loss']:.4f}  acc {accs}  chain "
+                    f"{chains}  lr {lr:.2e}  {run.session_rate():.0f} tok/s  "
+                    f"{run.cpu_time_s / 60:.1f} CPU-min  ETA {run.eta_s(cfg.steps) / 60:.0f} min")
+            done = step + 1
+            if save_every and done % save_every == 0 and done < cfg.steps:
                 save()
-            cpu_used = cpu_before + time.process_time() - cpu0
-            if max_cpu_s is not None and cpu_used >= max_cpu_s and step + 1 < cfg.steps:
-                log(f"stopping after step {step}: {cpu_used:.0f} s CPU >= the budget "
+            if done < cfg.steps and run.over_budget():
+                log(f"stopping after step {step}: {run.cpu_time_s:.0f} s CPU >= the budget "
                     f"{max_cpu_s:.0f} s (continue with --resume and a larger budget)")
-                session["stopped_by_cpu_budget"] = True
                 break
         save()
         drafter.eval()
-        return Eagle3Result(drafter, out, record(), history)
+        return Eagle3Result(drafter, out, record(), run.history)
     finally:
         torch.set_num_threads(previous_threads)
