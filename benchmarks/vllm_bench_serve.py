@@ -89,15 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args(argv)
-    baselines = parse(args.baselines.split(","), args.num_draft_tokens)
+    baselines = parse(args.baselines.split(","), args.num_draft_tokens,
+                      {"eagle3": args.eagle3_drafter, "dflash": args.dflash_drafter})
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     results = []
     for b in baselines:
-        drafter = {"eagle3": args.eagle3_drafter, "dflash": args.dflash_drafter}.get(b.method)
-        spec = speculative_config(b.method, b.num_draft_tokens, drafter)
+        spec = speculative_config(b.method, b.num_draft_tokens, b.drafter)
         port = free_port()
         extra = ["--dtype", args.dtype, "--enforce-eager", "--block-size", "32", "--seed", "0",
                  "--max-model-len", str(args.max_model_len), "--served-model-name", "model"]
