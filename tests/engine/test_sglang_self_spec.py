@@ -141,12 +141,24 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
                "prefix_reuse": prefix_reuse, "sampled": _sampled_requests()}
     orthrus, nld, llama = str(ckpts["orthrus"]), str(ckpts["nld"]), str(ckpts["llama_orthrus"])
+    tmp = tmp_path_factory.mktemp("sglang_self_spec")
+    adaptive = {}
+    for name, points in (("free", {"1": 0.01, "4096": 0.01}),
+                         ("compute", {"1": 0.001, "1000": 1.0})):
+        profile = tmp / f"profile_{name}.json"
+        profile.write_text(json.dumps({"points": points}))
+        adaptive[name] = {**SPEC, "json_model_override_args": json.dumps(
+            {"diffspec": {"adaptive": True, "latency_profile": str(profile)}})}
     job = {
         "runs": [
             {"name": "orthrus_ar", "model": orthrus, "batches": batches},
             {"name": "orthrus_spec", "model": orthrus, "engine": SPEC, "batches": batches},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"greedy": _synth_requests()}},
+            {"name": "synth_adaptive_free", "model": str(SYNTH_ORTHRUS),
+             "engine": adaptive["free"], "batches": {"greedy": _synth_requests()}},
+            {"name": "synth_adaptive_compute", "model": str(SYNTH_ORTHRUS),
+             "engine": adaptive["compute"], "batches": {"greedy": _synth_requests()}},
             {"name": "llama_orthrus_ar", "model": llama,
              "batches": {"greedy": _greedy_requests()}},
             {"name": "llama_orthrus_spec", "model": llama, "engine": SPEC,
@@ -167,7 +179,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             "tensor_parallel": {"model": orthrus, "server_args": {**SPEC, "tp_size": 2}},
         },
     }
-    return _run_script(job, tmp_path_factory.mktemp("sglang_self_spec"))
+    return _run_script(job, tmp)
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -300,6 +312,23 @@ def test_avg_spec_accept_length_in_server_info(engine) -> None:
             _tokens_per_verify_step(metas)), run
     assert engine["server_info"]["synth_spec"]["avg_spec_accept_length"] > 10
     assert engine["server_info"]["orthrus_ar"]["avg_spec_accept_length"] is None
+
+
+def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
+    """``--json-model-override-args '{"diffspec": {"adaptive": true, "latency_profile":
+    P}}'``: one draft count per step from the policy. Where extra query tokens are free it
+    drafts (nearly) the full block, as the fixed width does; where every token costs the
+    same it drafts nothing (width-1 verify steps: plain AR, no draft accepted); the output
+    is AR's either way."""
+    fixed = engine["runs"]["synth_spec"]["greedy"]
+    runs = {name: engine["runs"][f"synth_adaptive_{name}"]["greedy"]
+            for name in ("free", "compute")}
+    assert runs["free"]["outputs"] == fixed["outputs"] == runs["compute"]["outputs"]
+    compute = runs["compute"]["meta"]
+    assert sum(m["spec_num_correct_drafts"] for m in compute) == 0
+    assert engine["server_info"]["synth_adaptive_compute"]["avg_spec_accept_length"] == 1.0
+    free = engine["server_info"]["synth_adaptive_free"]["avg_spec_accept_length"]
+    assert free >= 0.9 * engine["server_info"]["synth_spec"]["avg_spec_accept_length"]
 
 
 # ------------------------------------------------------------------------------ sampling

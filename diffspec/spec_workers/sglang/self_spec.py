@@ -31,6 +31,13 @@ the pool; its last emitted token, the **anchor**, is at position ``C`` and has n
      appends the emitted tokens and cuts them at EOS / ``max_new_tokens``, and counts
      ``spec_verify_ct`` / ``spec_num_correct_drafts`` (``avg_spec_accept_length``).
 
+**Adaptive draft counts** (``--json-model-override-args '{"diffspec": {"adaptive": true,
+"latency_profile": PATH}}'``, SGLang's channel for model-level settings): each step the
+policy of :mod:`diffspec.core.adaptive` picks one draft count ``k`` for the whole batch
+(SGLang's verify has one width per step) from the latency profile, the batch size and the
+acceptance it has observed; the step then runs at width ``k + 1`` (``k = 0``: no draft
+forward, a width-1 verify, i.e. a plain AR step). Greedy output is AR's whatever it picks.
+
 Drafts are argmaxes of the diffusion view (point masses). Greedy requests are accepted by
 exact match, so their output is SGLang's AR output token for token; sampled requests
 (temperature / top-k / top-p) by speculative rejection sampling, so their output follows
@@ -187,6 +194,8 @@ class SelfSpecWorker(TargetModelSpecWorker):
                 f"view; {type(model).__name__} has none (check config.json architectures)")
         self.mask_token_id = int(model.config.mask_token_id)
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
+        self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
+                                        self.width - 1, "two_pass")
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         result = self._target_worker.forward_batch_generation(batch)
@@ -202,22 +211,33 @@ class SelfSpecWorker(TargetModelSpecWorker):
     def _decode(self, batch, on_publish) -> GenerationBatchResult:
         state: SelfSpecDraftInput = batch.spec_info
         bs, w = len(batch.reqs), self.width
+        rids = [req.rid for req in batch.reqs]
+        if self.adaptive is not None:  # one width per step: W = the policy's k + 1
+            self.adaptive.forget(set(rids))
+            w = 1 + self.adaptive.choose_shared(rids, [self.width - 1] * bs)
+            if self.adaptive.steps % self.adaptive.log_every == 1:
+                logger.info("diffspec: %s", self.adaptive.summary())
         committed = batch.seq_lens.to(torch.int64)  # [bs] C
         anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
-        positions = committed[:, None] + self._offsets[None]  # [bs, W]
+        positions = committed[:, None] + self._offsets[None, :w]  # [bs, W]
         rows = batch.req_pool_indices.to(torch.int64)  # [bs]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
         slots = req_to_token[rows[:, None], positions].to(torch.int64)  # [bs, W]
 
-        # draft: the diffusion view over [anchor, <mask> x (W - 1)], no KV written
-        block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64, device=self.device)
-        block[:, 0] = anchors
-        prefix_slots = [req_to_token[r, :c].to(torch.int64)
-                        for r, c in zip(rows.tolist(), committed.tolist())]
-        draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
-            block.reshape(-1), positions.reshape(-1), prefix_slots, w,
-            self.model_runner.token_to_kv_pool))  # [bs, W - 1, vocab]
-        drafts = draft_logits.argmax(dim=-1)  # [bs, W - 1]
+        # draft: the diffusion view over [anchor, <mask> x (W - 1)], no KV written (W = 1:
+        # the policy drafts nothing this step, a plain AR step)
+        if w > 1:
+            block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64,
+                               device=self.device)
+            block[:, 0] = anchors
+            prefix_slots = [req_to_token[r, :c].to(torch.int64)
+                            for r, c in zip(rows.tolist(), committed.tolist())]
+            draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
+                block.reshape(-1), positions.reshape(-1), prefix_slots, w,
+                self.model_runner.token_to_kv_pool))  # [bs, W - 1, vocab]
+            drafts = draft_logits.argmax(dim=-1)  # [bs, W - 1]
+        else:
+            drafts = anchors.new_zeros((bs, 0))
 
         # verify: SGLang's causal forward of [anchor, drafts] into the reserved slots
         verify_ids = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, W]
@@ -230,6 +250,9 @@ class SelfSpecWorker(TargetModelSpecWorker):
         out = accepted.output_token_ids  # [bs, W]: emitted tokens, then -1
         new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
         bonus = out.gather(1, accepted.num_accepted[:, None]).reshape(-1)  # [bs] next anchor
+        if self.adaptive is not None:
+            for rid, emitted in zip(rids, accept_lens.tolist(), strict=True):
+                self.adaptive.observe(rid, emitted)
         if on_publish is not None:
             on_publish(new_seq_lens)
         return GenerationBatchResult(
@@ -265,6 +288,33 @@ class SelfSpecWorker(TargetModelSpecWorker):
         logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
         vocab = self.model_runner.model.config.vocab_size
         return logits[:, :vocab].float().view(bs, w, vocab)
+
+
+def adaptive_policy(hf_config, max_drafts: int, cost: str):
+    """The adaptive draft-count policy, when the model config carries ``diffspec:
+    {"adaptive": true, "latency_profile": PATH}`` (SGLang's ``--json-model-override-args``;
+    SGLang has no flag of ours), else ``None``."""
+    import json
+    from pathlib import Path
+
+    from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
+
+    options = getattr(hf_config, "diffspec", None) or {}
+    if not isinstance(options, dict) or not options.get("adaptive"):
+        return None
+    path = options.get("latency_profile")
+    if not path:
+        raise ValueError("add \"latency_profile\": PATH next to \"adaptive\": true in "
+                         "--json-model-override-args '{\"diffspec\": {...}}': the adaptive "
+                         "policy needs a forward-latency profile (benchmarks/profile_forward.py)")
+    try:
+        profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"latency_profile {path!r} cannot be read as a forward-latency "
+                         f"profile: {exc}") from exc
+    logger.info("diffspec: adaptive draft counts (at most %d per step) from the latency "
+                "profile %s", max_drafts, path)
+    return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
 
 
 def _accept(
