@@ -57,3 +57,18 @@ def parse(specs: list[str], default_k: int,
     if len({b.label for b in out}) != len(out):
         raise ValueError(f"baselines repeat a label: {specs}")
     return out
+
+
+def add_drafter_args(parser) -> None:
+    """``--<method>-drafter PATH`` for every registry method that needs a drafter."""
+    for method in REGISTRY.values():
+        if method.needs_drafter:
+            parser.add_argument(f"--{method.name}-drafter", default=None,
+                                help=f"{method.summary}: its drafter checkpoint (adds the "
+                                     f"{method.name} baseline when not listed)")
+
+
+def drafters_from_args(args) -> dict[str, str | None]:
+    """The drafter paths given by :func:`add_drafter_args`' options, by method name."""
+    return {m.name: getattr(args, f"{m.name}_drafter")
+            for m in REGISTRY.values() if m.needs_drafter}

@@ -107,11 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default drafts per step K of every speculative baseline (default 31)")
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in _csv(t)], default=[1, 2, 4],
                    help="system tokens/s at these concurrencies (default 1,2,4)")
-    for method in REGISTRY.values():
-        if method.needs_drafter:
-            p.add_argument(f"--{method.name}-drafter", default=None,
-                           help=f"{method.summary}: its drafter checkpoint (adds the "
-                           f"{method.name} baseline when not listed)")
+    baseline_specs.add_drafter_args(p)
     p.add_argument("--vllm-args", type=json.loads, default={},
                    help="JSON object of vllm.LLM arguments over the defaults (e.g. "
                    "'{\"enforce_eager\": false, \"gpu_memory_utilization\": 0.9}' on a GPU)")
@@ -357,8 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         prompts = load_prompts(args.dataset, args.data_path, args.num_prompts, args.categories,
                                args.speed_bench_subset)
-        drafters = {m.name: getattr(args, f"{m.name}_drafter")
-                    for m in REGISTRY.values() if m.needs_drafter}
+        drafters = baseline_specs.drafters_from_args(args)
         if args.baselines is None:
             from diffspec.core.checkpoint import inspect_checkpoint
 

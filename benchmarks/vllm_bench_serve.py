@@ -33,19 +33,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def speculative_config(method: str, k: int, drafter: str | None) -> dict[str, Any] | None:
-    if method == "ar":
-        return None
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2}
-    if method in ("eagle3", "dflash"):
-        if not drafter:
-            raise SystemExit(f"{method} needs --{method}-drafter PATH")
-        return {"method": method, "model": drafter, "num_speculative_tokens": k}
-    return {"method": method, "num_speculative_tokens": k}
-
-
 def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts: int, output_len: int,
                concurrency: int, result_dir: Path, label: str) -> dict[str, Any]:
     """vLLM's benchmark client, in a subprocess: ``vllm bench serve`` with these arguments."""
@@ -71,7 +58,8 @@ def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.baselines import parse
+    from benchmarks.adapters.vllm_offline import speculative_config
+    from benchmarks.baselines import add_drafter_args, drafters_from_args, parse
     from diffspec.serving import ServerProcess, free_port, vllm_server_command
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_bench_serve", description=__doc__,
@@ -80,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", required=True, type=Path, help="JSONL rows with 'prompt'")
     p.add_argument("--baselines", default="ar,orthrus")
     p.add_argument("--num-draft-tokens", type=int, default=7)
-    p.add_argument("--eagle3-drafter")
-    p.add_argument("--dflash-drafter")
+    add_drafter_args(p)
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--output-len", type=int, default=128)
@@ -90,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args(argv)
     baselines = parse(args.baselines.split(","), args.num_draft_tokens,
-                      {"eagle3": args.eagle3_drafter, "dflash": args.dflash_drafter})
+                      drafters_from_args(args))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     results = []
     for b in baselines:
-        spec = speculative_config(b.method, b.num_draft_tokens, b.drafter)
+        spec = speculative_config(b)  # what the driver's vLLM adapter launches
         port = free_port()
         extra = ["--dtype", args.dtype, "--enforce-eager", "--block-size", "32", "--seed", "0",
                  "--max-model-len", str(args.max_model_len), "--served-model-name", "model"]
