@@ -55,6 +55,19 @@ def _add_train_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
                         "eagle3 and orthrus --answers-only")
 
 
+def _add_run_args(p, what: str, *, save_every: int) -> None:
+    """Options of a resumable, CPU-budgeted run (``diffspec.train.runs``)."""
+    p.add_argument("--save-every", type=int, default=save_every,
+                   help=f"write {what} and the resumable state (OUT/checkpoint/) every N steps")
+    p.add_argument("--max-cpu-minutes", type=float,
+                   help="stop (and save) once the run's CPU time, all sessions together, "
+                        "reaches this; set --steps so that the schedule ends near it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue OUT/checkpoint up to --steps (the first session's data "
+                        "files and settings; --steps may be raised)")
+    p.add_argument("--max-rows", type=int, help="use only the first N rows of the data")
+
+
 def _add_data_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs="+", default=["synthetic"], metavar="SOURCE",
                    help="'synthetic' (the synthetic language; for the tiny bundled models) or "
@@ -118,18 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--answers-only", action="store_true",
                    help="conversation rows, anchors in answers (rows longer than --seq-len "
                         "keep their beginning)")
-    a.add_argument("--save-every", type=int, default=25,
-                   help="write the heads and the resumable state every N steps")
+    _add_run_args(a, "the heads", save_every=25)
     a.add_argument("--snapshot-every", type=int, default=0,
                    help="also keep the heads of every N-th step in OUT/snapshots/ (for the "
                         "acceptance-vs-training-tokens curve)")
-    a.add_argument("--max-cpu-minutes", type=float,
-                   help="stop (and save) once the run's CPU time, all sessions together, "
-                        "reaches this; set --steps so that the schedule ends near it")
-    a.add_argument("--resume", action="store_true",
-                   help="continue OUT/checkpoint up to --steps (the first session's data "
-                        "files and settings)")
-    a.add_argument("--max-rows", type=int, help="use only the first N rows of the data")
     _add_train_args(o, TrainConfig(steps=1200, lr=3e-3, batch_size=16, seq_len=192))
 
     n = sub.add_parser(
@@ -192,18 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fc-norm", action="store_true",
                    help="an RMSNorm per aux layer before fc (vLLM's eagle3 `fc_norm`; tames "
                         "targets with massive activations; not in the original EAGLE-3)")
-    e.add_argument("--save-every", type=int, default=100,
-                   help="write the drafter and the resumable checkpoint every N steps")
     e.add_argument("--micro-batch", type=int, default=1,
                    help="rows per forward (gradients accumulate over --batch-size rows); 1 "
                         "pads nothing (best for real models on CPU), more is faster for "
                         "tiny models")
-    e.add_argument("--max-cpu-minutes", type=float,
-                   help="stop (and save) once the run's CPU time, all sessions together, "
-                        "reaches this; set --steps so that the schedule ends near it")
-    e.add_argument("--resume", action="store_true",
-                   help="continue OUT/checkpoint up to --steps (same data files and settings)")
-    e.add_argument("--max-rows", type=int, help="use only the first N rows of the data")
+    _add_run_args(e, "the drafter", save_every=100)
     _add_train_args(e, TrainConfig(steps=1000, lr=1e-3, warmup_steps=20, batch_size=4,
                                    seq_len=512, log_every=10))
 
