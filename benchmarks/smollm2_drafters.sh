@@ -53,21 +53,27 @@ stage() {
     compare)  # the Orthrus checkpoint (base + heads), then AR / ngram / EAGLE-3 / Orthrus
       $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
 materialize_orthrus('$BASE', '$RUNS/orthrus-smollm2', '$RUNS/orthrus-smollm2-ckpt')"
-      for ds in "jsonl --data-path $RUNS/heldout.jsonl" gsm8k humaneval; do
-        name=$(echo "$ds" | cut -d' ' -f1); [ "$name" = jsonl ] && name=sharegpt-heldout
-        $PY -m benchmarks.driver --model "$RUNS/orthrus-smollm2-ckpt" --dataset $ds \
-            --num-prompts "${NUM_PROMPTS:-12}" --chat --max-tokens 128 --max-model-len 2048 \
-            --engines vllm --baselines "${BASELINES:-ar,ngram:4,eagle3:3,orthrus:7}" \
+      # held-out split: the K sweep (the best K found there is used on GSM8K / HumanEval)
+      $PY -m benchmarks.driver --model "$RUNS/orthrus-smollm2-ckpt" --dataset jsonl \
+          --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
+          --max-model-len 2048 --engines vllm \
+          --baselines ar,ngram:4,eagle3:1,eagle3:3,orthrus:2,orthrus:3,orthrus:7 \
+          --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 \
+          --profile "$OUT/profile/forward_latency.json" --out "$OUT/sharegpt-heldout"
+      for ds in gsm8k humaneval; do
+        $PY -m benchmarks.driver --model "$RUNS/orthrus-smollm2-ckpt" --dataset "$ds" \
+            --num-prompts 8 --chat --max-tokens 128 --max-model-len 2048 --engines vllm \
+            --baselines "${BASELINES:-ar,ngram:4,eagle3:3,orthrus:3}" \
             --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 \
-            --profile "$OUT/profile/forward_latency.json" --out "$OUT/$name"
+            --profile "$OUT/profile/forward_latency.json" --out "$OUT/$ds"
       done
       $PY -m benchmarks.compare --reports "$OUT"/{sharegpt-heldout,gsm8k,humaneval}/report.json \
           --curve "orthrus=$RUNS/orthrus-smollm2/training.json" \
           --curve "eagle3=$RUNS/eagle3-smollm2/training.json" --out "$OUT" ;;
     bench-serve)  # the same baselines through vLLM's own benchmark client
       $PY -m benchmarks.vllm_bench_serve --model "$RUNS/orthrus-smollm2-ckpt" \
-          --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:7}" \
-          --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 --num-prompts 12 \
+          --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:3}" \
+          --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 --num-prompts 8 \
           --output-len 128 --out "$OUT/bench-serve" ;;
     *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus curve profile compare bench-serve)" >&2; exit 2 ;;
   esac
