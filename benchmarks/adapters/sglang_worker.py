@@ -10,6 +10,7 @@ one at a time, streaming (TTFT = first chunk), reading SGLang's own per-request 
 from ``meta_info`` (``spec_verify_ct``, ``spec_num_correct_drafts``,
 ``spec_correct_drafts_histogram``), then for every concurrency c > 1 serves them in
 batches of c. Prints one JSON line after RESULT_PREFIX, in the form of ``vllm_worker.py``'s.
+With ``"mode": "waves"`` or ``"steps"`` in the job, each run does that loop of ``sweep.py``.
 """
 
 from __future__ import annotations
@@ -77,8 +78,24 @@ def _serve(engine, prompts: list[list[int]], max_tokens: int, concurrency: list[
     return {"completions": completions, "system_tokens_per_s": system, "accepted_per_pos": per_pos}
 
 
+def _batch(engine):
+    """The sweep loops' ``generate`` (:mod:`benchmarks.adapters.sweep`) on ``engine``."""
+    def generate(prompts: list[list[int]], max_tokens: int):
+        outs = engine.generate(input_ids=prompts,
+                               sampling_params=[_params(max_tokens, True)] * len(prompts))
+        totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+        for o in outs:
+            counters = spec_decode_counters_from_sglang(o["meta_info"])
+            totals["drafts"] += int(counters.drafts)
+            totals["draft_tokens"] += int(counters.draft_tokens)
+            totals["accepted"] += int(counters.accepted)
+        return [list(o["output_ids"]) for o in outs], totals
+    return generate
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
+    mode = job.get("mode", "serve")  # serve | waves | steps (benchmarks/adapters/sweep.py)
     import sglang
 
     runs = {}
@@ -87,8 +104,14 @@ def main() -> None:
         print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
         try:  # one failing baseline must not stop the rest
             engine = sglang.Engine(model_path=job["model"], **run["engine"])
-            runs[run["name"]] = _serve(engine, job["prompts"], job["max_tokens"],
-                                        job["concurrency"], job.get("ignore_eos", False))
+            if mode == "serve":
+                runs[run["name"]] = _serve(engine, job["prompts"], job["max_tokens"],
+                                            job["concurrency"], job.get("ignore_eos", False))
+            else:
+                sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+                from benchmarks.adapters.sweep import run_job
+
+                runs[run["name"]] = run_job(mode, _batch(engine), job)
         except Exception as e:  # noqa: BLE001 - reported in the run's row
             runs[run["name"]] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"run {run['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)

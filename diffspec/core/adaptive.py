@@ -14,7 +14,8 @@ tokens per second** of the whole step:
   estimate from the engine's own verify outcomes);
 * ``latency(k)``: the step's forward time from a measured profile of this model on this
   machine (:class:`LatencyProfile`: seconds per forward as a function of the query tokens
-  in it), and the method's cost in tokens (:class:`StepCost`): Orthrus / NLD linear run a
+  in it; optionally a separate table for draft passes), and the method's cost in tokens
+  (:class:`StepCost`): Orthrus / NLD linear run a
   draft forward over ``k + 1`` tokens and a verify forward over ``k + 1`` tokens per
   drafting request (a request with ``k = 0`` takes one token in the verify forward and none
   in the draft forward, which is skipped when no request drafts); TiDAR runs one forward
@@ -65,25 +66,42 @@ class LatencyProfile:
     piecewise linear between measured points and extrapolated from the last two beyond
     them. Built from :mod:`benchmarks.profile_forward` tables or measured at start-up."""
 
-    points: Mapping[int, float]  # query tokens -> seconds per forward
+    points: Mapping[int, float]  # query tokens -> seconds per forward (a whole engine step)
+    # query tokens -> seconds of a draft pass, where it was measured apart (an engine's
+    # draft pass has no sampler or scheduler step, or extra work such as copying K/V);
+    # None: a draft pass costs what a forward of as many tokens does
+    draft_points: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
-        if not self.points:
-            raise ValueError("a latency profile needs at least one measured point")
-        if any(t < 1 or s <= 0 for t, s in self.points.items()):
-            raise ValueError(f"profile points need tokens >= 1 and seconds > 0: {dict(self.points)}")
+        for name, table in (("points", self.points), ("draft_points", self.draft_points)):
+            if table is None and name == "draft_points":
+                continue
+            if not table:
+                raise ValueError(f"a latency profile needs at least one measured point ({name})")
+            if any(t < 1 or s <= 0 for t, s in table.items()):
+                raise ValueError(f"profile {name} need tokens >= 1 and seconds > 0: {dict(table)}")
 
     def __call__(self, tokens: int) -> float:
         """Seconds for one forward of ``tokens`` query tokens (0: no forward, 0 s)."""
-        if tokens <= 0:
-            return 0.0
-        xs = sorted(self.points)
-        ys = [self.points[x] for x in xs]
-        if len(xs) == 1 or tokens <= xs[0]:
-            return ys[0]
-        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), ys[0])
+        return _interpolate(self.points, tokens)
+
+    def draft(self, tokens: int) -> float:
+        """Seconds for one draft pass over ``tokens`` query tokens (0: none, 0 s)."""
+        return _interpolate(self.draft_points or self.points, tokens)
+
+
+def _interpolate(points: Mapping[int, float], tokens: int) -> float:
+    """Piecewise linear in ``points``, extrapolated from the last two, never below the
+    first point's seconds; 0 for no tokens."""
+    if tokens <= 0:
+        return 0.0
+    xs = sorted(points)
+    ys = [points[x] for x in xs]
+    if len(xs) == 1 or tokens <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), ys[0])
 
 
 @dataclass(frozen=True)
@@ -99,7 +117,7 @@ class StepCost:
         if self.kind == "linear":  # e.g. a drafter whose own cost is negligible
             return profile(verify)
         if self.kind == "two_pass":  # Orthrus / NLD linear: draft forward + verify forward
-            return profile(sum(1 + k for k in counts if k > 0)) + profile(verify)
+            return profile.draft(sum(1 + k for k in counts if k > 0)) + profile(verify)
         # TiDAR: verify chain + one branch of k + skip masks per outcome, one forward
         return profile(sum((1 + k) * (1 + (k + self.skip if k > 0 else 0)) for k in counts))
 
@@ -270,11 +288,16 @@ class AcceptanceEstimate:
 
 
 def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyProfile:
-    """A :class:`LatencyProfile` from JSON data: ``{"points": {tokens: seconds}}``, or the
+    """A :class:`LatencyProfile` from JSON data: ``{"points": {tokens: seconds},
+    "draft_points": {tokens: seconds}}`` (``draft_points`` optional; what
+    ``benchmarks/engine_profile.py`` measures through an engine), or the
     ``forward_latency.json`` of ``benchmarks/profile_forward.py`` (``latency_s[context]
     [query_len]``; the measured context nearest ``context``, default the smallest)."""
     if "points" in data:
-        return LatencyProfile({int(t): float(s) for t, s in data["points"].items()})
+        draft = data.get("draft_points")
+        return LatencyProfile({int(t): float(s) for t, s in data["points"].items()},
+                              None if not draft else
+                              {int(t): float(s) for t, s in draft.items()})
     if "latency_s" in data:
         contexts = sorted(int(c) for c in data["latency_s"])
         ctx = contexts[0] if context is None else min(contexts, key=lambda c: abs(c - context))

@@ -608,7 +608,8 @@ def train_eagle3(
         raise ValueError("ttt_steps must be >= 1")
     given, base = str(base), resolve_checkpoint(base)
     out = Path(out_dir) if out_dir is not None else None
-    run = ResumableRun.open(out, resume=resume, max_cpu_s=max_cpu_s, command=command)
+    run = ResumableRun.open(out, resume=resume, max_cpu_s=max_cpu_s, command=command,
+                            total_steps=cfg.steps)
     state = run.state
     if state is not None:
         saved = state["settings"]

@@ -450,7 +450,8 @@ def train_orthrus_answers(
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     given, base = str(base), resolve_checkpoint(base)
-    run = ResumableRun.open(out_dir, resume=resume, max_cpu_s=max_cpu_s, command=command)
+    run = ResumableRun.open(out_dir, resume=resume, max_cpu_s=max_cpu_s, command=command,
+                            total_steps=cfg.steps)
     state = run.state
     if state is not None:
         saved = state["settings"]

@@ -9,6 +9,13 @@ CPU budget after each step.
 Used by :func:`diffspec.train.orthrus.train_orthrus_answers`; the EAGLE-3 trainer keeps
 the same file layout and fields (``checkpoint/state.pt``; ``step``, ``history``,
 ``tokens_seen``, ``cpu_time_s``, ``wall_time_s``, ``sessions``).
+
+Given ``total_steps``, :meth:`ResumableRun.record_step` also prints a progress line on
+stderr (:class:`diffspec.progress.Progress`: at the first step, then every 10 s on a
+terminal / 30 s in a log, and at the last step): steps done, steps/s, tokens/s and the ETA
+of :meth:`ResumableRun.eta_s` (which also watches the CPU budget)::
+
+    [train] progress: step 120/2000 (6.0%) | 0.85 step/s, 1234 tok/s | 2m21s elapsed | ETA 36m52s
 """
 
 from __future__ import annotations
@@ -48,10 +55,12 @@ class ResumableRun:
     sessions: list[dict[str, Any]] = field(default_factory=list)
     state: dict[str, Any] | None = None
     stopped_by_budget: bool = False
+    total_steps: int | None = None  # progress lines on stderr when set
 
     def __post_init__(self) -> None:
         self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
         self._session_tokens0 = 0
+        self._progress = None
 
     @property
     def state_path(self) -> Path | None:
@@ -59,11 +68,13 @@ class ResumableRun:
 
     @classmethod
     def open(cls, out: str | Path | None, *, resume: bool, max_cpu_s: float | None = None,
-             command: str | None = None) -> ResumableRun:
-        """A fresh run, or (``resume``) the one saved under ``out``."""
+             command: str | None = None, total_steps: int | None = None) -> ResumableRun:
+        """A fresh run, or (``resume``) the one saved under ``out``; with ``total_steps``,
+        progress lines on stderr."""
         import torch
 
-        run = cls(Path(out) if out is not None else None, max_cpu_s, command)
+        run = cls(Path(out) if out is not None else None, max_cpu_s, command,
+                  total_steps=total_steps)
         if resume:
             path = run.state_path
             if path is None or not path.is_file():
@@ -83,6 +94,11 @@ class ResumableRun:
         self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
         self._session_tokens0 = self.tokens_seen
         self._session = {"start_step": self.step, "command": self.command}
+        if self.total_steps is not None:
+            from diffspec.progress import Progress
+
+            self._progress = Progress("[train] progress", self.total_steps, "step",
+                                      done=self.step)
 
     @property
     def step(self) -> int:
@@ -105,6 +121,10 @@ class ResumableRun:
     def record_step(self, entry: dict[str, float], tokens: int) -> None:
         self.tokens_seen += tokens
         self.history.append(dict(entry, tokens_seen=self.tokens_seen))
+        if self._progress is not None:
+            last = self.step >= self.total_steps
+            self._progress.update(1, extra=f"{self.session_rate():.0f} tok/s",
+                                  eta_s=self.eta_s(self.total_steps), force=last)
 
     def over_budget(self) -> bool:
         """True (and noted in the session record) once the CPU budget is spent."""

@@ -26,7 +26,8 @@ Pipeline (every step deterministic, nothing downloaded at run time):
    the prompt list, per-shard counts). Re-running skips every shard whose file exists
    and whose prompts (hashed) are unchanged, so an interrupted run resumes, and raising
    ``--max-prompts`` only generates the new shards. A progress line per shard (answer
-   tok/s, ETA) goes to stderr.
+   tok/s, ETA) goes to stderr, and within shards one every 10 s on a terminal / 30 s in a
+   log as vLLM finishes requests (prompts done, prompts/s, vLLM's token rates, ETA).
 5. :func:`write_held_out`: the held-out prompts as ``{"prompt": ...}`` JSONL rows (the
    benchmark driver's ``--dataset jsonl``), written at benchmark time, never committed.
 
@@ -68,7 +69,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diffspec.progress import Progress
 
 __all__ = [
     "DEFAULT_MAX_PROMPT_TOKENS",
@@ -400,15 +404,53 @@ class VLLMEngine:
                        max_num_seqs=batch_size, seed=seed, enforce_eager=enforce_eager,
                        disable_log_stats=True, **llm_kwargs)
 
-    def __call__(self, prompt_ids: list[list[int]],
-                 max_new_tokens: int) -> list[tuple[list[int], str | None]]:
+    reports_progress = True  # takes progress=: one update per finished request
+
+    def __call__(self, prompt_ids: list[list[int]], max_new_tokens: int,
+                 progress: Progress | None = None) -> list[tuple[list[int], str | None]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False)
+        bar: Any = False if progress is None else _ProgressBar.factory(progress)
         results = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
-                                    params, use_tqdm=False)
+                                    params, use_tqdm=bar)
         return [(list(r.outputs[0].token_ids), r.outputs[0].finish_reason) for r in results]
+
+
+class _ProgressBar:
+    """What vLLM's offline engine drives as its tqdm bar (``use_tqdm=<factory>``:
+    ``update``, ``n``, ``postfix``, ``format_dict["elapsed"]``, ``refresh``, ``close``),
+    forwarded to a :class:`diffspec.progress.Progress` line with vLLM's token rates."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress, self.n, self.postfix = progress, 0, ""
+        self._start = time.perf_counter()
+
+    @classmethod
+    def factory(cls, progress: Progress) -> Callable[..., Any]:
+        """vLLM's ``use_tqdm`` callable: it also wraps iterables (the prompts while they
+        are added), which pass through unchanged."""
+        def make(iterable: Any = None, **_: Any) -> Any:
+            return iterable if iterable is not None else cls(progress)
+
+        return make
+
+    @property
+    def format_dict(self) -> dict[str, float]:
+        return {"elapsed": max(time.perf_counter() - self._start, 1e-9)}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        speed = str(self.postfix).replace("est. speed ", "this shard ").replace(" toks/s",
+                                                                                " tok/s")
+        self.progress.update(n, extra=speed or None)
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------- generate
@@ -471,12 +513,18 @@ def generate(model: str | Path, prompts: Sequence[str], out_dir: str | Path, *,
         engine = VLLMEngine(model, max_model_len=longest + max_new_tokens,
                             batch_size=batch_size, dtype=dtype, seed=seed,
                             kv_cache_gib=kv_cache_gib)
+    from diffspec.progress import Progress
+
     run_tokens, run_seconds, run_prompts = 0, 0.0, 0
     remaining_prompts = sum(s.stop - s.start for s in todo)
+    progress = Progress("[sharegpt] generate", remaining_prompts, "prompt")
     for n, shard in enumerate(todo, 1):
         prompt_ids = encoded.pop(shard.name)
         start = time.perf_counter()
-        outputs = engine(prompt_ids, max_new_tokens)
+        if getattr(engine, "reports_progress", False):  # a line as requests finish
+            outputs = engine(prompt_ids, max_new_tokens, progress=progress)
+        else:
+            outputs = engine(prompt_ids, max_new_tokens)
         seconds = time.perf_counter() - start
         if len(outputs) != len(prompt_ids):
             raise RuntimeError(f"engine returned {len(outputs)} answers for "
@@ -498,11 +546,17 @@ def generate(model: str | Path, prompts: Sequence[str], out_dir: str | Path, *,
         run_prompts += len(rows)
         remaining_prompts -= len(rows)
         eta = run_seconds / run_prompts * remaining_prompts
+        if getattr(engine, "reports_progress", False):
+            progress.done = run_prompts  # exact, whatever the engine counted
+        else:
+            progress.update(len(rows))
         log(f"[sharegpt] {shard.name} ({n}/{len(todo)}): {len(rows)} prompts, "
             f"{answer_tokens} answer tok ({stop} eos, {len(rows) - stop} cut) in "
             f"{seconds:.1f}s = {answer_tokens / seconds:.1f} tok/s | this run "
             f"{run_tokens} tok at {run_tokens / run_seconds:.1f} tok/s, "
             f"ETA {_duration(eta)} for {remaining_prompts} prompts")
+    progress.close(f"{run_tokens} answer tok at {run_tokens / max(run_seconds, 1e-9):.1f} "
+                   "tok/s")
     return manifest
 
 

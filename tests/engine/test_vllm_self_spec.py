@@ -285,13 +285,21 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("too_many_drafts", r"block_size=32.*at most 31 tokens per step.*32 requested"),
-        ("no_diffusion_weights", r"no diffusion weights.*q_proj_diff"),
-        ("unknown_method",
-         r"unknown speculative method 'orthros'.*diffspec adds linear_self_spec, orthrus"),
-        ("unhonoured_option", r"'prompt_lookup_max' does not apply to method 'orthrus'"),
-        ("wrong_family", r"method 'orthrus' needs a checkpoint of family orthrus"),
-        ("adaptive_without_profile", r"add \"latency_profile\": PATH to the speculative_config"),
+        # each says what to do first (after the exception's type)
+        ("too_many_drafts", (r"^\w+: set num_speculative_tokens to at most 31 .*"
+                             r"block_size=32.*at most 31 tokens per step.*32 requested")),
+        ("no_diffusion_weights", (r"^\w+: serve a checkpoint of family orthrus with method "
+                                  r"'orthrus'.*no diffusion weights.*q_proj_diff")),
+        ("unknown_method", (r"^\w+: use \"method\": \"orthrus\" or another of: linear_self_spec, "
+                            r"orthrus, tidar \(diffspec\), .*ngram.* \(vLLM\) \(unknown "
+                            r"speculative method 'orthros'\)")),
+        ("unhonoured_option", (r"^\w+: remove 'prompt_lookup_max' from the speculative_config"
+                               r".*'prompt_lookup_max' does not apply to method 'orthrus'")),
+        ("wrong_family", (r"^\w+: serve a checkpoint of family orthrus with method 'orthrus', or "
+                          r"use method 'linear_self_spec' or 'tidar'.*method 'orthrus' needs a "
+                          r"checkpoint of family orthrus")),
+        ("adaptive_without_profile",
+         r"^\w+: add \"latency_profile\": PATH to the speculative_config"),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:

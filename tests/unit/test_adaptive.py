@@ -193,3 +193,24 @@ def test_one_shared_count_per_step() -> None:
     policy = AdaptiveDrafts(7, flat, TWO_PASS)
     assert policy.choose_shared(["a", "b"], [7, 3]) == 7
     assert policy.proposed == {"a": 7, "b": 3} and policy.last_counts == [7, 3]
+
+
+def test_draft_passes_priced_from_their_own_table() -> None:
+    """An engine whose draft pass costs more than a forward of as many tokens (SGLang's
+    draft copies each request's prefix K/V) drafts less: the two-pass step is priced with
+    ``draft_points`` where the profile has them."""
+    from diffspec.core.adaptive import load_latency_profile
+
+    flat = {1: 0.010, 4: 0.010}
+    cheap = LatencyProfile(flat)
+    dear = load_latency_profile({"points": {str(t): s for t, s in flat.items()},
+                                 "draft_points": {"4": 0.040}})
+    assert dear.draft(4) == 0.040 and dear(4) == 0.010 and cheap.draft(4) == 0.010
+    assert dear.draft(0) == 0.0
+    assert TWO_PASS.latency(dear, [3]) == pytest.approx(0.050)
+    assert TWO_PASS.latency(dear, [0]) == pytest.approx(0.010)  # no draft pass at all
+    acceptance = [[0.9, 0.8, 0.7]]
+    assert choose_draft_counts(acceptance, [3], cheap, TWO_PASS) == [3]
+    assert choose_draft_counts(acceptance, [3], dear, TWO_PASS) == [0]
+    with pytest.raises(ValueError, match="draft_points"):
+        LatencyProfile(flat, {4: 0.0})

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,8 +70,8 @@ def test_the_shipped_heads_json_reads() -> None:
 def test_k_by_hand_needs_no_profile() -> None:
     k, why = choose_draft_count(BLOCK, [0.9] * 7, 3, _never)
     assert k == 3 and "--num-draft-tokens" in why
-    for bad in (0, BLOCK):
-        with pytest.raises(ValueError, match="1..7"):
+    for bad in (0, BLOCK):  # what to do first
+        with pytest.raises(ValueError, match=r"^use --num-draft-tokens 1\.\.7, or leave it out"):
             choose_draft_count(BLOCK, [0.9] * 7, bad, _never)
 
 
@@ -198,3 +200,130 @@ def test_start_up_profile_on_a_tiny_checkpoint() -> None:
                                       repeats=1)
     assert sorted(profile.points) == [1, 2, 3]
     assert all(s > 0 for s in profile.points.values())
+
+
+# ------------------------------------------------------------------ SIGTERM, "serving"
+# The command's flow with a stand-in server (tests/unit/test_serving.py's: ready after a
+# delay, a child process in its group as vLLM's engine core is); the real one, on vLLM:
+# tests/engine/test_quickstart_serve.py.
+
+
+def test_sigterm_raises_stopped_inside_and_is_restored_after() -> None:
+    import os
+    import signal
+
+    from diffspec.quickstart import Stopped, stop_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped), stop_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # interrupted at once
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert issubclass(Stopped, KeyboardInterrupt)  # handled wherever Ctrl-C is
+
+
+def _fake_quickstart(tmp_path: Path, monkeypatch, ready_after: float,
+                     on_chat=lambda: None):
+    """``diffspec quickstart --serve`` on the stand-in server: (args, pid file of the
+    server's child, chat calls); ``on_chat()`` runs at each chat request."""
+    from diffspec import default_model, quickstart
+    from diffspec.serving import ServerProcess, free_port
+    from tests.unit.test_serving import _FAKE_SERVER
+
+    orthrus = tmp_path / "orthrus"
+    orthrus.mkdir()
+    (orthrus / "config.json").write_text(json.dumps({"block_size": BLOCK}))
+    heads = _heads(tmp_path)
+    monkeypatch.setattr(default_model, "prepare_default", lambda *a, **k: orthrus)
+    monkeypatch.setattr(default_model, "base_checkpoint", lambda *a, **k: tmp_path / "base")
+    pid_file, chats = tmp_path / "child.pid", []
+
+    class FakeServer(quickstart.Server):
+        def __init__(self, python, model, port, **_):
+            cmd = [sys.executable, "-c", _FAKE_SERVER, str(port), str(ready_after),
+                   str(pid_file)]
+            self.process = ServerProcess(cmd, port, log_path=tmp_path / "server.log")
+            self.cmd, self.url, self.proc = cmd, self.process.url, self.process.proc
+            self.log_path = self.process.log_path
+
+        def wait_ready(self, timeout_s):
+            self.process.wait_ready(timeout_s, poll_s=0.1)
+
+        def chat(self, *a, **k):
+            chats.append(a)
+            on_chat()
+            return ChatResult(text="Rayleigh scattering.", completion_tokens=4, seconds=0.1)
+
+    monkeypatch.setattr(quickstart, "Server", FakeServer)
+    args = _args("--serve", "--port", str(free_port()), "--num-draft-tokens", "3",
+                 "--no-ar-check", "--requests", "1", "--heads", str(heads),
+                 "--python", sys.executable)
+    return args, pid_file, chats
+
+
+def _sigterm_in(seconds: float) -> threading.Timer:
+    import os
+    import signal
+
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    return timer
+
+
+def _gone(pid: int) -> bool:
+    from tests.unit.test_serving import _alive
+
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def test_serve_says_serving_once_it_answers_and_stops_on_sigterm(tmp_path: Path, monkeypatch,
+                                                                capsys) -> None:
+    from diffspec.quickstart import run_quickstart
+    from tests.unit.test_serving import _port_free
+
+    before_chat: list[str] = []  # what was printed when the first request went out
+    args, pid_file, chats = _fake_quickstart(
+        tmp_path, monkeypatch, ready_after=0.3,
+        on_chat=lambda: before_chat.append(capsys.readouterr().out))
+    timer = _sigterm_in(3.0)  # by then it waits on the server
+    try:
+        code = run_quickstart(args)
+    finally:
+        timer.cancel()
+    out = capsys.readouterr().out
+    assert code == 0 and len(chats) == 1
+    assert f"serving smollm2-orthrus at http://127.0.0.1:{args.port}/v1" in before_chat[0]
+    assert "Ctrl-C or SIGTERM stops it" in before_chat[0]
+    assert "still serving" in out and "stopped the server" in out
+    assert _gone(int(pid_file.read_text())), "the server's child outlived SIGTERM"
+    assert _port_free(args.port)
+
+
+def test_sigterm_before_the_server_answers_stops_it_too(tmp_path: Path, monkeypatch,
+                                                       capsys) -> None:
+    from diffspec.quickstart import run_quickstart
+    from tests.unit.test_serving import _port_free
+
+    args, pid_file, chats = _fake_quickstart(tmp_path, monkeypatch, ready_after=1e9)
+    timer = _sigterm_in(1.5)
+    try:
+        code = run_quickstart(args)
+    finally:
+        timer.cancel()
+    out = capsys.readouterr().out
+    assert code == 143 and chats == [] and "serving smollm2" not in out
+    assert _gone(int(pid_file.read_text()))
+    assert _port_free(args.port)
+
+
+def test_wrong_heads_folder_says_what_to_do_before_any_download(tmp_path: Path) -> None:
+    from diffspec.default_model import DefaultModelError, prepare_default
+
+    (tmp_path / "heads.json").write_text("{}")  # no heads.safetensors
+    with pytest.raises(DefaultModelError, match=r"^give a heads folder with heads.safetensors "
+                       r"and heads.json \(quickstart: --heads DIR.*missing heads.safetensors"):
+        prepare_default(tmp_path / "cache", heads_dir=tmp_path, log=print)
+    assert not (tmp_path / "cache").exists()

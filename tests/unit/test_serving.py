@@ -139,6 +139,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def test_server_process_ready_requests_and_stop(tmp_path: Path) -> None:
     port = free_port()
     pid_file = tmp_path / "child.pid"
@@ -155,6 +167,7 @@ def test_server_process_ready_requests_and_stop(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert not _alive(child), "the server's child outlived stop()"
     assert "fake server starting" in (tmp_path / "log").read_text()
+    assert _port_free(port)
     server.stop()  # idempotent
 
 
@@ -171,3 +184,30 @@ def test_server_process_errors_carry_the_log_tail(tmp_path: Path) -> None:
     assert server.proc.poll() is not None  # stopped on the way out
     with pytest.raises(ValueError, match="engine must be one of"):
         ServerProcess(never, port, engine="tgi")
+
+
+def test_an_interrupted_stop_still_kills_the_server(tmp_path: Path) -> None:
+    """Ctrl-C (or quickstart's SIGTERM handler) while stop() waits for a server that takes
+    its time: the SIGKILL still goes out, nothing is left running."""
+    import _thread
+    import threading
+
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('up', flush=True); time.sleep(600)")
+    server = ServerProcess([sys.executable, "-c", stubborn], free_port(),
+                           log_path=tmp_path / "log")
+    deadline = time.monotonic() + 30
+    while "up" not in (tmp_path / "log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.stop(timeout_s=30)
+        assert time.monotonic() - start < 10
+        assert server.proc.poll() is not None
+    finally:
+        if server.proc.poll() is None:  # the test failed: do not leave it running
+            server.proc.kill()
+            server.proc.wait()

@@ -113,6 +113,54 @@ def test_errors(ckpts, name: str, ckpt: str, spec: dict, match: str) -> None:
         translate_speculative_config(spec, ckpts[ckpt])
 
 
+@pytest.mark.parametrize(
+    ("ckpt", "spec", "first"),
+    [
+        ("orthrus", {"method": "orthrus", "num_speculative_tokens": 32},
+         "set num_speculative_tokens to at most 31 (or leave it out"),
+        ("orthrus", {"method": "orthrus", "num_speculative_tokens": 0},
+         "set num_speculative_tokens to an int >= 1 and <= 31"),
+        ("orthrus", {"method": "orthrus2"},
+         'use "method": "orthrus" or another of: linear_self_spec, orthrus, tidar ('),
+        ("orthrus", {"method": "foo"}, "use one of: linear_self_spec, orthrus, tidar ("),
+        ("qwen3", {"method": "orthrus", "num_speculative_tokens": 4},
+         "serve a checkpoint of family orthrus with method 'orthrus': "),
+        ("nld", {"method": "orthrus", "num_speculative_tokens": 4},
+         ("serve a checkpoint of family orthrus with method 'orthrus', or use method "
+          "'linear_self_spec' or 'tidar', which serve this nld checkpoint: ")),
+        ("orthrus", {"method": "linear_self_spec", "num_speculative_tokens": 4},
+         ("serve a checkpoint of family nld with method 'linear_self_spec', or use method "
+          "'orthrus', which serves this orthrus checkpoint: ")),
+        ("orthrus", {"method": "orthrus", "prompt_lookup_max": 3},
+         "remove 'prompt_lookup_max' from the speculative_config"),
+        ("orthrus", {"method": "orthrus", "draft_sample_method": "probabilistic"},
+         "set draft_sample_method to 'greedy', or leave it out"),
+        ("orthrus", {"method": "orthrus", "model": "some/other-model"},
+         'remove "model" from the speculative_config'),
+    ],
+    ids=["too_many_drafts", "zero_drafts", "misspelt_method", "unknown_method",
+         "no_diffusion_weights", "wrong_family", "wrong_family_other_way", "unknown_option",
+         "probabilistic_drafts", "separate_draft_model"],
+)
+def test_errors_say_what_to_do_first(ckpts, ckpt: str, spec: dict, first: str) -> None:
+    """The first words of each configuration error are the fix (then the reason)."""
+    with pytest.raises(CheckpointError) as info:
+        translate_speculative_config(spec, ckpts[ckpt])
+    message = str(info.value)
+    assert message.startswith(first), message
+    assert "\n" not in message
+
+
+def test_unknown_method_with_vllm_methods_names_both() -> None:
+    from diffspec.plugin.vllm.config import unknown_method_message
+
+    vllm = ["eagle", "eagle3", "ngram", "medusa"]
+    assert unknown_method_message("egale3", vllm) == (
+        'use "method": "eagle3" or another of: linear_self_spec, orthrus, tidar (diffspec), '
+        "eagle, eagle3, medusa, ngram (vLLM) (unknown speculative method 'egale3')")
+    assert unknown_method_message(None, vllm).startswith("use one of: linear_self_spec, ")
+
+
 def test_wrong_architecture_is_refused(tmp_path: Path, ckpts) -> None:
     """A Qwen3ForCausalLM config with *_diff weights would load as stock Qwen3 in vLLM (no
     diffusion view): refused up front."""
@@ -123,7 +171,8 @@ def test_wrong_architecture_is_refused(tmp_path: Path, ckpts) -> None:
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["Qwen3ForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"architecture 'Qwen3ForCausalLM'.*OrthrusLM"):
+    with pytest.raises(CheckpointError, match=r"^serve a checkpoint whose config.json names "
+                       r"one of the architectures OrthrusLM.*architecture 'Qwen3ForCausalLM'"):
         translate_speculative_config({"method": "orthrus", "num_speculative_tokens": 4}, folder)
 
 

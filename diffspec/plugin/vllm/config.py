@@ -10,9 +10,10 @@ This module imports neither torch, transformers nor vLLM.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from diffspec.methods import Method, methods_for_engine
 logger = logging.getLogger("diffspec")
 
 __all__ = ["diffspec_options", "is_self_spec_proposer", "proposer_path", "self_spec_methods",
-           "translate_speculative_config"]
+           "translate_speculative_config", "unknown_method_message"]
 
 def self_spec_methods() -> dict[str, Method]:
     """diffspec's methods served through vLLM's ``speculative_config``, by method name."""
@@ -84,34 +85,37 @@ def translate_speculative_config(
     name = spec.get("method")
     methods = self_spec_methods()
     if name not in methods:
-        raise CheckpointError(
-            f"unknown diffspec speculative method {name!r}; diffspec serves "
-            f"{', '.join(sorted(methods))} in vLLM"
-        )
+        raise CheckpointError(unknown_method_message(name, diffspec_only=True))
     method = methods[name]
     for key, value in spec.items():
         if key not in _ALLOWED_OPTIONS:
             raise CheckpointError(
-                f"speculative_config option {key!r} does not apply to method {name!r} "
-                f"(it drafts with the served model's own diffusion view); supported options: "
-                f"{', '.join(_ALLOWED_OPTIONS)}"
+                f"remove {key!r} from the speculative_config (supported options: "
+                f"{', '.join(_ALLOWED_OPTIONS)}): speculative_config option {key!r} does not "
+                f"apply to method {name!r} (it drafts with the served model's own diffusion "
+                f"view)"
             )
         allowed = _ALLOWED_OPTIONS[key]
         if allowed is not None and value is not None and value not in allowed:
             raise CheckpointError(
-                f"method {name!r} cannot honour {key}={value!r}; supported: "
-                f"{', '.join(map(repr, allowed))}"
+                f"set {key} to {' or '.join(map(repr, allowed))}, or leave it out: method "
+                f"{name!r} cannot honour {key}={value!r}"
             )
     draft_model = spec.get("model")
     if draft_model is not None and not _same_model(draft_model, checkpoint):
         raise CheckpointError(
-            f"method {name!r} drafts with the served model itself ({checkpoint}); it takes no "
-            f"separate draft model, got model={draft_model!r}"
+            f"remove \"model\" from the speculative_config: method {name!r} drafts with the "
+            f"served model itself ({checkpoint}); it takes no separate draft model, got "
+            f"model={draft_model!r}"
         )
 
     info = _inspect(checkpoint, hf_config)
     if info is not None:
-        require_method(info, name)
+        try:
+            require_method(info, name)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{_wrong_checkpoint_advice(name, info.family)}: {exc}") \
+                from None
         architecture = info.architecture
         block_size = info.block_size
     else:  # weights not local yet: what config.json says (weights are checked at load)
@@ -119,30 +123,67 @@ def translate_speculative_config(
         block_size = hf_config.get("block_size")
         for key in ("block_size", "mask_token_id"):
             if hf_config.get(key) is None:
-                raise CheckpointError(f"checkpoint {checkpoint} has no {key} in config.json; "
-                                      f"method {name!r} needs it")
+                raise CheckpointError(f"{_wrong_checkpoint_advice(name, None)}: checkpoint "
+                                      f"{checkpoint} has no {key} in config.json; method "
+                                      f"{name!r} needs it")
     if architecture not in method.architectures:
         raise CheckpointError(
-            f"checkpoint {checkpoint} has architecture {architecture!r}; method {name!r} is "
-            f"served by the architectures {', '.join(method.architectures)}"
+            f"serve a checkpoint whose config.json names one of the architectures "
+            f"{', '.join(method.architectures)} with method {name!r}: checkpoint {checkpoint} "
+            f"has architecture {architecture!r}"
         )
 
+    limit = max_block_tokens(info) if info is not None else int(block_size) - 1
     num = spec.get("num_speculative_tokens")
     if num is None:  # the checkpoint's trained block
-        num = max_block_tokens(info) if info is not None else int(block_size) - 1
+        num = limit
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise CheckpointError(f"num_speculative_tokens must be an int >= 1, got {num!r}")
+        raise CheckpointError(f"set num_speculative_tokens to an int >= 1"
+                              f"{f' and <= {limit}' if limit else ''} (or leave it out: the "
+                              f"checkpoint's whole block): num_speculative_tokens must be an "
+                              f"int >= 1, got {num!r}")
+    advice = (f"set num_speculative_tokens to at most {limit} (or leave it out: the "
+              f"checkpoint's whole block)")
     if info is not None:
-        validate_block_size(info, num)
-    elif num > int(block_size) - 1:
-        raise CheckpointError(f"checkpoint {checkpoint} was trained with block_size={block_size}, "
-                              f"so it drafts at most {int(block_size) - 1} tokens per step; "
-                              f"{num} requested")
+        try:
+            validate_block_size(info, num)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{advice}: {exc}") from None
+    elif num > limit:
+        raise CheckpointError(f"{advice}: checkpoint {checkpoint} was trained with "
+                              f"block_size={block_size}, so it drafts at most {limit} tokens "
+                              f"per step; {num} requested")
 
     diffspec_options(spec)  # validated here; the patch moves them to additional_config
     out = {k: v for k, v in spec.items() if k not in ("method", "model", *DIFFSPEC_OPTIONS)}
     out.update(method="custom_class", model=proposer_path(name), num_speculative_tokens=num)
     return out
+
+
+def unknown_method_message(method: Any, vllm_methods: Iterable[str] = (),
+                           diffspec_only: bool = False) -> str:
+    """The error for a ``speculative_config`` method nobody serves; its first words say
+    what to use instead (the closest name first, when one is close)."""
+    ours = sorted(self_spec_methods())
+    theirs = sorted(vllm_methods)
+    close = difflib.get_close_matches(str(method), ours + theirs, n=1, cutoff=0.6)
+    head = f"use \"method\": \"{close[0]}\" or another of: " if close else "use one of: "
+    names = ", ".join(ours) + (f" (diffspec), {', '.join(theirs)} (vLLM)" if theirs else "")
+    what = "diffspec speculative method" if diffspec_only else "speculative method"
+    return f"{head}{names} (unknown {what} {method!r})"
+
+
+def _wrong_checkpoint_advice(method: str, family: str | None) -> str:
+    """What to do when the served checkpoint cannot serve ``method``: a checkpoint of the
+    method's family, or the method that serves this checkpoint's family."""
+    methods = self_spec_methods()
+    wanted = " or ".join(methods[method].families)
+    advice = f"serve a checkpoint of family {wanted} with method {method!r}"
+    others = [n for n, m in methods.items() if n != method and family in m.families]
+    if others:
+        advice += (f", or use method {' or '.join(map(repr, others))}, which serve"
+                   f"{'s' if len(others) == 1 else ''} this {family} checkpoint")
+    return advice
 
 
 def _same_model(a: str | Path, b: str | Path) -> bool:

@@ -64,6 +64,7 @@ from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 from diffspec.core.accept import AcceptOutput, greedy_accept, rejection_sample_accept
 from diffspec.core.sampling import process_logits
 from diffspec.model_executors.sglang.views import DraftBlocks
+from diffspec.profiling import DraftTimings
 
 __all__ = ["SelfSpecDraftInput", "SelfSpecVerifyInput", "SelfSpecWorker", "TargetModelSpecWorker"]
 
@@ -196,6 +197,7 @@ class SelfSpecWorker(TargetModelSpecWorker):
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
         self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
                                         self.width - 1, "two_pass")
+        self.timings = DraftTimings(self.device)
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         result = self._target_worker.forward_batch_generation(batch)
@@ -227,15 +229,8 @@ class SelfSpecWorker(TargetModelSpecWorker):
         # draft: the diffusion view over [anchor, <mask> x (W - 1)], no KV written (W = 1:
         # the policy drafts nothing this step, a plain AR step)
         if w > 1:
-            block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64,
-                               device=self.device)
-            block[:, 0] = anchors
-            prefix_slots = [req_to_token[r, :c].to(torch.int64)
-                            for r, c in zip(rows.tolist(), committed.tolist())]
-            draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
-                block.reshape(-1), positions.reshape(-1), prefix_slots, w,
-                self.model_runner.token_to_kv_pool))  # [bs, W - 1, vocab]
-            drafts = draft_logits.argmax(dim=-1)  # [bs, W - 1]
+            drafts = self.timings.time(bs * w, lambda: self._draft(
+                anchors, positions, rows, committed, w))  # [bs, W - 1]
         else:
             drafts = anchors.new_zeros((bs, 0))
 
@@ -265,6 +260,25 @@ class SelfSpecWorker(TargetModelSpecWorker):
             speculative_output_stride=w,
             num_non_draft_tokens_per_req=1,
         )
+
+    def _draft(
+        self,
+        anchors: torch.Tensor,  # [bs] the committed tokens the blocks start from
+        positions: torch.Tensor,  # [bs, W]
+        rows: torch.Tensor,  # [bs] req_to_token rows
+        committed: torch.Tensor,  # [bs] C
+        w: int,
+    ) -> torch.Tensor:  # [bs, W - 1] greedy drafts
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
+        block = torch.full((len(anchors), w), self.mask_token_id, dtype=torch.int64,
+                           device=self.device)
+        block[:, 0] = anchors
+        prefix_slots = [req_to_token[r, :c].to(torch.int64)
+                        for r, c in zip(rows.tolist(), committed.tolist())]
+        draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
+            block.reshape(-1), positions.reshape(-1), prefix_slots, w,
+            self.model_runner.token_to_kv_pool))  # [bs, W - 1, vocab]
+        return draft_logits.argmax(dim=-1)
 
     def _verify(
         self,

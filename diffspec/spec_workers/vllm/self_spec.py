@@ -35,6 +35,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from diffspec.profiling import DraftTimings
+
 logger = logging.getLogger("diffspec")
 
 __all__ = ["DraftBlock", "NonCausalBlocks", "SelfSpecProposer", "non_causal_blocks",
@@ -94,6 +96,7 @@ class SelfSpecProposer:
         self.max_forward_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
                                       self.num_speculative_tokens + 1)
         self.adaptive = _adaptive_policy(vllm_config, self.num_speculative_tokens, "two_pass")
+        self.timings = DraftTimings(vllm_config.device_config.device)
 
     def load_model(self, model) -> None:
         """Called by the runner with the target model: the drafter runs its diffusion view."""
@@ -125,7 +128,9 @@ class SelfSpecProposer:
             blocks = _adapt(self.adaptive, batch.req_ids, sampled_token_ids, blocks)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for chunk in _chunks(blocks, self.max_forward_tokens):
-            for block, tokens in zip(chunk, self._draft(runner, chunk)):
+            chunk_drafts = self.timings.time(sum(b.num_drafts + 1 for b in chunk),
+                                             lambda: self._draft(runner, chunk))  # noqa: B023
+            for block, tokens in zip(chunk, chunk_drafts):
                 drafts[block.row] = tokens
         return drafts
 

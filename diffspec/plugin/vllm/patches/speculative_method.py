@@ -75,6 +75,7 @@ def apply() -> None:
         diffspec_options,
         self_spec_methods,
         translate_speculative_config,
+        unknown_method_message,
     )
 
     original = EngineArgs.create_speculative_config
@@ -94,10 +95,7 @@ def apply() -> None:
                                       "diffspec": diffspec_options(spec)}
             self.spec_method = self.spec_model = self.spec_tokens = None
         elif isinstance(method, str) and method not in _vllm_methods():
-            raise ValueError(
-                f"unknown speculative method {method!r}: vLLM's are "
-                f"{', '.join(sorted(_vllm_methods()))}; diffspec adds "
-                f"{', '.join(sorted(self_spec_methods()))}")
+            raise ValueError(unknown_method_message(method, _vllm_methods()))
         return original(self, target_model_config, target_parallel_config)
 
     EngineArgs.create_speculative_config = mark(create_speculative_config, __name__)

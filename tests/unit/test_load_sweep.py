@@ -1,0 +1,94 @@
+"""The load benchmark's engine-free parts: the sweep loops (``benchmarks/adapters/sweep.py``)
+driven by a stand-in ``generate`` (a pure function of its inputs), the summary of
+``benchmarks/adaptive_sweep.py``, and the draft-pass timings file the engines' drafters
+write (:class:`diffspec.profiling.DraftTimings`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks.adapters.sweep import pick, run_job, step_times, waves
+
+
+def _echo(step_s: float = 0.0, draft: int = 0):
+    """A stand-in engine: each output repeats its prompt's first token ``max_tokens`` times;
+    one call sleeps ``step_s`` per token (a decode step per token)."""
+    calls = []
+
+    def generate(prompts, max_tokens):
+        calls.append((len(prompts), max_tokens))
+        time.sleep(step_s * max_tokens)
+        return ([[p[0]] * max_tokens for p in prompts],
+                {"drafts": draft * len(prompts), "draft_tokens": 2 * draft * len(prompts),
+                 "accepted": draft})
+    return generate, calls
+
+
+def test_pick_cycles() -> None:
+    assert pick([[1], [2]], 5) == [[1], [2], [1], [2], [1]]
+
+
+def test_waves_serve_c_requests_at_a_time() -> None:
+    generate, calls = _echo(draft=1)
+    rows = waves(generate, [[i] for i in range(10)], [1, 3], repeats=2, max_tokens=5)
+    assert [(r["repeat"], r["concurrency"]) for r in rows] == [(0, 1), (0, 3), (1, 1), (1, 3)]
+    assert [c for c, _ in calls] == [1] * 4 + [3, 3] + [1] * 4 + [3, 3]
+    first = rows[1]
+    assert first["num_prompts"] == 6 and first["tokens"] == 30
+    assert first["token_ids"] == [[i] * 5 for i in range(6)]
+    assert first["drafts"] == 6 and first["draft_tokens"] == 12 and first["accepted"] == 2
+    assert "token_ids" not in rows[3]  # kept for the first repeat only
+
+
+def test_step_times_cancel_the_fixed_costs() -> None:
+    generate, _ = _echo(step_s=0.002)
+    steps = step_times(generate, [[1]], [1, 2], short=2, long=12, repeats=1)
+    assert set(steps) == {1, 2}
+    assert all(0.0015 < s < 0.02 for s in steps.values())
+    with pytest.raises(ValueError):
+        step_times(generate, [[1]], [1], short=5, long=5)
+
+
+def test_run_job_modes() -> None:
+    generate, _ = _echo()
+    job = {"prompts": [[7]], "concurrency": [2], "repeats": 1, "max_tokens": 3,
+           "batch_sizes": [1], "short": 1, "long": 2, "step_repeats": 1}
+    assert run_job("waves", generate, job)["waves"][0]["tokens"] == 12
+    assert set(run_job("steps", generate, job)["step_s"]) == {1}
+    with pytest.raises(ValueError, match="mode"):
+        run_job("nope", generate, job)
+
+
+def test_summary_compares_with_ar() -> None:
+    from benchmarks.adaptive_sweep import summarize
+
+    def run(rate: float, outputs: list[list[int]], draft_tokens: int = 0) -> dict:
+        return {"waves": [{"repeat": r, "concurrency": 2, "seconds": 10 / (rate * f),
+                           "tokens": 10, "draft_tokens": draft_tokens, "accepted": 0,
+                           **({"token_ids": outputs} if r == 0 else {})}
+                          for r, f in ((0, 1.0), (1, 1.1), (2, 0.9))]}
+    runs = {"ar": run(10.0, [[1, 2], [3]]), "k": run(15.0, [[1, 2], [3, 4]], draft_tokens=5)}
+    rows = {r["baseline"]: r for r in summarize(runs, [2])}
+    assert rows["ar"]["x_ar"] == pytest.approx(1.0) and rows["ar"]["lossless"] == 1.0
+    assert rows["k"]["x_ar"] == pytest.approx(1.5)
+    assert rows["k"]["min"] == pytest.approx(13.5) and rows["k"]["max"] == pytest.approx(16.5)
+    assert rows["k"]["lossless"] == 0.5  # one output of two differs from AR's
+    assert rows["k"]["draft_tokens_per_token"] == pytest.approx(0.5)
+
+
+def test_draft_timings_off_by_default(monkeypatch, tmp_path) -> None:
+    from diffspec.profiling import DRAFT_TIMINGS_ENV, DraftTimings, read_draft_timings
+
+    monkeypatch.delenv(DRAFT_TIMINGS_ENV, raising=False)
+    assert DraftTimings("cpu").time(4, lambda: "x") == "x"
+    path = tmp_path / "t.txt"
+    monkeypatch.setenv(DRAFT_TIMINGS_ENV, str(path))
+    timings = DraftTimings("cpu")
+    for tokens in (4, 4, 4, 8):
+        assert timings.time(tokens, lambda: time.sleep(0.001) or 5) == 5
+    table = read_draft_timings(path)
+    assert list(table) == [4]  # 8 was seen once: too few to trust
+    assert table[4] >= 0.001
+    assert read_draft_timings(path, min_count=1).keys() == {4, 8}
