@@ -11,10 +11,12 @@ Per engine, on the model (default: the embedded default, SmolLM2-135M-Instruct +
    step time with ``B`` requests in flight (plain AR on the same checkpoint, ``B`` = 1 ..
    ``--profile-batch-sizes``; ``sweep.step_times``), and its draft pass time by query tokens
    (a fixed-K engine with ``$DIFFSPEC_DRAFT_TIMINGS`` set, so the drafter times its own
-   passes). Written to ``DIR/ENGINE-latency-profile.json`` as ``{"points", "draft_points"}``,
+   passes; SGLang's also times its verify forward). Written to
+   ``DIR/ENGINE-latency-profile.json`` as ``{"points", "draft_points", "verify_points"}``,
    the file the adaptive policy loads.
-2. **Sweep**: one engine per baseline (``ar``, ``METHOD:K``, ``METHOD:K adaptive``), each
-   serving, for every repeat and concurrency ``c``, ``max(4, 2c)`` prompts in waves of ``c``
+2. **Sweep**: for every repeat, one engine start per baseline in turn (``ar``, ``METHOD:K``,
+   ``METHOD:K adaptive``, then the next repeat: drift of a shared machine falls on all of
+   them), each serving, for every concurrency ``c``, ``max(4, 2c)`` prompts in waves of ``c``
    (greedy, ``--max-tokens`` each, EOS ignored so every baseline generates the same tokens).
 
 Writes ``DIR/sweep.json`` (every repeat), ``DIR/sweep.md`` (median tokens/s, min-max spread,
@@ -78,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(tests/engine/sglang_cpu.py); never part of what users install")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine run")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--profile-only", action="store_true", help="only measure each engine's "
+                   "latency profile (OUT/ENGINE-latency-profile.json, what \"latency_profile\" "
+                   "of the adaptive policy reads) and stop")
+    p.add_argument("--render", action="store_true", help="only write sweep.md / sweep.png "
+                   "again from OUT/sweep.json")
     return p
 
 
@@ -117,6 +124,8 @@ def run_worker(engine: str, name: str, launch: dict[str, Any], job: dict[str, An
                                   timeout=timeout, check=False, env={**os.environ, **env})
     prefix = "DIFFSPEC_BENCH_RESULT "
     lines = [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
+    with log.open("a") as out:  # the engine's own log lines (vLLM logs to stdout)
+        out.writelines(l + "\n" for l in proc.stdout.splitlines() if not l.startswith(prefix))
     if not lines:
         return {"error": f"worker exited with {proc.returncode}; log: {log}"}
     return json.loads(lines[-1][len(prefix):])["runs"][name]
@@ -146,10 +155,12 @@ def measure_profile(engine: str, b: Baseline, ids: list[list[int]], args: argpar
         raise SystemExit(f"adaptive-sweep: {engine} draft profile failed: {drafts['error']}")
     profile = {"points": {int(k): v for k, v in steps["step_s"].items()},
                "draft_points": read_draft_timings(timings),
+               "verify_points": read_draft_timings(timings, "verify"),
                "meta": {"engine": engine, "model": args.model, "method": b.label,
                         "what": "points: seconds per decode step with B requests in flight "
-                                "(plain AR); draft_points: seconds per draft pass by query "
-                                "tokens (the drafter's own timings)",
+                                "(plain AR); draft_points / verify_points: seconds per "
+                                "draft / verify pass by query tokens (the drafter's own "
+                                "timings; verify only where the drafter runs it)",
                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "machine": machine()}}
     out.write_text(json.dumps(profile, indent=2) + "\n")
@@ -187,19 +198,30 @@ def summarize(runs: dict[str, dict[str, Any]], concurrency: list[int]) -> list[d
     return rows
 
 
+def drafted(engine: str, row: dict[str, Any]) -> str:
+    """Draft tokens per output token from the engine's counters: SGLang counts ``W - 1``
+    proposed drafts per verify step whatever the step drafted, so an adaptive row has
+    none to show there."""
+    if engine == "sglang" and row["baseline"].endswith(ADAPTIVE):
+        return "n/a"
+    return f"{row['draft_tokens_per_token']:.2f}"
+
+
 def render(engine_rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> str:
     lines = [f"`{meta['command']}`", "", (f"{meta['date']}; {meta['machine']['cpu']}, "
              f"{meta['machine']['nproc']} cores; {meta['note']}"), ""]
     for engine, rows in engine_rows.items():
         lines += [f"### {engine}", "", ("| baseline | c | tok/s (median) | min-max | x AR | "
-                  "lossless | draft tok / out tok |"), "|---|---|---|---|---|---|---|"]
+                  "lossless | drafted / out tok | accepted / out tok |"),
+                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
                 lines.append(f"| {r['baseline']} | error: {r['error'][:200]} | | | | | |")
                 continue
             lines.append(f"| {r['baseline']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
                          f"{r['min']:.1f}-{r['max']:.1f} | {r['x_ar']:.2f} | "
-                         f"{r['lossless']:.2f} | {r['draft_tokens_per_token']:.2f} |")
+                         f"{r['lossless']:.2f} | {drafted(engine, r)} | "
+                         f"{r['accepted_per_token']:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -231,6 +253,13 @@ def plot(engine_rows: dict[str, list[dict[str, Any]]], out: Path) -> Path | None
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.render:  # the table and plot again from a finished run's sweep.json
+        data = json.loads((args.out / "sweep.json").read_text())
+        engine_rows = {e: r["rows"] for e, r in data["engines"].items()}
+        (args.out / "sweep.md").write_text(render(engine_rows, data["meta"]) + "\n")
+        plot(engine_rows, args.out)
+        print(render(engine_rows, data["meta"]))
+        return 0
     engines = [e for e in args.engines.split(",") if e]
     if unknown := [e for e in engines if e not in ENGINES]:
         raise SystemExit(f"adaptive-sweep: use --engines from {', '.join(ENGINES)} "
@@ -258,13 +287,28 @@ def main(argv: list[str] | None = None) -> int:
                 "VLLM_CPU_KVCACHE_SPACE", "2")}, {}
         profile = (Path(given[engine]) if engine in given
                    else measure_profile(engine, fixed, ids, args, python, env, extra))
-        runs, launches = {}, {}
-        for b, prof in (((Baseline("ar", "ar", 0), None), (fixed, None), (adaptive, profile))):
-            launch = engine_launch(engine, b, prof, args, extra)
-            launches[b.label] = launch
-            log = args.out / f"{engine}-{b.label.replace(':', '-').replace(' ', '-')}.log"
-            runs[b.label] = run_worker(engine, b.label, launch, job, python, env, log,
-                                       args.timeout)
+        if args.profile_only:
+            continue
+        runs: dict[str, dict[str, Any]] = {}
+        launches = {}
+        # repeats interleaved across baselines (AR, fixed, adaptive, AR, ...), one engine
+        # start each: drift of a shared machine falls on every baseline alike
+        for repeat in range(args.repeats):
+            for b, prof in ((Baseline("ar", "ar", 0), None), (fixed, None), (adaptive, profile)):
+                launch = engine_launch(engine, b, prof, args, extra)
+                launches[b.label] = launch
+                log = (args.out / f"{engine}-{b.label.replace(':', '-').replace(' ', '-')}"
+                                  f"-r{repeat}.log")
+                result = run_worker(engine, b.label, launch, {**job, "repeats": 1}, python,
+                                    env, log, args.timeout)
+                run = runs.setdefault(b.label, {"waves": []})
+                if "error" in result:
+                    run["error"] = result["error"]
+                    continue
+                for row in result["waves"]:
+                    if repeat:
+                        row.pop("token_ids", None)
+                    run["waves"].append({**row, "repeat": repeat})
         results[engine] = {"profile": str(profile), "launch": launches, "runs": runs,
                            "rows": summarize(runs, concurrency) if "error" not in runs["ar"]
                            else [{"baseline": "ar", "error": runs["ar"]["error"]}]}
@@ -273,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "note": f"{args.dataset} prompts (cut to {args.prompt_budget} tokens), "
                     f"{args.max_tokens} tokens each, greedy, fp32, EOS ignored; "
-                    f"max(4, 2c) prompts per concurrency in waves of c; {args.repeats} repeats"}
+                    f"max(4, 2c) prompts per concurrency in waves of c; {args.repeats} repeats, "
+                    f"interleaved across baselines (one engine start each)"}
+    if args.profile_only:
+        return 0
     engine_rows = {e: r["rows"] for e, r in results.items()}
     (args.out / "sweep.json").write_text(json.dumps({"meta": meta, "engines": results}) + "\n")
     (args.out / "sweep.md").write_text(render(engine_rows, meta) + "\n")

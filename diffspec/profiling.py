@@ -124,18 +124,19 @@ def measure_latency_profile(checkpoint: str | Path, context: int, query_lens: Se
 
 
 class DraftTimings:
-    """Wall time of an engine drafter's draft passes, one line ``TOKENS SECONDS`` appended
-    per pass to the file ``$DIFFSPEC_DRAFT_TIMINGS`` names (read when the drafter starts).
-    Unset (the default): :meth:`time` just calls the pass, with no synchronization. Set, a
-    CUDA device is synchronized around the pass, so leave it unset when serving."""
+    """Wall time of an engine drafter's passes, one line ``KIND TOKENS SECONDS`` appended
+    per pass (``draft``; ``verify`` where the drafter runs the verify forward itself) to the
+    file ``$DIFFSPEC_DRAFT_TIMINGS`` names (read when the drafter starts). Unset (the
+    default): :meth:`time` just calls the pass, with no synchronization. Set, a CUDA device
+    is synchronized around the pass, so leave it unset when serving."""
 
     def __init__(self, device: Any = None) -> None:
         path = os.environ.get(DRAFT_TIMINGS_ENV)
         self.path = Path(path) if path else None
         self.cuda = getattr(device, "type", str(device or "")).startswith("cuda")
 
-    def time(self, tokens: int, fn: Any) -> Any:
-        """``fn()``, timed as a draft pass over ``tokens`` query tokens when enabled."""
+    def time(self, tokens: int, fn: Any, kind: str = "draft") -> Any:
+        """``fn()``, timed as a ``kind`` pass over ``tokens`` query tokens when enabled."""
         if self.path is None:
             return fn()
         import torch
@@ -148,15 +149,17 @@ class DraftTimings:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         with self.path.open("a") as f:
-            f.write(f"{int(tokens)} {seconds:.6f}\n")
+            f.write(f"{kind} {int(tokens)} {seconds:.6f}\n")
         return out
 
 
-def read_draft_timings(path: str | Path, min_count: int = 3) -> dict[int, float]:
-    """``{tokens: median seconds}`` of the draft passes a :class:`DraftTimings` file holds,
-    for token counts seen at least ``min_count`` times (fewer: too few to trust)."""
+def read_draft_timings(path: str | Path, kind: str = "draft",
+                       min_count: int = 3) -> dict[int, float]:
+    """``{tokens: median seconds}`` of the ``kind`` passes a :class:`DraftTimings` file
+    holds, for token counts seen at least ``min_count`` times (fewer: too few to trust)."""
     samples: dict[int, list[float]] = {}
     for line in Path(path).read_text().splitlines():
-        tokens, seconds = line.split()
-        samples.setdefault(int(tokens), []).append(float(seconds))
+        what, tokens, seconds = line.split()
+        if what == kind:
+            samples.setdefault(int(tokens), []).append(float(seconds))
     return {t: statistics.median(s) for t, s in sorted(samples.items()) if len(s) >= min_count}

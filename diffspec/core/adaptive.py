@@ -71,10 +71,15 @@ class LatencyProfile:
     # draft pass has no sampler or scheduler step, or extra work such as copying K/V);
     # None: a draft pass costs what a forward of as many tokens does
     draft_points: Mapping[int, float] | None = None
+    # query tokens -> seconds of a verify forward of drafted blocks, where it was measured
+    # apart (SGLang's torch-native backend runs a verify as an extend over the whole
+    # sequence); a verify step costs at least a plain step of as many tokens
+    verify_points: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
-        for name, table in (("points", self.points), ("draft_points", self.draft_points)):
-            if table is None and name == "draft_points":
+        for name, table in (("points", self.points), ("draft_points", self.draft_points),
+                            ("verify_points", self.verify_points)):
+            if table is None and name != "points":
                 continue
             if not table:
                 raise ValueError(f"a latency profile needs at least one measured point ({name})")
@@ -88,6 +93,13 @@ class LatencyProfile:
     def draft(self, tokens: int) -> float:
         """Seconds for one draft pass over ``tokens`` query tokens (0: none, 0 s)."""
         return _interpolate(self.draft_points or self.points, tokens)
+
+    def verify(self, tokens: int) -> float:
+        """Seconds for a step that verifies drafted blocks of ``tokens`` query tokens in
+        all: the plain step's, or the measured verify forward's where that is more."""
+        plain = _interpolate(self.points, tokens)
+        return plain if not self.verify_points else max(
+            plain, _interpolate(self.verify_points, tokens))
 
 
 def _interpolate(points: Mapping[int, float], tokens: int) -> float:
@@ -117,7 +129,9 @@ class StepCost:
         if self.kind == "linear":  # e.g. a drafter whose own cost is negligible
             return profile(verify)
         if self.kind == "two_pass":  # Orthrus / NLD linear: draft forward + verify forward
-            return profile.draft(sum(1 + k for k in counts if k > 0)) + profile(verify)
+            drafted = sum(1 + k for k in counts if k > 0)
+            return (profile.draft(drafted) + profile.verify(verify) if drafted
+                    else profile(verify))
         # TiDAR: verify chain + one branch of k + skip masks per outcome, one forward
         return profile(sum((1 + k) * (1 + (k + self.skip if k > 0 else 0)) for k in counts))
 
@@ -289,15 +303,15 @@ class AcceptanceEstimate:
 
 def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyProfile:
     """A :class:`LatencyProfile` from JSON data: ``{"points": {tokens: seconds},
-    "draft_points": {tokens: seconds}}`` (``draft_points`` optional; what
+    "draft_points": {...}, "verify_points": {...}}`` (the last two optional; what
     ``benchmarks/engine_profile.py`` measures through an engine), or the
     ``forward_latency.json`` of ``benchmarks/profile_forward.py`` (``latency_s[context]
     [query_len]``; the measured context nearest ``context``, default the smallest)."""
     if "points" in data:
-        draft = data.get("draft_points")
-        return LatencyProfile({int(t): float(s) for t, s in data["points"].items()},
-                              None if not draft else
-                              {int(t): float(s) for t, s in draft.items()})
+        def table(key: str) -> dict[int, float] | None:
+            rows = data.get(key)
+            return {int(t): float(s) for t, s in rows.items()} if rows else None
+        return LatencyProfile(table("points"), table("draft_points"), table("verify_points"))
     if "latency_s" in data:
         contexts = sorted(int(c) for c in data["latency_s"])
         ctx = contexts[0] if context is None else min(contexts, key=lambda c: abs(c - context))

@@ -214,3 +214,19 @@ def test_draft_passes_priced_from_their_own_table() -> None:
     assert choose_draft_counts(acceptance, [3], dear, TWO_PASS) == [0]
     with pytest.raises(ValueError, match="draft_points"):
         LatencyProfile(flat, {4: 0.0})
+
+
+def test_a_dear_verify_is_priced_too() -> None:
+    """A verify forward measured dearer than a plain step of as many tokens (SGLang's
+    torch-native verify) prices drafting steps; steps that draft nothing stay plain."""
+    from diffspec.core.adaptive import load_latency_profile
+
+    profile = load_latency_profile({"points": {"1": 0.010, "4": 0.010},
+                                    "verify_points": {"2": 0.030, "4": 0.030}})
+    assert profile.verify(4) == 0.030 and profile(4) == 0.010
+    assert LatencyProfile({1: 0.02}, verify_points={1: 0.01}).verify(1) == 0.02  # never less
+    assert TWO_PASS.latency(profile, [3]) == pytest.approx(0.040)
+    assert TWO_PASS.latency(profile, [0]) == pytest.approx(0.010)
+    assert choose_draft_counts([[0.9, 0.8, 0.7]], [3], profile, TWO_PASS) == [0]
+    assert choose_draft_counts([[0.9, 0.8, 0.7]], [3], LatencyProfile({1: 0.010, 4: 0.010}),
+                               TWO_PASS) == [3]

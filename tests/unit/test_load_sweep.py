@@ -88,7 +88,9 @@ def test_draft_timings_off_by_default(monkeypatch, tmp_path) -> None:
     timings = DraftTimings("cpu")
     for tokens in (4, 4, 4, 8):
         assert timings.time(tokens, lambda: time.sleep(0.001) or 5) == 5
+    timings.time(12, lambda: None, kind="verify")
     table = read_draft_timings(path)
     assert list(table) == [4]  # 8 was seen once: too few to trust
     assert table[4] >= 0.001
     assert read_draft_timings(path, min_count=1).keys() == {4, 8}
+    assert read_draft_timings(path, "verify", min_count=1).keys() == {12}

@@ -28,7 +28,7 @@ from diffspec.plugin.vllm.config import (
     translate_speculative_config,
 )
 
-logger = logging.getLogger("diffspec")
+logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 __all__ = ["is_self_spec_proposer", "register", "translate_speculative_config"]
 

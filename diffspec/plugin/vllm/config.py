@@ -26,7 +26,7 @@ from diffspec.core.checkpoint import (
 )
 from diffspec.methods import Method, methods_for_engine
 
-logger = logging.getLogger("diffspec")
+logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 __all__ = ["diffspec_options", "is_self_spec_proposer", "proposer_path", "self_spec_methods",
            "translate_speculative_config", "unknown_method_message"]
@@ -217,7 +217,8 @@ def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise CheckpointError(
                 "add \"latency_profile\": PATH to the speculative_config: \"adaptive\": true "
                 "chooses draft counts from a measured forward-latency profile (write one with "
-                "python benchmarks/profile_forward.py --model CKPT --out DIR)")
+                "python -m benchmarks.adaptive_sweep --profile-only --engines vllm --model CKPT --out DIR, "
+                "through this engine: DIR/vllm-latency-profile.json)")
         try:
             from diffspec.core.adaptive import load_latency_profile
 

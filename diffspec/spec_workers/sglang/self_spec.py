@@ -236,7 +236,9 @@ class SelfSpecWorker(TargetModelSpecWorker):
 
         # verify: SGLang's causal forward of [anchor, drafts] into the reserved slots
         verify_ids = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, W]
-        logits = self._verify(batch, verify_ids, positions, slots)  # [bs, W, vocab]
+        logits = (self._verify(batch, verify_ids, positions, slots) if w == 1  # [bs, W, vocab]
+                  else self.timings.time(bs * w, lambda: self._verify(
+                      batch, verify_ids, positions, slots), kind="verify"))
 
         # accept: greedy rows take the longest prefix equal to the AR argmax, then the AR
         # token after it; sampled rows rejection-sample the point-mass drafts
@@ -288,6 +290,8 @@ class SelfSpecWorker(TargetModelSpecWorker):
         slots: torch.Tensor,  # [bs, W] KV-pool slots of positions C .. C + W - 1
     ) -> torch.Tensor:  # [bs, W, vocab] fp32 logits
         bs, w = verify_ids.shape
+        if w == 1:  # nothing drafted this step (adaptive k = 0): a plain decode step
+            return self._decode_forward(batch, verify_ids[:, 0], slots[:, 0])
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = verify_ids.reshape(-1)
         batch.out_cache_loc = slots.reshape(-1)
@@ -302,6 +306,40 @@ class SelfSpecWorker(TargetModelSpecWorker):
         logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
         vocab = self.model_runner.model.config.vocab_size
         return logits[:, :vocab].float().view(bs, w, vocab)
+
+
+    def _decode_forward(
+        self,
+        batch,
+        anchors: torch.Tensor,  # [bs] the token each request decodes from
+        slots: torch.Tensor,  # [bs] KV-pool slots of position C
+    ) -> torch.Tensor:  # [bs, 1, vocab] fp32 logits
+        """SGLang's own DECODE forward (what plain AR runs: its decode attention kernels,
+        and CUDA graphs where captured) for a step that drafts nothing, rather than a
+        one-token TARGET_VERIFY: the torch-native backend runs a verify as an extend over
+        the whole sequence, which costs far more than a decode. The batch's lengths count
+        the new token for the forward (positions C = seq_lens - 1) and are restored."""
+        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info)
+        bs = len(anchors)
+        batch.forward_mode = ForwardMode.DECODE
+        batch.input_ids = anchors
+        batch.out_cache_loc = slots
+        batch.spec_info = None  # a decode with spec_info reads as a draft decode
+        batch.seq_lens = saved[0] + 1
+        if saved[1] is not None:
+            batch.seq_lens_cpu = saved[1] + 1
+        if saved[2] is not None:
+            batch.seq_lens_sum = saved[2] + bs
+        try:
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner,
+                                                  return_hidden_states_before_norm=False)
+            result = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)  # no sampling
+        finally:
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info = saved
+        logits = result.logits_output.next_token_logits  # [bs, padded vocab]
+        vocab = self.model_runner.model.config.vocab_size
+        return logits[:, :vocab].float().view(bs, 1, vocab)
 
 
 def adaptive_policy(hf_config, max_drafts: int, cost: str):
@@ -320,7 +358,9 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str):
     if not path:
         raise ValueError("add \"latency_profile\": PATH next to \"adaptive\": true in "
                          "--json-model-override-args '{\"diffspec\": {...}}': the adaptive "
-                         "policy needs a forward-latency profile (benchmarks/profile_forward.py)")
+                         "policy needs a latency profile (python -m benchmarks.adaptive_sweep "
+                         "--profile-only --engines sglang --model CKPT --out DIR measures one through SGLang: "
+                         "DIR/sglang-latency-profile.json)")
     try:
         profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))
     except (OSError, ValueError) as exc:

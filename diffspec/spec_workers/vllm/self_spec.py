@@ -37,7 +37,7 @@ import torch
 
 from diffspec.profiling import DraftTimings
 
-logger = logging.getLogger("diffspec")
+logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 __all__ = ["DraftBlock", "NonCausalBlocks", "SelfSpecProposer", "non_causal_blocks",
            "plan_blocks"]
