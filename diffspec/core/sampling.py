@@ -9,6 +9,10 @@ Processing order (one rule, used by the reference decoder and both engine adapte
 3. **top-p**: of what top-k kept, keep the smallest set of highest-probability tokens whose
    cumulative probability is ``>= top_p`` (always at least the top-1; ties broken by the
    lower index). ``top_p == 1`` turns it off.
+4. **min-p** (optional): drop the tokens whose probability (softmax of the
+   temperature-scaled logits) is below ``min_p`` times the top token's, SGLang's rule
+   (``probs < probs.max() * min_p`` zeroed after top-k / top-p). ``min_p == 0`` turns it
+   off.
 
 Removed tokens get logit ``-inf``. Two ways to sample from the processed distribution:
 
@@ -112,8 +116,10 @@ def process_logits(
     temperature: RowParam,  # scalar or [...] (or a prefix of it, e.g. [batch])
     top_k: RowParam,  # scalar or [...]
     top_p: RowParam,  # scalar or [...]
+    min_p: RowParam | None = None,  # scalar or [...]; None or 0: off
 ) -> Tensor:  # [..., vocab] float32
-    """Return float32 ``logits / temperature`` with ``-inf`` outside the top-k / top-p support.
+    """Return float32 ``logits / temperature`` with ``-inf`` outside the top-k / top-p
+    (/ min-p) support.
 
     Order: temperature, then top-k, then top-p (see the module docstring). Greedy rows
     (temperature 0) keep only the argmax, so softmax gives a one-hot. Python scalars are
@@ -155,6 +161,13 @@ def process_logits(
         keep_sorted &= (mass_before < p) | (p >= 1.0)
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         scaled = torch.where(keep, scaled, neg_inf)
+    if min_p is not None and (isinstance(min_p, Tensor) or min_p > 0):
+        m = _per_row(min_p, lead, torch.float32, device, "min_p").unsqueeze(-1)
+        # p_i < m * p_max  <=>  scaled_i < scaled_max + log(m) (the top token is never dropped)
+        top = scaled.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scaled, dim=-1)
+        drop = probs < probs.max(dim=-1, keepdim=True).values * m
+        scaled = torch.where(drop & (scaled < top) & (m > 0), neg_inf, scaled)
 
     argmax = logits.argmax(dim=-1, keepdim=True)  # [..., 1]
     one_hot = torch.full_like(logits, float("-inf")).scatter(-1, argmax, logits.gather(-1, argmax))

@@ -52,7 +52,9 @@ CPU_ENGINE_KWARGS = {
     "log_level": "warning",
     "random_seed": 0,
 }
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids", "stop",
+                 "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                 "min_new_tokens", "logit_bias", "regex", "sampling_seed")
 META_KEYS = ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accept_length",
              "spec_num_correct_drafts", "cached_tokens", "completion_tokens")
 
@@ -132,12 +134,42 @@ def _run(run: dict) -> tuple[dict, dict]:
 def _generate(engine, requests: list[dict]) -> dict:
     params = [{"max_new_tokens": r["max_new_tokens"], "temperature": 0.0,
                **{k: r[k] for k in SAMPLING_KEYS if k in r}} for r in requests]
+    if any("return_logprob" in r or r.get("may_fail") for r in requests):
+        return _generate_each(engine, requests, params)
     results = engine.generate(input_ids=[r["input_ids"] for r in requests],
                               sampling_params=params)
     return {
         "outputs": [list(r["output_ids"]) for r in results],
         "finish_reasons": [r["meta_info"]["finish_reason"]["type"] for r in results],
         "meta": [{k: r["meta_info"].get(k) for k in META_KEYS} for r in results],
+    }
+
+
+def _generate_each(engine, requests: list[dict], params: list[dict]) -> dict:
+    """The requests sent together but one ``async_generate`` each, so one that is refused
+    (SGLang raises its abort message for it) does not take the others' results with it:
+    "errors" holds each request's message or null, its output is then null."""
+    import asyncio
+
+    async def one(request: dict, param: dict):
+        return await engine.async_generate(
+            input_ids=request["input_ids"], sampling_params=param,
+            return_logprob=request.get("return_logprob", False))
+
+    async def all_():
+        return await asyncio.gather(*(one(r, p) for r, p in zip(requests, params)),
+                                    return_exceptions=True)
+
+    results = engine.loop.run_until_complete(all_())
+    ok = [None if isinstance(r, BaseException) else r for r in results]
+    return {
+        "outputs": [None if r is None else list(r["output_ids"]) for r in ok],
+        "finish_reasons": [None if r is None else r["meta_info"]["finish_reason"]["type"]
+                           for r in ok],
+        "meta": [None if r is None else {k: r["meta_info"].get(k) for k in META_KEYS}
+                 for r in ok],
+        "errors": [f"{type(r).__name__}: {r}" if isinstance(r, BaseException) else None
+                   for r in results],
     }
 
 

@@ -20,7 +20,11 @@ one ``sglang_generate.py`` run starts the engines one after the other (Orthrus A
   trained tiny Orthrus the drafts are accepted in long runs;
 * the Llama-base Orthrus (``OrthrusLlamaForCausalLM``, tied embeddings, no q/k norms) is
   served by ``ORTHRUS`` too: lossless against SGLang's Llama AR, the reference's acceptance;
-* clear errors at server-argument time; ``avg_spec_accept_length`` in the server info.
+* per-request options: penalties, ``min_new_tokens``, logit bias, stop strings, min-p ==
+  SGLang's (non-overlap) AR output with the same options; logprobs / grammar requests are
+  refused alone (the others of the batch equal AR);
+* clear errors at server-argument time (fp8 KV cache included); ``avg_spec_accept_length``
+  in the server info.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ SYNTH_ORTHRUS = ASSETS_DIR / "synth-orthrus"
 SPEC = {"speculative_algorithm": "ORTHRUS", "speculative_num_draft_tokens": WIDTH,
         "decode_log_interval": 1}
 NLD_SPEC = {**SPEC, "speculative_algorithm": "LINEAR_SELF_SPEC"}
+SYNC = {"disable_overlap_schedule": True}
 # Sampling with a low temperature and top-p (a few tokens kept per position by the tiny
 # random model), so a chi-square test over whole sequences has enough mass per cell.
 TEMPERATURE, TOP_P, NUM_SAMPLES, SAMPLED_TOKENS = 0.03, 0.95, 300, 4
@@ -102,6 +107,41 @@ def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
     return seed, reuse
 
 
+def _option_requests(path: Path) -> list[dict]:
+    """Greedy requests of :func:`_greedy_requests` (same prompts and budgets), each with one
+    per-request option the worker applies: repetition / frequency / presence penalty,
+    ``min_new_tokens`` past the EOS the plain request stops at, a logit bias against a
+    token its plain output has, a stop string its plain output contains, and min-p 1 at
+    temperature 1 (only the top token survives: the greedy output)."""
+    from transformers import AutoTokenizer
+
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    base = _greedy_requests()
+    lm = load_orthrus(path).lm
+    out0 = ar_generate(lm, [Request(base[0]["input_ids"], 20)])[0].token_ids
+    out5 = ar_generate(lm, [Request(base[5]["input_ids"], 40)])[0].token_ids
+    k = next(k for k in range(4, len(out0)) if out0[k] not in out0[:k])
+    word = AutoTokenizer.from_pretrained(path).decode([out0[k]]).strip()
+    return [
+        {**base[3], "repetition_penalty": 1.5},
+        {**base[4], "frequency_penalty": 1.0},
+        {**base[0], "presence_penalty": 1.0},
+        {**base[1], "min_new_tokens": 30},
+        {**base[5], "logit_bias": {str(out5[5]): -100.0, str(out5[9]): 2.0}},
+        {**base[0], "stop": [word]},
+        {**base[2], "temperature": 1.0, "min_p": 1.0},
+    ]
+
+
+def _refused_requests() -> list[dict]:
+    """Two plain greedy requests sent with two the workers refuse (logprobs, a regex)."""
+    base = _greedy_requests()
+    return [base[0], {**base[1], "return_logprob": True}, {**base[2], "regex": "[a-z ]+"},
+            base[3]]
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from diffspec.testing.checkpoints import (
@@ -139,7 +179,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     require_sglang()
     prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
     batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
-               "prefix_reuse": prefix_reuse, "sampled": _sampled_requests()}
+               "prefix_reuse": prefix_reuse, "sampled": _sampled_requests(),
+               "options": _option_requests(ckpts["orthrus"]), "refused": _refused_requests()}
     orthrus, nld, llama = str(ckpts["orthrus"]), str(ckpts["nld"]), str(ckpts["llama_orthrus"])
     tmp = tmp_path_factory.mktemp("sglang_self_spec")
     adaptive = {}
@@ -151,7 +192,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"diffspec": {"adaptive": True, "latency_profile": str(profile)}})}
     job = {
         "runs": [
-            {"name": "orthrus_ar", "model": orthrus, "batches": batches},
+            # AR without overlap scheduling, as the speculative runs: SGLang's overlap
+            # scheduler feeds the penalizers each token one step late
+            {"name": "orthrus_ar", "model": orthrus, "engine": SYNC, "batches": batches},
             {"name": "orthrus_spec", "model": orthrus, "engine": SPEC, "batches": batches},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"greedy": _synth_requests()}},
@@ -177,6 +220,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             "unknown_algorithm": {"model": orthrus, "server_args": {
                 **SPEC, "speculative_algorithm": "ORTHROS"}},
             "tensor_parallel": {"model": orthrus, "server_args": {**SPEC, "tp_size": 2}},
+            "fp8_kv_cache": {"model": orthrus, "server_args": {
+                **SPEC, "kv_cache_dtype": "fp8_e4m3"}},
         },
     }
     return _run_script(job, tmp)
@@ -307,7 +352,8 @@ def test_avg_spec_accept_length_in_server_info(engine) -> None:
     draft at all (exactly 1); the trained synth-orthrus accepts long runs (~16; an untrained
     drafter ~1)."""
     for run in ("orthrus_spec", "synth_spec", "nld_spec", "llama_orthrus_spec"):
-        metas = [m for batch in engine["runs"][run].values() for m in batch["meta"]]
+        metas = [m for batch in engine["runs"][run].values() for m in batch["meta"]
+                 if m is not None]  # None: a refused request
         assert engine["server_info"][run]["avg_spec_accept_length"] == pytest.approx(
             _tokens_per_verify_step(metas)), run
     assert engine["server_info"]["synth_spec"]["avg_spec_accept_length"] > 10
@@ -357,6 +403,39 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
         assert result.pvalue > 1e-3, f"{name}: {result}"
 
 
+def test_request_options_equal_sglang_ar(engine) -> None:
+    """Per-request penalties, min_new_tokens, logit bias, stop strings and min-p: the
+    self-speculative output equals SGLang's AR output with the same options (fp32,
+    greedy), and the options really change the output (they are applied, not ignored)."""
+    ar = engine["runs"]["orthrus_ar"]["options"]
+    spec = engine["runs"]["orthrus_spec"]["options"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    plain = engine["runs"]["orthrus_ar"]["greedy"]["outputs"]
+    # repetition, frequency, presence, min_new_tokens, logit bias change the output
+    for i, base in enumerate((3, 4, 0, 1, 5)):
+        assert ar["outputs"][i] != plain[base], i
+    assert len(ar["outputs"][3]) > len(plain[1])  # EOS banned until 30 tokens
+    assert ar["finish_reasons"][5] == "stop" and len(ar["outputs"][5]) < 20  # stop string
+    assert ar["outputs"][6] == plain[2]  # min_p 1 keeps only the top token
+    assert all(m["spec_verify_ct"] for m in spec["meta"][:5])
+
+
+def test_refused_options_abort_only_their_request(engine) -> None:
+    """Logprobs and grammars are refused per request, with a message that says what to do;
+    the requests sent with them complete, equal to SGLang's AR output."""
+    ar = engine["runs"]["orthrus_ar"]["refused"]
+    spec = engine["runs"]["orthrus_spec"]["refused"]
+    assert ar["errors"][:2] == [None, None] and ar["errors"][3] is None
+    assert spec["errors"][0] is None and spec["errors"][3] is None
+    for i in (0, 3):
+        assert spec["outputs"][i] == ar["outputs"][i]
+    assert spec["errors"][1].startswith("ValueError: Drop return_logprob"), spec["errors"][1]
+    assert "--speculative-algorithm ORTHRUS does not support it" in spec["errors"][1]
+    if ar["errors"][2] is None:  # SGLang compiled the regex for this tokenizer
+        assert spec["errors"][2].startswith("ValueError: Drop json_schema"), spec["errors"][2]
+
+
 # ------------------------------------------------------------------------------ errors
 
 
@@ -370,6 +449,8 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
         ("draft_model", r"drafts with the served model itself"),
         ("unknown_algorithm", r"Unknown speculative algorithm name: ORTHROS"),
         ("tensor_parallel", r"ORTHRUS supports --tp-size 1 only"),
+        ("fp8_kv_cache", (r"use --kv-cache-dtype auto with --speculative-algorithm ORTHRUS.*"
+                          r"without the scales.*fp8_e4m3")),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:

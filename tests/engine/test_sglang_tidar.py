@@ -73,6 +73,21 @@ def _greedy_requests() -> list[dict]:
     return [{"input_ids": p, "max_new_tokens": m} for p, m in zip(_synth_prompts(), max_tokens)]
 
 
+def _option_requests() -> list[dict]:
+    """Greedy requests with per-request penalties / min_new_tokens / logit bias (applied
+    on every verify row with the drafts before it: synth-tidar accepts long runs, so the
+    rows' histories really differ from the step's start)."""
+    greedy = _greedy_requests()
+    return [{**greedy[3], "repetition_penalty": 1.3}, {**greedy[4], "frequency_penalty": 0.5},
+            {**greedy[0], "presence_penalty": 0.8}, {**greedy[1], "min_new_tokens": 40},
+            {**greedy[5], "logit_bias": {"20": 3.0, "21": -2.0}}]
+
+
+def _refused_requests() -> list[dict]:
+    greedy = _greedy_requests()
+    return [greedy[0], {**greedy[1], "return_logprob": True}, greedy[2]]
+
+
 def _nld_requests() -> list[dict]:
     rng = np.random.default_rng(7)
     lengths, max_tokens = (3, 9, 17, 70, 40), (20, 45, 7, 50, 33)
@@ -159,11 +174,13 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     greedy = _greedy_requests()
     batches = {"greedy": greedy, "prefix_seed": prefix_seed, "prefix_reuse": prefix_reuse,
                "sampled": _sampled_requests(), SINGLES[0]: [greedy[3]],
-               SINGLES[1]: [greedy[5]], "near_context_end": _near_context_end_requests()}
+               SINGLES[1]: [greedy[5]], "near_context_end": _near_context_end_requests(),
+               "options": _option_requests(), "refused": _refused_requests()}
     synth, nld = str(ckpts["synth"]), str(ckpts["nld"])
     job = {
         "runs": [
-            {"name": "synth_ar", "model": synth, "batches": batches, "count_forwards": True},
+            {"name": "synth_ar", "model": synth, "engine": {"disable_overlap_schedule": True},
+             "batches": batches, "count_forwards": True},
             {"name": "synth_spec", "model": synth, "engine": SPEC, "batches": batches,
              "count_forwards": True},
             {"name": "nld_ar", "model": nld, "batches": {"greedy": _nld_requests()}},
@@ -187,6 +204,20 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 # ------------------------------------------------------------------------------ lossless
+
+
+def test_request_options_equal_sglang_ar(engine) -> None:
+    """Penalties, min_new_tokens and logit bias on TIDAR's verify rows: output == SGLang's
+    AR output with the same options (fp32, greedy), drafts accepted; a logprob request is
+    refused alone, the requests sent with it equal AR."""
+    ar, spec = (engine["runs"][f"synth_{k}"]["options"] for k in ("ar", "spec"))
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    assert sum(m["spec_num_correct_drafts"] for m in spec["meta"]) > 0
+    ar, spec = (engine["runs"][f"synth_{k}"]["refused"] for k in ("ar", "spec"))
+    assert ar["errors"] == [None] * 3
+    assert spec["errors"][1].startswith("ValueError: Drop return_logprob"), spec["errors"]
+    assert [spec["outputs"][i] for i in (0, 2)] == [ar["outputs"][i] for i in (0, 2)]
 
 
 @pytest.mark.parametrize("family", ["synth", "nld"])
@@ -308,7 +339,8 @@ def test_avg_spec_accept_length_in_server_info(engine) -> None:
     verify step of every request the engine served, as the requests' own counters add up
     (those are the reference decoder's). The trained synth-tidar accepts long runs."""
     for run in ("synth_spec", "nld_spec"):
-        metas = [m for batch in engine["runs"][run].values() for m in batch["meta"]]
+        metas = [m for batch in engine["runs"][run].values() for m in batch["meta"]
+                 if m is not None]  # None: a refused request
         assert engine["server_info"][run]["avg_spec_accept_length"] == pytest.approx(
             _tokens_per_verify_step(metas)), run
     # the greedy batch (the sampled one, at T = 0.3, accepts less and dominates the total)

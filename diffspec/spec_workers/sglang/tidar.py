@@ -37,7 +37,7 @@ holds ``K' = n + 1 - shift`` masks (``shift``: the checkpoint's draft logits are
      ``C + n + 1 .. C + T - 1``, declared as ``T``), past the committed length either way;
   2. *accept*: :func:`diffspec.core.accept.greedy_accept` for greedy batches (the longest
      draft prefix equal to the AR argmax, plus the AR token after it); sampled requests
-     (temperature / top-k / top-p) by rejection sampling with point-mass drafts
+     (temperature / top-k / top-p / min-p) by rejection sampling with point-mass drafts
      (:func:`diffspec.spec_workers.sglang.self_spec._accept`);
   3. *commit*: ``new_seq_len = C + a + 1``: only ``t_0 .. t_a`` (AR K/V, on their own
      positions) become committed. Rejected drafts and every branch sit past the committed
@@ -67,8 +67,11 @@ verifies at most ``remaining - 1``: the emitted tokens are the same (greedy acce
 prefix-wise and the scheduler cuts at ``max_new_tokens``), only the last step's
 accepted-draft count may be larger. Near the end of the model's positions the reference
 shrinks the branches; here their positions are clamped to the last one (the drafts there
-may differ; the output does not). Not supported: min-p, logprobs, grammars (refused),
-penalties and logit bias (not applied); sliding-window attention.
+may differ; the output does not). Sampling options are the linear worker's
+(:mod:`diffspec.spec_workers.sglang.self_spec`: penalties, ``min_new_tokens`` and logit
+bias on the verify rows, min-p, seeds under deterministic inference; logprobs, grammars
+and custom logit processors refused per request). Not supported: sliding-window
+attention.
 """
 
 from __future__ import annotations
@@ -238,7 +241,7 @@ class TiDARWorker(TargetModelSpecWorker):
         logits = self._forward_step(batch, input_ids, positions, slots, committed)  # [bs, T, V]
 
         # accept on the verify rows (the AR logits of [anchor, d_1 .. d_n])
-        accepted = _accept(drafts, logits[:, : n + 1], batch.sampling_info)
+        accepted = _accept(drafts, logits[:, : n + 1], batch, committed)
         accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
         out = accepted.output_token_ids  # [bs, n + 1]: emitted tokens, then -1
         new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
