@@ -5,6 +5,7 @@ metrics, SGLang's meta_info)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -199,6 +200,10 @@ def test_an_interrupted_stop_still_kills_the_server(tmp_path: Path) -> None:
     deadline = time.monotonic() + 30
     while "up" not in (tmp_path / "log").read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
+    # Python's own SIGINT handler for the test: an earlier test in the same process (an
+    # engine started in-process) may have installed another, and interrupt_main raises
+    # KeyboardInterrupt only through the default one
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, _thread.interrupt_main)
     timer.start()
     start = time.monotonic()
@@ -208,6 +213,7 @@ def test_an_interrupted_stop_still_kills_the_server(tmp_path: Path) -> None:
         assert time.monotonic() - start < 10
         assert server.proc.poll() is not None
     finally:
+        signal.signal(signal.SIGINT, previous)
         if server.proc.poll() is None:  # the test failed: do not leave it running
             server.proc.kill()
             server.proc.wait()
