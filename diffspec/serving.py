@@ -50,6 +50,7 @@ __all__ = [
     "http_get",
     "http_json",
     "metric_totals",
+    "port_is_free",
     "sglang_accept_length",
     "sglang_server_command",
     "spec_decode_counters",
@@ -191,6 +192,17 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether ``port`` on ``host`` can be bound now (a stopped server released it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def http_get(url: str, timeout: float = 30) -> str:

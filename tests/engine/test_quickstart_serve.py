@@ -10,7 +10,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from diffspec.serving import port_is_free
 from tests.engine.conftest import require_engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,16 +34,6 @@ def default_model() -> Path:
         return prepare_default(log=lambda line: print(line, file=sys.stderr))
     except DefaultModelError as exc:
         pytest.skip(f"default model not available here: {exc}")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _alive(procs: list) -> list:
@@ -109,7 +99,7 @@ def test_quickstart_serve_stops_on_sigterm(default_model: Path) -> None:
         assert not _alive(family), f"left running after SIGTERM: {_alive(family)}\n{text}"
         assert code == 0, text
         assert stopped_s < STOP_S
-        assert _port_free(port), f"port {port} still bound after SIGTERM"
+        assert port_is_free(port), f"port {port} still bound after SIGTERM"
         assert "stopped the server" in text
     finally:  # whatever happened, leave nothing running
         if proc.poll() is None:

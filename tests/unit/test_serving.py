@@ -19,6 +19,7 @@ from diffspec.serving import (
     SpecDecodeCounters,
     free_port,
     metric_totals,
+    port_is_free,
     sglang_server_command,
     spec_decode_counters,
     spec_decode_counters_from_sglang,
@@ -140,18 +141,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def test_server_process_ready_requests_and_stop(tmp_path: Path) -> None:
     port = free_port()
     pid_file = tmp_path / "child.pid"
@@ -168,7 +157,7 @@ def test_server_process_ready_requests_and_stop(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert not _alive(child), "the server's child outlived stop()"
     assert "fake server starting" in (tmp_path / "log").read_text()
-    assert _port_free(port)
+    assert port_is_free(port)
     server.stop()  # idempotent
 
 
