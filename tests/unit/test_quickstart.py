@@ -282,7 +282,7 @@ def _gone(pid: int) -> bool:
 def test_serve_says_serving_once_it_answers_and_stops_on_sigterm(tmp_path: Path, monkeypatch,
                                                                 capsys) -> None:
     from diffspec.quickstart import run_quickstart
-    from tests.unit.test_serving import _port_free
+    from diffspec.serving import port_is_free
 
     before_chat: list[str] = []  # what was printed when the first request went out
     args, pid_file, chats = _fake_quickstart(
@@ -299,13 +299,13 @@ def test_serve_says_serving_once_it_answers_and_stops_on_sigterm(tmp_path: Path,
     assert "Ctrl-C or SIGTERM stops it" in before_chat[0]
     assert "still serving" in out and "stopped the server" in out
     assert _gone(int(pid_file.read_text())), "the server's child outlived SIGTERM"
-    assert _port_free(args.port)
+    assert port_is_free(args.port)
 
 
 def test_sigterm_before_the_server_answers_stops_it_too(tmp_path: Path, monkeypatch,
                                                        capsys) -> None:
     from diffspec.quickstart import run_quickstart
-    from tests.unit.test_serving import _port_free
+    from diffspec.serving import port_is_free
 
     args, pid_file, chats = _fake_quickstart(tmp_path, monkeypatch, ready_after=1e9)
     timer = _sigterm_in(1.5)
@@ -316,7 +316,7 @@ def test_sigterm_before_the_server_answers_stops_it_too(tmp_path: Path, monkeypa
     out = capsys.readouterr().out
     assert code == 143 and chats == [] and "serving smollm2" not in out
     assert _gone(int(pid_file.read_text()))
-    assert _port_free(args.port)
+    assert port_is_free(args.port)
 
 
 def test_wrong_heads_folder_says_what_to_do_before_any_download(tmp_path: Path) -> None:
