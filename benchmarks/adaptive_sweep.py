@@ -16,7 +16,7 @@ Per engine, on the model (default: the embedded default, SmolLM2-135M-Instruct +
    the file the adaptive policy loads.
 2. **Sweep**: for every repeat, one engine start per baseline in turn (``ar``, ``METHOD:K``,
    ``METHOD:K adaptive``, then the next repeat: drift of a shared machine falls on all of
-   them), each serving, for every concurrency ``c``, ``max(4, 2c)`` prompts in waves of ``c``
+   them), each serving, for every concurrency ``c``, ``max(--min-prompts, 2c)`` prompts in waves of ``c``
    (greedy, ``--max-tokens`` each, EOS ignored so every baseline generates the same tokens).
 
 Writes ``DIR/sweep.json`` (every repeat), ``DIR/sweep.md`` (median tokens/s, min-max spread,
@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-prompts", type=int, default=8, help="prompts served at least per "
+                   "concurrency (c=1 serves them one by one: more is less noise)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--profile-batch-sizes", default="1,2,4,8,16,32,64,128")
     p.add_argument("--latency-profile", action="append", default=[], metavar="ENGINE=PATH",
@@ -276,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     [_, fixed] = parse([f"{args.method}:{args.num_draft_tokens}"], args.num_draft_tokens)
     adaptive = Baseline(fixed.label + ADAPTIVE, fixed.method, fixed.num_draft_tokens)
     job = {"model": args.model, "mode": "waves", "prompts": ids, "concurrency": concurrency,
-           "repeats": args.repeats, "max_tokens": args.max_tokens}
+           "repeats": args.repeats, "max_tokens": args.max_tokens,
+           "min_prompts": args.min_prompts}
     results: dict[str, Any] = {}
     for engine in engines:
         if engine == "sglang":
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "note": f"{args.dataset} prompts (cut to {args.prompt_budget} tokens), "
                     f"{args.max_tokens} tokens each, greedy, fp32, EOS ignored; "
-                    f"max(4, 2c) prompts per concurrency in waves of c; {args.repeats} repeats, "
+                    f"max({args.min_prompts}, 2c) prompts per concurrency in waves of c; {args.repeats} repeats, "
                     f"interleaved across baselines (one engine start each)"}
     if args.profile_only:
         return 0

@@ -1,6 +1,7 @@
 """Engine-free loops of the load benchmarks, shared by ``vllm_worker.py`` and
 ``sglang_worker.py`` (each passes its engine's batch call): a concurrency sweep in waves
-(:func:`waves`) and AR step times by batch size (:func:`step_times`).
+(:func:`waves`), AR step times by batch size (:func:`step_times`) and step times by
+context length (:func:`context_steps`).
 
 ``generate(prompts, max_tokens) -> (token_ids, counters)``: the engine serves ``prompts``
 (token ids) together, greedy, ``max_tokens`` each, EOS ignored, and returns each output's
@@ -75,8 +76,67 @@ def step_times(generate: Generate, prompts: Sequence[list[int]], batch_sizes: Se
     return out
 
 
+def _timing_lines(path: str | None) -> int:
+    if not path:
+        return 0
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def _median_pass(path: str | None, skip: int, kind: str) -> float | None:
+    """Median seconds of the ``kind`` passes a ``DraftTimings`` file got after line ``skip``."""
+    if not path:
+        return None
+    import statistics
+
+    with open(path) as f:
+        lines = f.read().splitlines()[skip:]
+    seconds = [float(line.split()[2]) for line in lines if line.split()[0] == kind]
+    return statistics.median(seconds) if seconds else None
+
+
+def context_steps(generate: Generate, prompt: Sequence[int], contexts: Sequence[int],
+                  short: int = 4, long: int = 20, repeats: int = 2,
+                  timings: str | None = None) -> list[dict[str, Any]]:
+    """For each context length ``L``: one request whose prompt is the last ``L`` tokens of
+    ``prompt``. Whole-step seconds ``(t(long) - t(short)) / (steps(long) - steps(short))``,
+    each ``t`` the least of ``repeats`` timed calls, steps = the engine's verify steps
+    (spec-decode counter ``drafts``), or generated tokens - 1 for plain AR (one token a
+    step after the prefill's). With ``timings`` (the drafter's ``$DIFFSPEC_DRAFT_TIMINGS``
+    file): the median draft (and drafter-timed verify) pass of those calls too."""
+    if not 0 < short < long:
+        raise ValueError(f"need 0 < short < long, got {short}, {long}")
+    rows = []
+    for length in contexts:
+        if length > len(prompt):
+            raise ValueError(f"context {length} is longer than the prompt ({len(prompt)} "
+                             f"tokens): pass a longer text")
+        ids = list(prompt[-length:])
+        mark = _timing_lines(timings)
+        best: dict[int, tuple[float, int]] = {}
+        for n in (short, long):
+            for _ in range(repeats):
+                start = time.perf_counter()
+                outs, stats = generate([ids], n)
+                seconds = time.perf_counter() - start
+                steps = int(stats.get("drafts", 0)) or max(len(outs[0]) - 1, 0)
+                if n not in best or seconds < best[n][0]:
+                    best[n] = (seconds, steps)
+        (t_short, s_short), (t_long, s_long) = best[short], best[long]
+        step = max(t_long - t_short, 1e-6) / max(s_long - s_short, 1)
+        rows.append({"context": length, "step_s": step, "steps": s_long,
+                     "draft_s": _median_pass(timings, mark, "draft"),
+                     "verify_s": _median_pass(timings, mark, "verify")})
+        print(f"[context] {length} tokens: {step * 1e3:.1f} ms per step", flush=True)
+    return rows
+
+
 def run_job(mode: str, generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
-    """A worker job's ``mode``: ``"waves"`` or ``"steps"`` (after one warm-up call)."""
+    """A worker job's ``mode``: ``"waves"``, ``"steps"`` or ``"context"`` (after one
+    warm-up call)."""
     generate([list(job["prompts"][0])], 4)  # warm-up
     if mode == "waves":
         return {"waves": waves(generate, job["prompts"], job["concurrency"], job["repeats"],
@@ -86,4 +146,11 @@ def run_job(mode: str, generate: Generate, job: dict[str, Any]) -> dict[str, Any
         return {"step_s": step_times(generate, job["prompts"], job["batch_sizes"],
                                      job.get("short", 4), job.get("long", 20),
                                      job.get("step_repeats", 2))}
-    raise ValueError(f"unknown job mode {mode!r} (serve, waves, steps)")
+    if mode == "context":
+        import os
+
+        return {"context": context_steps(generate, job["long_prompt"], job["contexts"],
+                                         job.get("short", 4), job.get("long", 20),
+                                         job.get("step_repeats", 2),
+                                         os.environ.get("DIFFSPEC_DRAFT_TIMINGS"))}
+    raise ValueError(f"unknown job mode {mode!r} (serve, waves, steps, context)")

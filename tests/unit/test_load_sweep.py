@@ -94,3 +94,49 @@ def test_draft_timings_off_by_default(monkeypatch, tmp_path) -> None:
     assert table[4] >= 0.001
     assert read_draft_timings(path, min_count=1).keys() == {4, 8}
     assert read_draft_timings(path, "verify", min_count=1).keys() == {12}
+
+
+def test_context_steps_per_verify_step_and_draft_passes(tmp_path) -> None:
+    """Whole-step time divides by the engine's verify steps (a spec engine emitting 2
+    tokens a step takes half the steps), the prompt is cut to each context, and the draft
+    passes the drafter wrote during that length's calls are its median."""
+    from benchmarks.adapters.sweep import context_steps
+
+    timings = tmp_path / "timings.txt"
+    seen = []
+
+    def spec(prompts, max_tokens):  # 2 tokens per verify step, 4 ms a step
+        seen.append(len(prompts[0]))
+        steps = max_tokens // 2
+        time.sleep(0.004 * steps)
+        with timings.open("a") as f:
+            f.writelines(f"draft 4 {0.001 * len(prompts[0]):.6f}\n" for _ in range(steps))
+        return [[1] * max_tokens], {"drafts": steps}
+
+    rows = context_steps(spec, list(range(100)), [10, 50], short=4, long=24, repeats=1,
+                         timings=str(timings))
+    assert seen == [10, 10, 50, 50]
+    assert [r["context"] for r in rows] == [10, 50] and rows[1]["steps"] == 12
+    assert all(0.003 < r["step_s"] < 0.02 for r in rows)  # per step, not per token (2 ms)
+    assert rows[0]["draft_s"] == pytest.approx(0.01) and rows[1]["draft_s"] == pytest.approx(0.05)
+    assert rows[0]["verify_s"] is None
+    with pytest.raises(ValueError, match="longer than the prompt"):
+        context_steps(spec, [1, 2], [10])
+
+
+def test_step_vs_context_table() -> None:
+    from benchmarks.step_vs_context import render, rows_of
+
+    def row(context, step, draft=None):
+        return {"context": context, "step_s": step, "steps": 10, "draft_s": draft,
+                "verify_s": None}
+
+    runs = {"ar": {"context": [row(256, 0.05), row(4096, 0.10)]},
+            "spec": {"context": [row(256, 0.10, 0.04), row(4096, 0.30, 0.15)]}}
+    rows = rows_of("vllm", runs)
+    assert [r["spec_over_ar"] for r in rows] == pytest.approx([2.0, 3.0])
+    text = render({"meta": {"command": "c", "date": "d", "machine": "m", "note": "n"},
+                   "engines": {"vllm": {"rows": rows}, "sglang": {"error": "boom"}}})
+    assert "| 256 | 50.0 | 100.0 | 40.0 | - | 2.00 | 1.00 |" in text
+    assert "| 4096 | 100.0 | 300.0 | 150.0 | - | 3.00 | 1.50 |" in text
+    assert "error: boom" in text
