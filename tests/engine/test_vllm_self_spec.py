@@ -235,6 +235,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "method": "orthrus", "num_speculative_tokens": 4}},
             "adaptive_without_profile": {"speculative_config": {
                 "method": "orthrus", "num_speculative_tokens": 4, "adaptive": True}},
+            "causal_only_backend": {"engine_args": {"attention_backend": "TRITON_FLASH_ATTN"},
+                                    "speculative_config": {"method": "orthrus",
+                                                           "num_speculative_tokens": 4}},
         },
     }
     return _run_script(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_self_spec"))
@@ -389,6 +392,9 @@ def test_seeded_sampling_is_reproducible(engine) -> None:
                           r"checkpoint of family orthrus")),
         ("adaptive_without_profile",
          r"^\w+: add \"latency_profile\": PATH to the speculative_config"),
+        # refused when the config is built, before the model loads
+        ("causal_only_backend", (r"^\w+: use an attention backend that attends non-causally "
+                                 r"\(CPU_ATTN on CPU, FLASH_ATTN on GPU\).*TRITON_FLASH_ATTN")),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:

@@ -140,11 +140,11 @@ def _generate_each(llm, prompts: list, params: list, errors: list) -> list:
     return [done.get(f"each-{i}") for i in range(len(prompts))]
 
 
-def _config_error(model: str, speculative_config: dict) -> str | None:
+def _config_error(model: str, speculative_config: dict, engine_args: dict) -> str | None:
     """The error building the engine config raises (``None`` if it builds)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    args = {k: v for k, v in DEFAULT_LLM_KWARGS.items() if k != "seed"}
+    args = {**{k: v for k, v in DEFAULT_LLM_KWARGS.items() if k != "seed"}, **engine_args}
     try:
         engine_args = EngineArgs(model=model, speculative_config=speculative_config, **args)
         engine_args.create_engine_config()
@@ -162,7 +162,8 @@ def main() -> None:
     import diffspec.plugin.vllm as plugin
 
     requests = json.loads(Path(requests_path).read_text())
-    errors = {name: _config_error(case.get("model", model), case["speculative_config"])
+    errors = {name: _config_error(case.get("model", model), case["speculative_config"],
+                                  case.get("engine_args", {}))
               for name, case in job.get("config_errors", {}).items()}
     runs, metrics = {}, {}
     default_runs = [] if "config_errors" in job else [{"name": "default"}]

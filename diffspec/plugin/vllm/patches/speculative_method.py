@@ -8,8 +8,10 @@ How: wrap the method that turns the user's dict (``--speculative-config`` /
 ``LLM(speculative_config=...)``, plus the ``--spec-method`` flags) into a
 ``SpeculativeConfig``. For diffspec's methods the dict is checked against the served
 checkpoint and rewritten to the ``custom_class`` hook
-(:func:`diffspec.plugin.vllm.config.translate_speculative_config`), and the engine options the
-drafter cannot work with are refused here, in the process the user launched. An unknown
+(:func:`diffspec.plugin.vllm.config.translate_speculative_config`), the engine options the
+drafter cannot work with are refused here, in the process the user launched, and the
+attention config asks for a backend that attends non-causally (``use_non_causal``: vLLM's
+selector then refuses an unfit backend at load). An unknown
 method name gets an error listing vLLM's methods and diffspec's. Anything else goes to
 vLLM untouched.
 """
@@ -68,6 +70,30 @@ def _check_engine(target_model_config, target_parallel_config, method: str) -> N
                          f"VLLM_USE_V2_MODEL_RUNNER")
 
 
+def _require_non_causal(args, method: str) -> None:
+    """diffspec's drafters attend non-causally over the paged KV cache: ask vLLM's backend
+    selector for a backend that can (``attention_config.use_non_causal``), so an unfit
+    backend is refused when the model loads, not at the first draft; one the user named is
+    refused here, before anything loads."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    config = args.attention_config
+    named = args.attention_backend or getattr(config, "backend", None)
+    if named is not None:
+        try:
+            backend = (AttentionBackendEnum[named] if isinstance(named, str)
+                       else named).get_class()
+        except (ImportError, KeyError):  # not on this platform: vLLM's own error follows
+            backend = None
+        if backend is not None and not backend.supports_non_causal():
+            raise ValueError(
+                f"use an attention backend that attends non-causally (CPU_ATTN on CPU, "
+                f"FLASH_ATTN on GPU): method {method!r} drafts with non-causal attention over "
+                f"the paged KV cache, which {backend.get_name()} cannot do")
+    if hasattr(config, "use_non_causal"):
+        config.use_non_causal = True
+
+
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -88,6 +114,7 @@ def apply() -> None:
         method = None if spec is None else spec.get("method")
         if isinstance(method, str) and method in self_spec_methods():
             _check_engine(target_model_config, target_parallel_config, method)
+            _require_non_causal(self, method)
             hf_config = target_model_config.hf_config.to_dict()
             self.speculative_config = translate_speculative_config(
                 spec, target_model_config.model, hf_config)
