@@ -219,7 +219,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 **SPEC, "speculative_draft_model_path": nld}},
             "unknown_algorithm": {"model": orthrus, "server_args": {
                 **SPEC, "speculative_algorithm": "ORTHROS"}},
-            "tensor_parallel": {"model": orthrus, "server_args": {**SPEC, "tp_size": 2}},
+            "pipeline_parallel": {"model": orthrus, "server_args": {**SPEC, "pp_size": 2}},
             "fp8_kv_cache": {"model": orthrus, "server_args": {
                 **SPEC, "kv_cache_dtype": "fp8_e4m3"}},
         },
@@ -448,7 +448,7 @@ def test_refused_options_abort_only_their_request(engine) -> None:
         ("wrong_family", r"method 'orthrus' needs a checkpoint of family orthrus"),
         ("draft_model", r"drafts with the served model itself"),
         ("unknown_algorithm", r"Unknown speculative algorithm name: ORTHROS"),
-        ("tensor_parallel", r"ORTHRUS supports --tp-size 1 only"),
+        ("pipeline_parallel", r"ORTHRUS supports --pp-size 1 only"),  # TP: test_sglang_tp
         ("fp8_kv_cache", (r"use --kv-cache-dtype auto with --speculative-algorithm ORTHRUS.*"
                           r"without the scales.*fp8_e4m3")),
     ],

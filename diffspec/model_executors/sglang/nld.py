@@ -5,9 +5,15 @@ The checkpoint (``NemotronLabsDiffusionModel``) is a Ministral3 decoder under
 ``encoder.*`` with its LM head as ``diffusion_head.weight``; :meth:`load_weights` renames
 those prefixes to SGLang's (``model.*``, ``lm_head``). The drafter LoRA (PEFT,
 ``linear_spec_lora/``, ``target_modules=["o_proj"]``) becomes two SGLang layers per
-attention, ``o_proj_lora_a`` (``RowParallelLinear``, the same head-sharded input as
-``o_proj``) and ``o_proj_lora_b`` (``ReplicatedLinear``), which the AR view (plain
-requests, every verify pass) never calls. The diffusion view
+attention, ``o_proj_lora_a`` (``RowParallelLinear``: the same head-sharded input as
+``o_proj``, and like it built with ``reduce_results=False``, which SGLang requires inside
+a layer with stage boundaries) and ``o_proj_lora_b`` (``ReplicatedLinear``), which the AR
+view (plain requests, every verify pass) never calls. Under tensor parallelism the draft
+output ``o_proj(x) + scaling * lora_b(lora_a(x))`` is summed over the ranks once: each
+rank's share of ``o_proj`` plus ``lora_b`` of its share of ``lora_a`` (``lora_b`` is
+linear, so the shares add up to the whole). The adapter's tensors load through those
+layers' own weight loaders, so each rank keeps the input columns of ``lora_A`` that match
+its heads, as ``o_proj`` does. The diffusion view
 (:class:`~diffspec.model_executors.sglang.views.DiffusionViewMixin`) runs the same
 projections, rotary and llama-4 query scaling with ``o_proj(x) + scaling *
 lora_b(lora_a(x))``, bidirectional over the prefix's AR K/V and the block. Draft logits
@@ -22,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 from sglang.srt.layers.linear import ReplicatedLinear, RowParallelLinear
+from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.ministral3 import (
     Ministral3Attention,
     Ministral3ForCausalLM,
@@ -36,7 +43,7 @@ from diffspec.model_executors.reference.nld_weights import (
     lora_weights,
     renamed_weights,
 )
-from diffspec.model_executors.sglang.views import DiffusionViewMixin
+from diffspec.model_executors.sglang.views import DiffusionViewMixin, full_output
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
 
@@ -78,18 +85,19 @@ class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, Ministral3ForCausalLM
         return q, k, v
 
     def _draft_out(self, attn: Ministral3Attention, heads: torch.Tensor) -> torch.Tensor:
-        out, _ = attn.o_proj(heads)
+        out, _ = attn.o_proj(heads)  # this rank's share
         if self.lora_path is not None:
-            low_rank, _ = attn.o_proj_lora_a(heads)
+            low_rank, _ = attn.o_proj_lora_a(heads)  # this rank's share of lora_a(x)
             delta, _ = attn.o_proj_lora_b(low_rank)
             out = out + self.lora_scaling * delta
-        return out
+        return full_output(attn.o_proj, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         params = dict(self.named_parameters())
         lora = list(lora_weights(self.lora_path))
-        for name, tensor in lora:
-            params[name].data.copy_(tensor.to(params[name].dtype))
+        for name, tensor in lora:  # each layer's loader takes this rank's shard
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor.to(param.dtype))
         missing = sorted(n for n in params if "_lora_" in n and n not in dict(lora))
         if missing:
             raise CheckpointError(f"{self.lora_path}: no LoRA tensor for {missing[0]}")
@@ -100,7 +108,8 @@ def _add_lora(attn: Ministral3Attention, rank: int, prefix: str) -> None:
     """``o_proj``'s low-rank update (unquantized), sharded like ``o_proj``."""
     attn.o_proj_lora_a = RowParallelLinear(
         attn.total_num_heads * attn.head_dim, rank, bias=False, quant_config=None,
-        reduce_results=False, prefix=add_prefix("o_proj_lora_a", prefix))
+        parallel_group=attn.o_proj.parallel_group, reduce_results=False,
+        prefix=add_prefix("o_proj_lora_a", prefix))
     attn.o_proj_lora_b = ReplicatedLinear(
         rank, attn.hidden_size, bias=False, quant_config=None,
         prefix=add_prefix("o_proj_lora_b", prefix))

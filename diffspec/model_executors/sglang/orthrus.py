@@ -10,7 +10,9 @@ ones:
 
 * ``qkv_proj_diff`` (``QKVParallelLinear``; the checkpoint's ``q/k/v_proj_diff`` load into
   it as the ``q`` / ``k`` / ``v`` shards),
-* ``o_proj_diff`` (``RowParallelLinear``),
+* ``o_proj_diff`` (``RowParallelLinear``; built with ``reduce_results=False`` like
+  ``o_proj``, as SGLang requires of every projection inside a layer with stage
+  boundaries, and summed over the tensor-parallel ranks by the diffusion view),
 * Qwen3 only: ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``); Llama has no q/k norms.
 
 The diffusion view (:class:`~diffspec.model_executors.sglang.views.DiffusionViewMixin`)
@@ -35,7 +37,7 @@ from sglang.srt.models.utils import apply_qk_norm
 from sglang.srt.utils import add_prefix
 from torch import nn
 
-from diffspec.model_executors.sglang.views import DiffusionViewMixin
+from diffspec.model_executors.sglang.views import DiffusionViewMixin, full_output
 
 __all__ = ["OrthrusForCausalLM", "OrthrusLlamaForCausalLM"]
 
@@ -70,8 +72,8 @@ class _OrthrusMixin(DiffusionViewMixin):
         return q, k, v
 
     def _draft_out(self, attn: nn.Module, heads: torch.Tensor) -> torch.Tensor:
-        out, _ = attn.o_proj_diff(heads)
-        return out
+        out, _ = attn.o_proj_diff(heads)  # this rank's share
+        return full_output(attn.o_proj_diff, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The base's loader for the AR weights; the ``*_diff`` tensors go to the diffusion
@@ -127,16 +129,16 @@ class OrthrusLlamaForCausalLM(_OrthrusMixin, LlamaForCausalLM):
 
 
 def _add_diffusion_projections(attn: nn.Module, config, quant_config, prefix: str) -> None:
-    """Give ``attn`` the ``*_diff`` twins of its projections (biases as the AR ones have
-    them) and, when it has q/k norms (Qwen3), of those."""
+    """Give ``attn`` the ``*_diff`` twins of its projections (biases and tensor-parallel
+    groups as the AR ones have them) and, when it has q/k norms (Qwen3), of those."""
     attn.qkv_proj_diff = QKVParallelLinear(
         attn.hidden_size, attn.head_dim, attn.total_num_heads, attn.total_num_kv_heads,
         bias=attn.qkv_proj.bias is not None, quant_config=quant_config,
-        parallel_group="attn_tp", prefix=add_prefix("qkv_proj_diff", prefix))
+        parallel_group=attn.qkv_proj.parallel_group, prefix=add_prefix("qkv_proj_diff", prefix))
     attn.o_proj_diff = RowParallelLinear(
         attn.total_num_heads * attn.head_dim, attn.hidden_size,
         bias=attn.o_proj.bias is not None, quant_config=quant_config,
-        parallel_group="attn_tp", reduce_results=False,
+        parallel_group=attn.o_proj.parallel_group, reduce_results=False,
         prefix=add_prefix("o_proj_diff", prefix))
     if hasattr(attn, "q_norm"):
         attn.q_norm_diff = RMSNorm(attn.head_dim, eps=config.rms_norm_eps)

@@ -12,6 +12,12 @@ to the whole block, non-causally. It uses torch operations only (gather + scaled
 product attention), so it runs the same on CPU and GPU with any attention backend, and it
 writes nothing: the block's K/V are never stored, exactly as in the reference, so no draft
 state can reach the pool or the radix cache.
+
+Under tensor parallelism each rank runs the view on its own heads and shards, as SGLang's
+forward does. SGLang's decoder layers build ``o_proj`` and ``mlp.down_proj`` with
+``reduce_results=False`` and sum the shards at the layer's stage boundaries, which the
+view does not run, so the view all-reduces those outputs itself (:func:`full_output`);
+the draft logits are the LM head's vocabulary shards, all-gathered.
 """
 
 from __future__ import annotations
@@ -19,9 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sglang.srt.distributed import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from sglang.srt.runtime_context import get_parallel
 from torch import nn
 
-__all__ = ["DiffusionViewMixin", "DraftBlocks"]
+__all__ = ["DiffusionViewMixin", "DraftBlocks", "full_output"]
 
 
 @dataclass
@@ -57,7 +68,8 @@ class DiffusionViewMixin:
         raise NotImplementedError
 
     def _draft_out(self, attn: nn.Module, heads: torch.Tensor) -> torch.Tensor:
-        """``heads`` [T, Hq*D] -> [T, hidden]: the draft output projection."""
+        """``heads`` [T, Hq*D] (this rank's heads) -> [T, hidden]: the draft output
+        projection, summed over the tensor-parallel ranks."""
         raise NotImplementedError
 
     def _draft_attention(
@@ -93,7 +105,8 @@ class DiffusionViewMixin:
             layer = self.model.layers[i]
             hidden = hidden + self._draft_attention(
                 layer.self_attn, blocks, layer.input_layernorm(hidden))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            mlp = layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + full_output(layer.mlp.down_proj, mlp)
         return self.model.norm(hidden)
 
     def diffusion_draft_logits(self, blocks: DraftBlocks) -> torch.Tensor:
@@ -102,5 +115,19 @@ class DiffusionViewMixin:
         when not (NLD)."""
         hidden = self.diffusion_hidden_states(blocks).view(blocks.num_blocks, blocks.width, -1)
         hidden = hidden[:, :-1] if self.draft_logits_shift else hidden[:, 1:]
-        logits = torch.matmul(hidden, self.lm_head.weight.t())  # [B, W - 1, padded vocab]
+        # the head's rows are this rank's vocabulary shard (ParallelLMHead): gather them,
+        # in rank order, as SGLang's LogitsProcessor does for the AR logits
+        logits = torch.matmul(hidden, self.lm_head.weight.t())  # [B, W - 1, padded vocab / tp]
+        if get_parallel().tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits.contiguous(), dim=-1)
         return logits[..., : self.config.vocab_size].float()  # drop the head's padding rows
+
+
+def full_output(linear: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """The whole output of an SGLang ``RowParallelLinear`` from this rank's ``out``: its
+    all-reduce over the tensor-parallel group when the layer was built with
+    ``reduce_results=False`` (its caller sums the shards), ``out`` itself when the layer
+    reduced it or there is one rank."""
+    if getattr(linear, "reduce_results", True) or get_parallel().tp_size == 1:
+        return out
+    return tensor_model_parallel_all_reduce(out)

@@ -62,8 +62,10 @@ def validate_server_args(server_args) -> None:
         except CheckpointError as exc:
             raise CheckpointError(f"--speculative-num-draft-tokens {width} is the anchor plus "
                                   f"{width - 1} drafts: {exc}") from None
-    for flag, value in (("--tp-size", server_args.tp_size), ("--pp-size", server_args.pp_size),
-                        ("--dp-size", server_args.dp_size)):
+    refused = [("--pp-size", server_args.pp_size), ("--dp-size", server_args.dp_size)]
+    if method.name == "tidar":
+        refused.insert(0, ("--tp-size", server_args.tp_size))
+    for flag, value in refused:
         if value not in (None, 1):
             raise CheckpointError(f"--speculative-algorithm {name} supports {flag} 1 only "
                                   f"(got {value})")
