@@ -8,7 +8,9 @@ detokenizer processes, so the engine is created under ``if __name__ == "__main__
 
 JOB_JSON is {"runs": [{"name": str, "model": path, "engine": {Engine kwargs},
 "batches": {batch name: [requests]}, "count_forwards": bool}], "config_errors": {name:
-{"model": path, "server_args": {...}}}}. A request is {"input_ids": [...], "max_new_tokens": N} plus
+{"model": path, "server_args": {...}}}}; a run with "prometheus" also reports diffspec's
+Prometheus counters under server_info (prometheus_client's multiprocess mode, as SGLang's
+``--enable-metrics`` sets it up). A request is {"input_ids": [...], "max_new_tokens": N} plus
 optional sampling fields ("temperature", "top_p", "top_k", "ignore_eos",
 "stop_token_ids"); temperature
 defaults to 0 (greedy). Each run starts one engine (fp32, CPU kwargs) and generates its
@@ -109,10 +111,14 @@ def _run(run: dict) -> tuple[dict, dict]:
     folder = tempfile.mkdtemp(prefix="diffspec-forwards-") if run.get("count_forwards") else None
     if folder is not None:
         os.environ[FORWARD_COUNT_ENV] = folder  # inherited by the engine's processes
+    metrics = tempfile.mkdtemp(prefix="diffspec-prom-") if run.get("prometheus") else None
+    if metrics is not None:  # prometheus_client's multiprocess mode, as --enable-metrics sets
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics
     try:
         engine = sglang.Engine(model_path=run["model"], **kwargs)
     finally:
         os.environ.pop(FORWARD_COUNT_ENV, None)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
         outputs = {}
         for name, requests in run.get("batches", {}).items():
@@ -126,9 +132,28 @@ def _run(run: dict) -> tuple[dict, dict]:
         info = engine.get_server_info()
         state = (info.get("internal_states") or [{}])[0]
         server = {"avg_spec_accept_length": state.get("avg_spec_accept_length")}
+        if metrics is not None:
+            server["diffspec_metrics"] = _diffspec_metrics(metrics)
     finally:
         engine.shutdown()
     return outputs, server
+
+
+def _diffspec_metrics(folder: str) -> dict[str, float]:
+    """diffspec's Prometheus samples the engine's processes wrote to ``folder``
+    (``name{label="v"}``: value), read as SGLang's ``/metrics`` reads them."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folder)
+    out = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.startswith("diffspec:"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
 
 
 def _generate(engine, requests: list[dict]) -> dict:

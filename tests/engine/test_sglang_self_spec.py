@@ -198,9 +198,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "orthrus_spec", "model": orthrus, "engine": SPEC, "batches": batches},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"greedy": _synth_requests()}},
-            {"name": "synth_adaptive_free", "model": str(SYNTH_ORTHRUS),
+            {"name": "synth_adaptive_free", "model": str(SYNTH_ORTHRUS), "prometheus": True,
              "engine": adaptive["free"], "batches": {"greedy": _synth_requests()}},
-            {"name": "synth_adaptive_compute", "model": str(SYNTH_ORTHRUS),
+            {"name": "synth_adaptive_compute", "model": str(SYNTH_ORTHRUS), "prometheus": True,
              "engine": adaptive["compute"], "batches": {"greedy": _synth_requests()}},
             {"name": "llama_orthrus_ar", "model": llama,
              "batches": {"greedy": _greedy_requests()}},
@@ -375,6 +375,17 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
     assert engine["server_info"]["synth_adaptive_compute"]["avg_spec_accept_length"] == 1.0
     free = engine["server_info"]["synth_adaptive_free"]["avg_spec_accept_length"]
     assert free >= 0.9 * engine["server_info"]["synth_spec"]["avg_spec_accept_length"]
+    # the choices, as Prometheus counters (SGLang's /metrics with --enable-metrics)
+    metrics = {name: engine["server_info"][f"synth_adaptive_{name}"]["diffspec_metrics"]
+               for name in ("free", "compute")}
+    steps = {name: {k: v for k, v in m.items() if k.startswith("diffspec:adaptive_steps_total")}
+             for name, m in metrics.items()}
+    assert steps["compute"] and set(steps["compute"]) == {
+        'diffspec:adaptive_steps_total{drafts="0"}'}
+    assert metrics["compute"]["diffspec:adaptive_draft_tokens_total"] == 0
+    full = f'diffspec:adaptive_steps_total{{drafts="{WIDTH - 1}"}}'
+    assert steps["free"].get(full, 0) > 0.5 * sum(steps["free"].values())  # mostly the block
+    assert metrics["free"]["diffspec:adaptive_draft_tokens_total"] > 0
 
 
 # ------------------------------------------------------------------------------ sampling

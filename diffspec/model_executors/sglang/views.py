@@ -6,12 +6,16 @@ unchanged. The diffusion view runs the same embeddings, layer norms, MLPs, final
 LM head, and swaps only each layer's attention for the method's draft attention (Orthrus:
 the ``*_diff`` projections and q/k norms; NLD: the same projections plus the draft LoRA).
 
-Draft attention reads the committed prefix's AR K/V straight out of SGLang's token-to-KV
-pool (the slots ``req_to_token`` maps the request's positions to) and attends to it and
-to the whole block, non-causally. It uses torch operations only (gather + scaled dot
-product attention), so it runs the same on CPU and GPU with any attention backend, and it
-writes nothing: the block's K/V are never stored, exactly as in the reference, so no draft
-state can reach the pool or the radix cache.
+Draft attention runs through SGLang's own attention backend, as every other attention
+of the engine does: each layer gets a twin of its ``RadixAttention`` (same layer id, so the
+same KV buffers; ``AttentionType.ENCODER_ONLY``, so non-causal) that the diffusion view calls
+with the draft's q / k / v under a forward batch laid out like the step's verify (the block
+at positions ``C .. C + W - 1`` on the committed prefix, ``req_to_token`` mapping the
+positions to slots). The backend writes the block's draft K/V into the slots the verify
+writes next (the verify overwrites them with AR K/V before anything is committed, so no
+draft state reaches the radix cache) and attends from the block to the committed prefix's
+AR K/V and to the whole block, non-causally, reading the pool through its own kernels:
+no per-request copy of the prefix, no host loop over requests.
 
 Under tensor parallelism each rank runs the view on its own heads and shards, as SGLang's
 forward does. SGLang's decoder layers build ``o_proj`` and ``mlp.down_proj`` with
@@ -22,6 +26,7 @@ the draft logits are the LM head's vocabulary shards, all-gathered.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +46,12 @@ class DraftBlocks:
 
     input_ids: torch.Tensor  # [B * width] blocks [anchor, <mask> x (width - 1)], concatenated
     positions: torch.Tensor  # [B * width] positions start_b .. start_b + width - 1
-    prefix_slots: list[torch.Tensor]  # B x [start_b] KV-pool slots of each committed prefix
     width: int
-    kv_pool: object  # SGLang's token-to-KV pool (get_key_buffer / get_value_buffer)
+    forward_batch: object  # SGLang's ForwardBatch of the blocks, attention metadata ready
 
     @property
     def num_blocks(self) -> int:
-        return len(self.prefix_slots)
+        return self.input_ids.shape[0] // self.width
 
 
 class DiffusionViewMixin:
@@ -78,23 +82,8 @@ class DiffusionViewMixin:
         blocks: DraftBlocks,
         hidden: torch.Tensor,  # [T, hidden]
     ) -> torch.Tensor:  # [T, hidden]
-        q, k, v = self._draft_qkv(attn, blocks.positions, hidden)
-        radix = attn.attn  # the layer's RadixAttention: head counts, scaling, layer id
-        hq, hkv, dim = radix.tp_q_head_num, radix.tp_k_head_num, radix.head_dim
-        w = blocks.width
-        q = q.view(blocks.num_blocks, w, hq, dim).transpose(1, 2)  # [B, Hq, W, D]
-        k = k.view(blocks.num_blocks, w, hkv, dim)  # [B, W, Hkv, D]
-        v = v.view(blocks.num_blocks, w, hkv, dim)
-        k_pool = blocks.kv_pool.get_key_buffer(radix.layer_id)  # [slots, Hkv, D]
-        v_pool = blocks.kv_pool.get_value_buffer(radix.layer_id)
-        out = torch.empty_like(q)  # [B, Hq, W, D]
-        for b, slots in enumerate(blocks.prefix_slots):
-            keys = torch.cat([k_pool[slots].to(k.dtype), k[b]]).transpose(0, 1)  # [Hkv, S, D]
-            values = torch.cat([v_pool[slots].to(v.dtype), v[b]]).transpose(0, 1)
-            out[b] = nn.functional.scaled_dot_product_attention(
-                q[b][None], keys[None], values[None], scale=radix.scaling,
-                enable_gqa=hq != hkv)[0]  # non-causal: every block token sees all keys
-        heads = out.transpose(1, 2).reshape(blocks.num_blocks * w, hq * dim)  # [T, Hq*D]
+        q, k, v = self._draft_qkv(attn, blocks.positions, hidden)  # [T, H*D] each
+        heads = _non_causal_twin(attn.attn)(q, k, v, blocks.forward_batch)  # [T, Hq*D]
         return self._draft_out(attn, heads)
 
     def diffusion_hidden_states(self, blocks: DraftBlocks) -> torch.Tensor:  # [T, hidden]
@@ -131,3 +120,17 @@ def full_output(linear: nn.Module, out: torch.Tensor) -> torch.Tensor:
     if getattr(linear, "reduce_results", True) or get_parallel().tp_size == 1:
         return out
     return tensor_model_parallel_all_reduce(out)
+
+
+def _non_causal_twin(radix: nn.Module) -> nn.Module:
+    """The layer's ``RadixAttention`` as ``AttentionType.ENCODER_ONLY`` (made once, kept on
+    the layer): same layer id, head counts, scaling and KV buffers, so the backend attends
+    non-causally over the pool and writes K/V where the forward batch says."""
+    twin = radix.__dict__.get("_diffspec_non_causal")
+    if twin is None:
+        from sglang.srt.layers.radix_attention import AttentionType
+
+        twin = copy.copy(radix)  # shares the module's state; only attn_type differs
+        twin.attn_type = AttentionType.ENCODER_ONLY
+        radix.__dict__["_diffspec_non_causal"] = twin  # not a submodule: no weights
+    return twin

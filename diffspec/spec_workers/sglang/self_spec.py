@@ -15,10 +15,12 @@ the pool; its last emitted token, the **anchor**, is at position ``C`` and has n
   ``block_size``):
 
   1. *draft*: one diffusion-view forward over the block ``[anchor, <mask> x (W - 1)]`` at
-     positions ``C .. C + W - 1``, non-causal over the committed prefix's AR K/V, read
-     from the pool through ``req_to_token`` (no KV written:
-     :mod:`diffspec.model_executors.sglang.views`); the drafts are the argmax of the
-     ``W - 1`` logits that predict positions ``C + 1 .. C + W - 1``;
+     positions ``C .. C + W - 1``, through SGLang's attention backend with each layer's
+     non-causal twin (:mod:`diffspec.model_executors.sglang.views`): a forward batch laid
+     out as the verify's, so the block attends to the committed prefix's AR K/V in the
+     pool and to itself, and its draft K/V land in the slots the verify overwrites next;
+     the drafts are the argmax of the ``W - 1`` logits that predict positions
+     ``C + 1 .. C + W - 1``;
   2. *verify*: one causal AR forward of ``[anchor, d_1 .. d_{W-1}]`` by SGLang's model
      runner (TARGET_VERIFY), writing its K/V into the slots ``req_to_token`` maps
      ``C .. C + W - 1`` to: the draft slots the scheduler reserved for this step
@@ -36,7 +38,9 @@ the pool; its last emitted token, the **anchor**, is at position ``C`` and has n
 policy of :mod:`diffspec.core.adaptive` picks one draft count ``k`` for the whole batch
 (SGLang's verify has one width per step) from the latency profile, the batch size and the
 acceptance it has observed; the step then runs at width ``k + 1`` (``k = 0``: no draft
-forward, a width-1 verify, i.e. a plain AR step). Greedy output is AR's whatever it picks.
+forward, SGLang's own decode forward, i.e. a plain AR step). The choices are logged every
+100 steps and counted in Prometheus counters (:class:`ChoiceMetrics`). Greedy output is
+AR's whatever it picks.
 
 Drafts are argmaxes of the diffusion view (point masses). Per request, the verify rows
 first get the request's repetition / presence / frequency penalties, ``min_new_tokens``
@@ -218,6 +222,7 @@ class SelfSpecWorker(TargetModelSpecWorker):
         if self.adaptive is not None:  # one width per step: W = the policy's k + 1
             self.adaptive.forget(set(rids))
             w = 1 + self.adaptive.choose_shared(rids, [self.width - 1] * bs)
+            choice_metrics().record(w - 1, bs)
             if self.adaptive.steps % self.adaptive.log_every == 1:
                 logger.info("diffspec: %s", self.adaptive.summary())
         committed = batch.seq_lens.to(torch.int64)  # [bs] C
@@ -227,11 +232,11 @@ class SelfSpecWorker(TargetModelSpecWorker):
         req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
         slots = req_to_token[rows[:, None], positions].to(torch.int64)  # [bs, W]
 
-        # draft: the diffusion view over [anchor, <mask> x (W - 1)], no KV written (W = 1:
-        # the policy drafts nothing this step, a plain AR step)
+        # draft: the diffusion view over [anchor, <mask> x (W - 1)] (W = 1: the policy
+        # drafts nothing this step, a plain AR step)
         if w > 1:
             drafts = self.timings.time(bs * w, lambda: self._draft(
-                anchors, positions, rows, committed, w))  # [bs, W - 1]
+                batch, anchors, positions, slots))  # [bs, W - 1]
         else:
             drafts = anchors.new_zeros((bs, 0))
 
@@ -266,22 +271,50 @@ class SelfSpecWorker(TargetModelSpecWorker):
 
     def _draft(
         self,
+        batch,
         anchors: torch.Tensor,  # [bs] the committed tokens the blocks start from
         positions: torch.Tensor,  # [bs, W]
-        rows: torch.Tensor,  # [bs] req_to_token rows
-        committed: torch.Tensor,  # [bs] C
-        w: int,
+        slots: torch.Tensor,  # [bs, W] KV-pool slots of positions C .. C + W - 1
     ) -> torch.Tensor:  # [bs, W - 1] greedy drafts
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
-        block = torch.full((len(anchors), w), self.mask_token_id, dtype=torch.int64,
-                           device=self.device)
+        """The diffusion view over ``[anchor, <mask> x (W - 1)]`` through SGLang's attention
+        backend: a forward batch laid out as this step's verify (same positions, same
+        slots: the verify overwrites the draft K/V the backend writes there), its metadata
+        planned by the backend, the layers' non-causal attention twins reading the pool."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        bs, w = positions.shape
+        block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64, device=self.device)
         block[:, 0] = anchors
-        prefix_slots = [req_to_token[r, :c].to(torch.int64)
-                        for r, c in zip(rows.tolist(), committed.tolist())]
-        draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
-            block.reshape(-1), positions.reshape(-1), prefix_slots, w,
-            self.model_runner.token_to_kv_pool))  # [bs, W - 1, vocab]
+        forward_batch = self._step_batch(batch, block, positions, slots)
+        backend = self.model_runner.attn_backend
+        backend.init_forward_metadata(forward_batch)
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
+            draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
+                block.reshape(-1), positions.reshape(-1), w, forward_batch))  # [bs, W-1, V]
         return draft_logits.argmax(dim=-1)
+
+    def _step_batch(
+        self,
+        batch,
+        ids: torch.Tensor,  # [bs, W]
+        positions: torch.Tensor,  # [bs, W]
+        slots: torch.Tensor,  # [bs, W]
+    ) -> ForwardBatch:
+        """SGLang's TARGET_VERIFY forward batch of ``ids`` at ``positions`` (a causal chain
+        of ``W`` tokens per request on its committed prefix), K/V going to ``slots``."""
+        w = ids.shape[1]
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = ids.reshape(-1)
+        batch.out_cache_loc = slots.reshape(-1)
+        batch.spec_info = SelfSpecVerifyInput(positions=positions.reshape(-1),
+                                              draft_token_num=w)
+        try:
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner,
+                                                  return_hidden_states_before_norm=False)
+        finally:
+            batch.forward_mode = ForwardMode.DECODE
+        _adapt_torch_native_verify(self.model_runner, forward_batch, w)
+        return forward_batch
 
     def _verify(
         self,
@@ -293,17 +326,9 @@ class SelfSpecWorker(TargetModelSpecWorker):
         bs, w = verify_ids.shape
         if w == 1:  # nothing drafted this step (adaptive k = 0): a plain decode step
             return self._decode_forward(batch, verify_ids[:, 0], slots[:, 0])
-        batch.forward_mode = ForwardMode.TARGET_VERIFY
-        batch.input_ids = verify_ids.reshape(-1)
-        batch.out_cache_loc = slots.reshape(-1)
-        batch.spec_info = SelfSpecVerifyInput(positions=positions.reshape(-1),
-                                              draft_token_num=w)
-        forward_batch = ForwardBatch.init_new(batch, self.model_runner,
-                                              return_hidden_states_before_norm=False)
-        _adapt_torch_native_verify(self.model_runner, forward_batch, w)
+        forward_batch = self._step_batch(batch, verify_ids, positions, slots)
         result = self._target_worker.forward_batch_generation(
             batch=None, forward_batch=forward_batch, is_verify=True)
-        batch.forward_mode = ForwardMode.DECODE
         logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
         vocab = self.model_runner.model.config.vocab_size
         return logits[:, :vocab].float().view(bs, w, vocab)
@@ -370,6 +395,40 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str):
     logger.info("diffspec: adaptive draft counts (at most %d per step) from the latency "
                 "profile %s", max_drafts, path)
     return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
+
+
+class ChoiceMetrics:
+    """The adaptive policy's choices as Prometheus counters (``prometheus_client``, which
+    SGLang uses): ``diffspec:adaptive_steps_total{drafts="k"}``, decode steps by the draft
+    count chosen for the step, and ``diffspec:adaptive_draft_tokens_total``, draft tokens
+    chosen (k times the batch). With ``--enable-metrics`` SGLang puts prometheus_client in
+    multiprocess mode before its scheduler starts, so they show in its ``/metrics`` next to
+    its own. (SGLang's own ``spec_num_proposed_drafts`` counts ``W - 1`` per verify step,
+    the server's width, whatever a step drafted.)"""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+
+        self.steps = Counter("diffspec:adaptive_steps", "Decode steps of diffspec's adaptive "
+                             "self-speculation, by the draft count chosen for the step",
+                             ["drafts"])
+        self.draft_tokens = Counter("diffspec:adaptive_draft_tokens", "Draft tokens "
+                                    "diffspec's adaptive policy chose (over requests and steps)")
+
+    def record(self, drafts: int, batch_size: int) -> None:
+        self.steps.labels(drafts=str(drafts)).inc()
+        self.draft_tokens.inc(drafts * batch_size)
+
+
+_CHOICE_METRICS: list[ChoiceMetrics] = []
+
+
+def choice_metrics() -> ChoiceMetrics:
+    """The process's one :class:`ChoiceMetrics` (Prometheus refuses a metric registered
+    twice)."""
+    if not _CHOICE_METRICS:
+        _CHOICE_METRICS.append(ChoiceMetrics())
+    return _CHOICE_METRICS[0]
 
 
 def unsupported_request_option(req) -> str | None:
