@@ -122,6 +122,10 @@ def test_context_steps_per_verify_step_and_draft_passes(tmp_path) -> None:
     assert rows[0]["verify_s"] is None
     with pytest.raises(ValueError, match="longer than the prompt"):
         context_steps(spec, [1, 2], [10])
+    # plain AR: the timings file is never written; steps are tokens after the first
+    ar = context_steps(lambda prompts, n: ([[1] * n], {}), list(range(20)), [10],
+                       short=2, long=6, repeats=1, timings=str(tmp_path / "none.txt"))
+    assert ar[0]["steps"] == 5 and ar[0]["draft_s"] is None
 
 
 def test_step_vs_context_table() -> None:
