@@ -62,13 +62,12 @@ Stop strings, stop tokens and ``max_new_tokens`` are the scheduler's own checks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import (
-    CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,
 )
@@ -80,7 +79,7 @@ from diffspec.core.sampling import process_logits
 from diffspec.model_executors.sglang.views import DraftBlocks
 from diffspec.profiling import DraftTimings
 
-__all__ = ["SelfSpecDraftInput", "SelfSpecVerifyInput", "SelfSpecWorker", "TargetModelSpecWorker"]
+__all__ = ["SelfSpecDraftInput", "SelfSpecWorker", "TargetModelSpecWorker"]
 
 logger = logging.getLogger("diffspec")
 
@@ -114,23 +113,6 @@ class SelfSpecDraftInput(SpecInput):
             raise TypeError(f"cannot merge SelfSpecDraftInput with {type(other).__name__}")
         self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
         self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
-
-
-@dataclass
-class SelfSpecVerifyInput(SpecInput):
-    """The verify forward: ``W`` tokens per request on a linear chain (causal, no tree)."""
-
-    positions: torch.Tensor  # [bs * W]
-    draft_token_num: int  # W: the anchor + W - 1 drafts
-    custom_mask: torch.Tensor | None = None  # linear chain: plain causal attention
-    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
-    num_tokens_per_req: int = field(init=False)
-    num_tokens_for_logprob_per_req: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        super().__init__(SpecInputType.NGRAM_VERIFY)
-        self.num_tokens_per_req = self.draft_token_num
-        self.num_tokens_for_logprob_per_req = self.draft_token_num
 
 
 class TargetModelSpecWorker(BaseSpecWorker):
@@ -285,7 +267,7 @@ class SelfSpecWorker(TargetModelSpecWorker):
         bs, w = positions.shape
         block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64, device=self.device)
         block[:, 0] = anchors
-        forward_batch = self._step_batch(batch, block, positions, slots)
+        forward_batch = self._step_batch(batch, block, positions, slots, causal=False)
         backend = self.model_runner.attn_backend
         backend.init_forward_metadata(forward_batch)
         with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
@@ -299,15 +281,29 @@ class SelfSpecWorker(TargetModelSpecWorker):
         ids: torch.Tensor,  # [bs, W]
         positions: torch.Tensor,  # [bs, W]
         slots: torch.Tensor,  # [bs, W]
+        causal: bool = True,
     ) -> ForwardBatch:
-        """SGLang's TARGET_VERIFY forward batch of ``ids`` at ``positions`` (a causal chain
-        of ``W`` tokens per request on its committed prefix), K/V going to ``slots``."""
+        """SGLang's TARGET_VERIFY forward batch of ``ids`` at ``positions`` (``W`` tokens per
+        request on its committed prefix), K/V going to ``slots``, with SGLang's own verify
+        input (``NgramVerifyInput``, what its GPU backends plan target-verify batches
+        from): a chain, causal within the block (the verify), or the whole block visible to
+        every block token (``causal=False``, the draft). The torch-native backend takes no
+        mask (it reads the layers' attention type); the GPU backends get the mask."""
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
         w = ids.shape[1]
+        mask = None
+        if not self._torch_native:  # per request [W, C + W] (prefix, then the block), flat
+            block = (torch.ones(w, w, dtype=torch.bool, device=self.device).tril() if causal
+                     else torch.ones(w, w, dtype=torch.bool, device=self.device))
+            mask = torch.cat([torch.cat([torch.ones(w, c, dtype=torch.bool, device=self.device),
+                                         block], dim=1).reshape(-1)
+                              for c in batch.seq_lens_cpu.tolist()])
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = ids.reshape(-1)
         batch.out_cache_loc = slots.reshape(-1)
-        batch.spec_info = SelfSpecVerifyInput(positions=positions.reshape(-1),
-                                              draft_token_num=w)
+        batch.spec_info = NgramVerifyInput(custom_mask=mask, positions=positions.reshape(-1),
+                                           draft_token_num=w, new_seq_lens=batch.seq_lens)
         try:
             forward_batch = ForwardBatch.init_new(batch, self.model_runner,
                                                   return_hidden_states_before_norm=False)
@@ -315,6 +311,12 @@ class SelfSpecWorker(TargetModelSpecWorker):
             batch.forward_mode = ForwardMode.DECODE
         _adapt_torch_native_verify(self.model_runner, forward_batch, w)
         return forward_batch
+
+    @property
+    def _torch_native(self) -> bool:
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        return isinstance(self.model_runner.attn_backend, TorchNativeAttnBackend)
 
     def _verify(
         self,
