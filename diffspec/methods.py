@@ -132,6 +132,7 @@ _SGLANG = "diffspec.model_executors.sglang"
 _REF = "diffspec.model_executors.reference"
 _SPEC_FLAG = "--speculative-config"
 _ALGO_FLAG = "--speculative-algorithm"
+_DLLM_FLAG = "--dllm-algorithm"  # SGLang's diffusion-LM mode (a DllmAlgorithm, not a spec worker)
 
 # Order matters: the first family whose marks a checkpoint matches is its family (stock
 # Qwen architectures: TiDAR (mask + block) before ReFusion (mask) before plain Qwen3).
@@ -162,12 +163,20 @@ FAMILIES: Mapping[str, Family] = _frozen({f.name: f for f in (
                                f"{_SGLANG}.nld:NemotronLabsDiffusionForCausalLM"}),
         reference_model=f"{_REF}.nld"),
     Family("llada", "LLaDA masked diffusion LM", ("LLaDAModelLM",), ("llada",),
+           hf_configs=_frozen({"llada": "diffspec.plugin.hf_configs:LLaDAConfig"}),
+           sglang_models=_frozen({"LLaDAModelLM": f"{_SGLANG}.dllm:LLaDAModelLM"}),
            reference_model=f"{_REF}.dllm", causal=False),
-    Family("dream", "Dream masked diffusion LM (shifted logits)", ("DreamModel",), ("dream",),
+    Family("dream", "Dream masked diffusion LM (shifted logits)", ("DreamModel",),
+           ("dream", "Dream"),
+           hf_configs=_frozen({"Dream": "diffspec.plugin.hf_configs:DreamConfig"}),
+           sglang_models=_frozen({"DreamModel": f"{_SGLANG}.dllm:DreamModel"}),
            reference_model=f"{_REF}.dllm", causal=False),
     Family("fast_dllm_v2", "Fast-dLLM v2 block diffusion on Qwen2.5 (bd_size, |<MASK>|)",
-           ("Fast_dLLM_QwenForCausalLM",), ("fast_dllm_qwen",), reference_model=f"{_REF}.dllm",
-           causal=False),
+           ("Fast_dLLM_QwenForCausalLM",), ("fast_dllm_qwen", "Fast_dLLM_Qwen"),
+           hf_configs=_frozen({"Fast_dLLM_Qwen": "diffspec.plugin.hf_configs:FastDLLMQwenConfig"}),
+           sglang_models=_frozen({"Fast_dLLM_QwenForCausalLM":
+                                  f"{_SGLANG}.dllm:FastDLLMQwenForCausalLM"}),
+           reference_model=f"{_REF}.dllm", causal=False),
     Family("tidar", "stock causal Qwen trained with the TiDAR recipe (block_size + "
            "mask_token_id in config.json)", ("Qwen3ForCausalLM", "Qwen2ForCausalLM"),
            ("qwen3", "qwen2"), required_config=("mask_token_id", "block_size"),
@@ -221,6 +230,7 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            "unmasking (LLaDA, Dream, Fast-dLLM v2, NLD diffusion mode)", lossless=False,
            origin="diffspec", families=("llada", "dream", "fast_dllm_v2", "nld"),
            reference=f"{_SPEC}.reference.fast_dllm:decoder",
+           sglang=EngineEntry(_DLLM_FLAG, "FastDLLM", f"{_SPEC}.sglang.fast_dllm:FastDLLM"),
            defaults=_frozen({"block_size": None, "threshold": 0.9, "cache": "prefix"}),
            bundled="synth-dllm/llada"),
     Method("refusion", "ReFusion: slot-level plan-and-infill (greedy)", lossless=False,
@@ -250,13 +260,16 @@ def diffspec_methods() -> tuple[Method, ...]:
     return tuple(m for m in METHODS.values() if m.origin == "diffspec")
 
 
-def methods_for_engine(engine: Engine, origin: str = "diffspec") -> dict[str, Method]:
+def methods_for_engine(engine: Engine, origin: str = "diffspec",
+                       flag: str | None = None) -> dict[str, Method]:
     """Methods of ``origin`` (``"diffspec"``, ``"engine"`` or ``"any"``) served on
-    ``engine``, by their engine name (``"orthrus"`` on vLLM, ``"ORTHRUS"`` on SGLang)."""
+    ``engine``, by their engine name (``"orthrus"`` on vLLM, ``"ORTHRUS"`` on SGLang);
+    only those selected by ``flag`` (e.g. ``"--speculative-algorithm"``) when given."""
     out = {}
     for method in METHODS.values():
         entry = method.engine(engine)
-        if entry is not None and origin in ("any", method.origin):
+        if (entry is not None and origin in ("any", method.origin)
+                and flag in (None, entry.flag)):
             out[entry.name] = method
     return out
 

@@ -22,7 +22,8 @@ from benchmarks.metrics import Completion, RunResult
 WORKER = Path(__file__).resolve().parent / "sglang_worker.py"
 ENV_RECORDED = ("SGLANG_USE_CPU_ENGINE", "OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND")
 METHODS = engine_methods("sglang")
-# baseline method -> SGLang --speculative-algorithm (the registry's SGLang entries)
+# baseline method -> SGLang --speculative-algorithm / --dllm-algorithm (the registry's SGLang
+# entries; the entry's flag says which)
 ALGORITHMS = {m.name: m.sglang.name for m in REGISTRY.values() if m.sglang is not None}
 BASE_KWARGS: dict[str, Any] = {"random_seed": 0, "log_level": "error"}
 
@@ -37,6 +38,8 @@ def engine_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
         return kwargs
     if b.method not in ALGORITHMS:
         raise ValueError(f"SGLang baseline {b.method!r} unknown (known: {', '.join(METHODS)})")
+    if REGISTRY[b.method].sglang.flag == "--dllm-algorithm":  # SGLang's diffusion-LM mode
+        return kwargs | {"dllm_algorithm": ALGORITHMS[b.method]}
     kwargs |= {"speculative_algorithm": ALGORITHMS[b.method],
                "speculative_num_draft_tokens": b.num_draft_tokens + 1}
     if b.method in DRAFTER_METHODS:

@@ -486,7 +486,8 @@ algo = SpeculativeAlgorithm.from_string("orthrus")
 print(json.dumps({
     "entry_points": [e.value for e in entry_points(group="sglang.srt.plugins")],
     "registered": plugin._registered,
-    "algorithms": [SpeculativeAlgorithm.from_string(n).name for n in methods_for_engine("sglang")],
+    "algorithms": [SpeculativeAlgorithm.from_string(n).name
+                   for n in methods_for_engine("sglang", flag="--speculative-algorithm")],
     "architectures": sorted(a for f in FAMILIES.values() for a in f.sglang_models
                             if a in ModelRegistry.models),
     "scheduler_api": [algo.carries_draft_hidden_states(), algo.need_topk(), algo.has_draft_kv(),
@@ -508,8 +509,13 @@ def test_plugin_registers_through_the_entry_point() -> None:
     assert "diffspec.plugin.sglang:register" in info["entry_points"]
     assert info["registered"]
     assert info["algorithms"] == ["ORTHRUS", "LINEAR_SELF_SPEC", "TIDAR"]
-    assert info["architectures"] == ["NemotronLabsDiffusionModel", "OrthrusForCausalLM",
-                                     "OrthrusLM", "OrthrusLlamaForCausalLM"]
+    from diffspec.methods import FAMILIES
+
+    # every SGLang model class of the registry (self-spec and diffusion LMs) is registered
+    assert info["architectures"] == sorted(a for f in FAMILIES.values() for a in f.sglang_models)
+    assert {"NemotronLabsDiffusionModel", "OrthrusForCausalLM", "OrthrusLM",
+            "OrthrusLlamaForCausalLM", "LLaDAModelLM", "DreamModel",
+            "Fast_dLLM_QwenForCausalLM"} == set(info["architectures"])
     assert info["scheduler_api"] == [False, False, False, True, False, False]
 
 

@@ -103,7 +103,7 @@ def test_methods_for_engine_are_the_plugins_methods() -> None:
 
     assert set(self_spec_methods()) == {m.vllm.name for m in diffspec_methods() if m.vllm}
     assert set(self_spec_algorithms()) == {m.sglang.name for m in diffspec_methods()
-                                           if m.sglang}
+                                           if m.sglang and m.sglang.flag == "--speculative-algorithm"}
     assert set(methods_for_engine("vllm", "engine")) == {"ngram", "eagle3", "dflash"}
 
 

@@ -419,7 +419,12 @@ import atexit, os, sys
 from pathlib import Path
 
 def _report_gloo_threads():
-    names = [Path(t, "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
+    names = []
+    for t in Path("/proc/self/task").iterdir():
+        try:
+            names.append(Path(t, "comm").read_text().strip())
+        except FileNotFoundError:  # the thread ended after the listing: not alive at exit
+            pass
     print(f"rank {os.environ['RANK']} gloo threads at exit: "
           f"{sorted(n for n in names if 'gloo' in n)}", flush=True)
 

@@ -215,7 +215,8 @@ def test_remote_code_model_types_load_without_remote_code(tmp_path: Path) -> Non
     from diffspec.testing.checkpoints import write_nld, write_orthrus
 
     model_types = {t: c for f in FAMILIES.values() for t, c in f.hf_configs.items()}
-    assert set(model_types) == {"orthrus", "nemotron_labs_diffusion"}
+    assert set(model_types) == {"orthrus", "nemotron_labs_diffusion", "llada", "Dream",
+                                "Fast_dLLM_Qwen"}
     register_model_types(model_types)
     register_model_types(model_types)  # idempotent
     orthrus = AutoConfig.from_pretrained(write_orthrus(tmp_path / "o", model_type="orthrus"))

@@ -10,9 +10,10 @@ workers), so :func:`register` is idempotent. It refuses unsupported SGLang versi
 * registers diffspec's speculative algorithms (registry methods with an SGLang entry)
   through SGLang's own plugin API, ``SpeculativeAlgorithm.register``, with the
   ``CustomSpecAlgo`` subclass of the method (``SelfSpecAlgo``; ``TiDARAlgo`` for
-  ``TIDAR``) and validation of :mod:`diffspec.plugin.sglang.config`.
-
-No hook (``HookRegistry``) and no patch is needed: see ``diffspec/plugin/patches.md``.
+  ``TIDAR``) and validation of :mod:`diffspec.plugin.sglang.config`;
+* adds the ``FastDLLM`` dLLM algorithm and hooks ``DllmConfig.from_server_args`` for the
+  diffusion checkpoints (:mod:`diffspec.plugin.sglang.dllm`), the one hook, listed in
+  ``diffspec/plugin/patches.md``.
 This module imports neither torch nor SGLang at import time.
 """
 
@@ -22,6 +23,7 @@ import logging
 
 from diffspec.methods import FAMILIES, load_object
 from diffspec.plugin.sglang.config import self_spec_algorithms, validate_server_args
+from diffspec.plugin.sglang.dllm import register_dllm
 from diffspec.plugin.versions import check_engine_version
 
 logger = logging.getLogger("diffspec")
@@ -52,6 +54,7 @@ def register() -> None:
         architectures.update(family.sglang_models)
     for arch, target in architectures.items():
         ModelRegistry.models.setdefault(arch, load_object(target))
+    register_dllm()  # --dllm-algorithm FastDLLM
     algorithms = self_spec_algorithms()
     for name, method in algorithms.items():
         if get_spec(name) is None:

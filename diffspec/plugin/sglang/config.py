@@ -26,7 +26,7 @@ __all__ = ["self_spec_algorithms", "spec_class", "validate_server_args"]
 
 def self_spec_algorithms() -> dict[str, Method]:
     """diffspec's methods served through ``--speculative-algorithm``, by algorithm name."""
-    return methods_for_engine("sglang")
+    return methods_for_engine("sglang", flag="--speculative-algorithm")
 
 
 def validate_server_args(server_args) -> None:
@@ -34,7 +34,7 @@ def validate_server_args(server_args) -> None:
     :class:`~diffspec.core.checkpoint.CheckpointError` (a ``ValueError``) naming the
     problem: a checkpoint of another family or without diffusion weights, more draft
     tokens than its block holds, a separate draft model, or a parallel layout the worker
-    does not support."""
+    does not support (pipeline or data parallelism; tensor parallelism for TIDAR)."""
     name = str(server_args.speculative_algorithm).upper()
     method = self_spec_algorithms()[name]
     model = server_args.model_path
@@ -62,6 +62,8 @@ def validate_server_args(server_args) -> None:
         except CheckpointError as exc:
             raise CheckpointError(f"--speculative-num-draft-tokens {width} is the anchor plus "
                                   f"{width - 1} drafts: {exc}") from None
+    # ORTHRUS / LINEAR_SELF_SPEC run their diffusion view on each tensor-parallel rank's
+    # shards (diffspec.model_executors.sglang.views); TIDAR's quadratic view does not yet
     refused = [("--pp-size", server_args.pp_size), ("--dp-size", server_args.dp_size)]
     if method.name == "tidar":
         refused.insert(0, ("--tp-size", server_args.tp_size))

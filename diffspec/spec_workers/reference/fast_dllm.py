@@ -23,6 +23,9 @@ up across requests, and each slot keeps its true position id.
   and the block holding the prompt's tail is the first one decoded (v2 ``generate``).
 * Causal prompt, then block-causal blocks (NLD's diffusion mode): the prompt is prefilled
   causally and blocks start at the prompt end (``block_causal_mask`` with ``prefix_len``).
+* ``FastDLLMConfig(attention="block_causal")`` lays every family out as Fast-dLLM v2 does
+  (blocks from position 0, prompt included): the layout of SGLang's dLLM scheduler, so
+  the oracle of :mod:`diffspec.spec_workers.sglang.fast_dllm` for LLaDA and Dream.
 
 **Cache strategies** (what one step recomputes; its *window*):
 
@@ -55,7 +58,10 @@ block is the argmax of the last logit").
 The mask token is never predicted (its logit is set to -inf before any argmax), so
 every step commits real tokens.
 
-**Stop.** A request finishes when one of its ``stop_token_ids`` is committed with no masked
+**Stop.** The registry's decoder (:func:`decoder`) stops on the checkpoint's EOS ids and on
+its chat template's turn end (:func:`turn_end_token_ids`: LLaDA-8B-Instruct's
+``<|eot_id|>``, Dream's ``<|im_end|>``), where the model cards' chat code ends an answer.
+A request finishes when one of its ``stop_token_ids`` is committed with no masked
 slot before it (the rest of that block is not decoded: it would be dropped, and committed
 tokens never change), or when its ``max_tokens`` slots are committed. A block cut by
 ``max_tokens`` keeps its size (block-causal) or ends with the canvas (LLaDA / Dream); its
@@ -72,13 +78,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from diffspec.core.checkpoint import CheckpointError, validate_block_size
+from diffspec.core.checkpoint import CheckpointError, CheckpointInfo, validate_block_size
 from diffspec.core.kv import rollback_kv
 from diffspec.core.masks import block_causal_mask, block_diffusion_mask
 from diffspec.core.unmask import confidence_unmask, shift_logits
@@ -86,7 +92,7 @@ from diffspec.model_executors.reference.dllm import DiffusionLM
 from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
 __all__ = ["CACHE_MODES", "Canvas", "FastDLLMConfig", "FastDLLMOutput", "KVState",
-           "decode_block", "fast_dllm_generate"]
+           "decode_block", "fast_dllm_generate", "turn_end_token_ids"]
 
 CacheMode = Literal["none", "prefix", "dual"]
 CACHE_MODES: tuple[CacheMode, ...] = ("none", "prefix", "dual")
@@ -103,6 +109,10 @@ class FastDLLMConfig:
     sub_block_size: int | None = None  # None: 8 for Fast-dLLM v2 (if it divides), else block
     gen_length: int | None = None  # LLaDA/Dream: mask slots after the prompt (None: max_tokens);
     # block-causal families ignore it (later blocks are invisible)
+    # "trained": the family's own layout (module docstring); "block_causal": every family as
+    # Fast-dLLM v2, blocks from position 0 with the prompt in them, each seeing the blocks
+    # before it and itself (the KV layout of SGLang's dLLM scheduler)
+    attention: Literal["trained", "block_causal"] = "trained"
 
     def __post_init__(self) -> None:
         if self.cache not in CACHE_MODES:
@@ -113,6 +123,9 @@ class FastDLLMConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.attention not in ("trained", "block_causal"):
+            raise ValueError(f"attention must be 'trained' or 'block_causal', got "
+                             f"{self.attention!r}")
         if self.block_size and self.sub_block_size and self.block_size % self.sub_block_size:
             raise ValueError(f"sub_block_size {self.sub_block_size} must divide "
                              f"block_size {self.block_size}")
@@ -122,18 +135,20 @@ class FastDLLMConfig:
         """The ground truth: no cache, one token per step (``block_size`` etc. as given)."""
         return cls(cache="none", threshold=1.0, **sizes)
 
-    def sizes(self, lm: DiffusionLM) -> tuple[int, int]:
-        """``(block_size, sub_block_size)`` for ``lm``, defaults resolved and checked."""
-        block = self.block_size or lm.block_size or 32
-        if lm.family == "nld":  # diffusion mode: a block is block_size masks, no anchor
-            if block > lm.block_size:  # type: ignore[operator]
-                raise CheckpointError(f"checkpoint {lm.info.path} was trained with block size "
-                                      f"{lm.block_size}; a block of {block} slots is larger")
+    def sizes(self, info: CheckpointInfo) -> tuple[int, int]:
+        """``(block_size, sub_block_size)`` for the checkpoint ``info``, defaults resolved
+        and checked."""
+        trained = info.block_size if info.family in ("fast_dllm_v2", "nld") else None
+        block = self.block_size or trained or 32
+        if info.family == "nld":  # diffusion mode: a block is block_size masks, no anchor
+            if block > trained:  # type: ignore[operator]
+                raise CheckpointError(f"checkpoint {info.path} was trained with block size "
+                                      f"{trained}; a block of {block} slots is larger")
         else:
-            validate_block_size(lm.info, block)
+            validate_block_size(info, block)
         sub = self.sub_block_size
         if sub is None:
-            v2 = lm.family == "fast_dllm_v2" and block % V2_SUB_BLOCK == 0
+            v2 = info.family == "fast_dllm_v2" and block % V2_SUB_BLOCK == 0
             sub = V2_SUB_BLOCK if v2 else block
         if block % sub:
             raise ValueError(f"sub_block_size {sub} must divide block_size {block}")
@@ -185,7 +200,9 @@ def fast_dllm_generate(
     config: FastDLLMConfig = FastDLLMConfig(),
 ) -> list[FastDLLMOutput]:
     """Decode a batch of requests (greedy) with Fast-dLLM; outputs in request order."""
-    block, sub = config.sizes(lm)
+    block, sub = config.sizes(lm.info)
+    if config.attention == "block_causal":
+        lm = replace(lm, attention="block_causal", causal_prefix=False)
     batch = _layout(lm, requests, config, block)
     kv = KVState(lm.new_cache() if config.cache != "none" else None,
                  torch.zeros(len(requests), 0, dtype=torch.bool))
@@ -461,21 +478,45 @@ def _layout(lm: DiffusionLM, requests: Sequence[Request], config: FastDLLMConfig
     )
 
 
+_ANSWER = "\x00ANSWER\x00"  # a sentinel assistant message
+
+
+def turn_end_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The special token the checkpoint's chat template closes an assistant turn with
+    (LLaDA-8B-Instruct ``<|eot_id|>``, Dream / Fast-dLLM v2 ``<|im_end|>``), or ``()``
+    without a chat template. An instruct model ends its answer there, which is not its
+    config's ``eos_token_id`` for LLaDA and Dream, so a served chat must stop on it too."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return ()
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _ANSWER}],
+        tokenize=False)
+    _, found, tail = text.partition(_ANSWER)
+    specials = set(tokenizer.all_special_tokens) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    token = next((t for t in sorted(specials, key=len, reverse=True) if tail.startswith(t)), None)
+    if not found or token is None:
+        return ()
+    return (int(tokenizer.convert_tokens_to_ids(token)),)
+
+
 def decoder(info, options):
     """The reference decoder of method ``fast_dllm`` (registry factory): ``block_size``
     (default: the checkpoint's bd_size, else 32),
-    ``threshold`` and ``cache`` as :class:`FastDLLMConfig` takes them."""
+    ``threshold``, ``cache`` and ``attention`` as :class:`FastDLLMConfig` takes them."""
     from diffspec.model_executors.reference.dllm import load_dllm
     from diffspec.spec_workers.reference import Decoder
     from diffspec.spec_workers.reference.decoder import load_tokenizer
 
     lm = load_dllm(info.path, dtype=options.get("dtype", torch.float32))
     config = FastDLLMConfig(cache=options["cache"], threshold=options["threshold"],
-                            block_size=options.get("block_size"))
-    block, _ = config.sizes(lm)  # checks the block against the checkpoint
+                            block_size=options.get("block_size"),
+                            attention=options.get("attention", "trained"))
+    block, _ = config.sizes(lm.info)  # checks the block against the checkpoint
     tokenizer = load_tokenizer(info)
     stops = tuple(dict.fromkeys([*lm.eos_token_ids, *([tokenizer.eos_token_id]
-                                 if tokenizer.eos_token_id is not None else [])]))
+                                 if tokenizer.eos_token_id is not None else []),
+                                 *turn_end_token_ids(tokenizer)]))
     return Decoder("fast_dllm", tokenizer, lambda requests: fast_dllm_generate(lm, requests, config),
                    stops, lm.max_positions, int(info.vocab_size or len(tokenizer)),
                    {**options, "block_size": block})

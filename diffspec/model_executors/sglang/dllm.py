@@ -1,0 +1,108 @@
+"""The diffusion LMs Fast-dLLM decodes, in SGLang's dLLM mode: SGLang's own Llama / Qwen2
+with block attention (the SGLang side of :mod:`diffspec.model_executors.reference.dllm`).
+
+SGLang's dLLM scheduler runs one block of ``block_size`` slots per request over the KV of
+the request's earlier blocks; the ``FastDLLM`` algorithm
+(:mod:`diffspec.spec_workers.sglang.fast_dllm`) reads every slot's logits. So each model
+is an SGLang causal LM with two changes (:func:`_block_attention`): every attention is
+``AttentionType.ENCODER_ONLY`` (the block sees all of itself and its prefix) and the logits
+processor returns the whole block's logits (``return_full_logits``).
+
+=================================  ===================  ========================================
+architecture                       SGLang model         checkpoint tensors
+=================================  ===================  ========================================
+``LLaDAModelLM``                   ``LlamaForCausalLM``  ``model.transformer.{wte, blocks.N.*,
+                                                         ln_f, ff_out}``, renamed
+                                                         (:func:`llada_to_llama_name`)
+``DreamModel``                     ``Qwen2ForCausalLM``  Qwen2.5's own names
+``Fast_dLLM_QwenForCausalLM``      ``Qwen2ForCausalLM``  Qwen2.5's own names
+=================================  ===================  ========================================
+
+LLaDA's ``block_type: llama`` layer is a Llama layer (RMSNorm, half-split RoPE with
+``rope_theta``, SwiGLU ``ff_out(silu(ff_proj(x)) * up_proj(x))``, no biases); its config
+(:class:`diffspec.plugin.hf_configs.LLaDAConfig`) reads the OLMo names as the Llama ones.
+Which logits are shifted (Dream, Fast-dLLM v2) is the algorithm's business: the models
+return what their head computes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.models.llama import LlamaForCausalLM
+from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+
+from diffspec.core.checkpoint import CheckpointError
+
+__all__ = ["DreamModel", "FastDLLMQwenForCausalLM", "LLaDAModelLM", "llada_to_llama_name"]
+
+# LLaDA block tensor -> SGLang Llama layer tensor
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ff_norm": "post_attention_layernorm",
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj", "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",
+}
+_TOP_NAMES = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}
+_BLOCK = re.compile(r"model\.transformer\.blocks\.(\d+)\.(\w+)\.(weight|bias)")
+_TOP = re.compile(r"model\.transformer\.(\w+)\.weight")
+
+
+def llada_to_llama_name(name: str) -> str | None:
+    """The SGLang Llama name of an LLaDA checkpoint tensor, or ``None`` if it has none."""
+    if m := _BLOCK.fullmatch(name):
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}" if part in _BLOCK_NAMES else None
+    if m := _TOP.fullmatch(name):
+        return f"{_TOP_NAMES[m.group(1)]}.weight" if m.group(1) in _TOP_NAMES else None
+    return None
+
+
+def _block_attention(model) -> None:
+    """Make an SGLang causal LM a dLLM block model: non-causal attention, full logits."""
+    layers = model.model.layers[model.model.start_layer : model.model.end_layer]
+    for layer in layers:
+        layer.self_attn.attn.attn_type = AttentionType.ENCODER_ONLY
+    model.logits_processor = LogitsProcessor(model.config, return_full_logits=True)
+
+
+class LLaDAModelLM(LlamaForCausalLM):
+    """SGLang's Llama with block attention, reading LLaDA's checkpoint layout."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config, quant_config=quant_config, prefix=prefix)
+        _block_attention(self)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        return super().load_weights(self._renamed(weights))
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        path = getattr(self.config, "_name_or_path", "")
+        for name, tensor in weights:
+            renamed = llada_to_llama_name(name)
+            if renamed is None:
+                raise CheckpointError(
+                    f"checkpoint {path} holds tensor {name!r}, which the LLaDA layout "
+                    f"(block_type llama) does not have")
+            yield renamed, tensor
+
+
+class DreamModel(Qwen2ForCausalLM):
+    """Dream: SGLang's Qwen2 with block attention (its tensors are Qwen2.5's)."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config, quant_config=quant_config, prefix=prefix)
+        _block_attention(self)
+
+
+class FastDLLMQwenForCausalLM(Qwen2ForCausalLM):
+    """Fast-dLLM v2 (``Fast_dLLM_QwenForCausalLM``): SGLang's Qwen2 with block attention."""
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config, quant_config=quant_config, prefix=prefix)
+        _block_attention(self)

@@ -1,0 +1,158 @@
+"""SGLang dLLM mode for diffspec's diffusion checkpoints: ``--dllm-algorithm FastDLLM``.
+
+:func:`register_dllm` (called by :func:`diffspec.plugin.sglang.register`) adds the
+``FastDLLM`` algorithm (:mod:`diffspec.spec_workers.sglang.fast_dllm`) to SGLang's table of
+dLLM algorithms and hooks ``DllmConfig.from_server_args``, whose table of diffusion
+architectures is a local dict: for an architecture of a registry family that the
+``fast_dllm`` method serves in SGLang, :func:`dllm_config` builds the ``DllmConfig``
+(block size, mask id, the resolved algorithm settings) from the checkpoint and the
+``--dllm-algorithm-config`` YAML; every other architecture goes to SGLang's function
+unchanged (listed in ``diffspec/plugin/patches.md``).
+
+YAML keys: ``threshold`` (0.9), ``block_size`` (Fast-dLLM v2: ``bd_size``; else 32),
+``sub_block_size`` (v2: 8; else the block), ``cache`` (``prefix`` only: SGLang's
+scheduler recomputes each block over the KV of the blocks before it, which is the prefix
+cache; its block buffer is the whole block, so a dual cache cannot be expressed).
+
+This module imports neither torch nor SGLang at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
+from diffspec.methods import FAMILIES, get_method
+
+logger = logging.getLogger("diffspec")
+
+__all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "register_dllm"]
+
+ALGORITHM = "FastDLLM"
+_OPTIONS = ("threshold", "block_size", "sub_block_size", "cache")
+_TARGET = "sglang.srt.dllm.config.DllmConfig.from_server_args"
+_registered = False
+
+
+def dllm_architectures() -> tuple[str, ...]:
+    """Architectures ``--dllm-algorithm FastDLLM`` serves: those of the ``fast_dllm``
+    method's diffusion-only families (no AR view) that have an SGLang model class. (NLD's
+    SGLang class is its self-speculative model; its diffusion mode is not served here.)"""
+    method = get_method("fast_dllm")
+    return tuple(arch for fam in method.families if not FAMILIES[fam].causal
+                 for arch in FAMILIES[fam].sglang_models)
+
+
+def register_dllm() -> None:
+    """Add ``FastDLLM`` to SGLang's dLLM algorithms and hook ``DllmConfig`` (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.dllm.algorithm import algo_name_to_cls
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from diffspec.spec_workers.sglang.fast_dllm import FastDLLM
+
+    FastDLLM.supported_architectures = dllm_architectures()
+    algo_name_to_cls.setdefault(ALGORITHM, FastDLLM)
+    HookRegistry.register(_TARGET, _from_server_args, HookType.AROUND)
+    _registered = True
+
+
+def _from_server_args(original, server_args):
+    """AROUND hook of ``DllmConfig.from_server_args``: diffspec's architectures here,
+    every other one in SGLang's own function."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
+    if cfg.dllm_algorithm is None:
+        return original(server_args)
+    try:
+        info = inspect_checkpoint(cfg.model_path)
+    except CheckpointError:
+        if cfg.dllm_algorithm == ALGORITHM:
+            raise
+        return original(server_args)
+    if info.architecture in dllm_architectures():
+        return dllm_config(cfg, info)
+    if cfg.dllm_algorithm == ALGORITHM:
+        raise CheckpointError(
+            f"serve a {' / '.join(dllm_architectures())} checkpoint with --dllm-algorithm "
+            f"{ALGORITHM}; {cfg.model_path} is {info.architecture!r} (family {info.family!r})")
+    return original(server_args)
+
+
+def dllm_config(cfg: Any, info=None):
+    """The ``DllmConfig`` of a FastDLLM launch (``cfg``: server arguments), checked against
+    the served checkpoint; :class:`CheckpointError` (first line: what to do) otherwise."""
+    from sglang.srt.dllm.config import DllmConfig
+
+    from diffspec.spec_workers.reference.fast_dllm import FastDLLMConfig
+
+    info = info or inspect_checkpoint(cfg.model_path)
+    if cfg.dllm_algorithm != ALGORITHM:
+        raise CheckpointError(
+            f"use --dllm-algorithm {ALGORITHM} for checkpoint {cfg.model_path} "
+            f"({info.architecture}); --dllm-algorithm {cfg.dllm_algorithm} does not serve it")
+    require_method(info, "fast_dllm")
+    if info.architecture not in dllm_architectures():
+        raise CheckpointError(
+            f"serve checkpoint {cfg.model_path} with the reference decoder: architecture "
+            f"{info.architecture!r} has no SGLang model in diffspec yet (FastDLLM in SGLang "
+            f"serves {', '.join(dllm_architectures())})")
+    options = _yaml_options(cfg.dllm_algorithm_config)
+    cache = options.get("cache", "prefix")
+    if cache != "prefix":
+        raise CheckpointError(
+            f"set cache: prefix (or leave it out) in {cfg.dllm_algorithm_config}: SGLang's dLLM "
+            f"scheduler recomputes the whole block at every step over the KV of the blocks "
+            f"before it (the prefix cache); cache {cache!r} cannot be expressed on it")
+    try:
+        config = FastDLLMConfig(cache="prefix", threshold=options.get("threshold", 0.9),
+                                block_size=options.get("block_size"),
+                                sub_block_size=options.get("sub_block_size"),
+                                attention="block_causal")
+        block, sub = config.sizes(info)
+    except ValueError as exc:
+        raise CheckpointError(f"fix {cfg.dllm_algorithm_config or 'the dLLM settings'}: "
+                              f"{exc}") from None
+    return DllmConfig(
+        algorithm=ALGORITHM,
+        algorithm_config={"threshold": config.threshold, "block_size": block,
+                          "sub_block_size": sub, "logits_shift": info.logits_shift,
+                          "turn_end_ids": _turn_end_ids(info)},
+        block_size=block,
+        mask_id=int(info.mask_token_id),
+        max_running_requests=cfg.max_running_requests or 1,
+        first_done_first_out_mode=cfg.dllm_fdfo,
+    )
+
+
+def _turn_end_ids(info) -> list[int]:
+    """The chat template's turn-end token (a stop besides the config's EOS), if any."""
+    from transformers import AutoTokenizer
+
+    from diffspec.spec_workers.reference.fast_dllm import turn_end_token_ids
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+    except (OSError, ValueError):
+        return []
+    return list(turn_end_token_ids(tokenizer))
+
+
+def _yaml_options(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    import yaml
+
+    with open(path) as f:
+        options = yaml.safe_load(f) or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"make {path} a YAML mapping (keys: {', '.join(_OPTIONS)})")
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise CheckpointError(f"remove {', '.join(unknown)} from {path}: FastDLLM takes "
+                              f"{', '.join(_OPTIONS)}")
+    return options

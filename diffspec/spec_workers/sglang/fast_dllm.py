@@ -1,0 +1,242 @@
+"""Fast-dLLM in SGLang's dLLM mode: ``--dllm-algorithm FastDLLM`` (a ``DllmAlgorithm``).
+
+SGLang's dLLM scheduler hands the algorithm one block of ``block_size`` slots per request
+(prompt tail or mask tokens), aligned at position 0, over the KV of the request's earlier
+blocks; every forward recomputes the block and rewrites its KV. That is Fast-dLLM's
+*prefix cache* on the block-causal layout (Fast-dLLM v2's; for LLaDA / Dream the
+reference's ``FastDLLMConfig(attention="block_causal")``, see
+:mod:`diffspec.spec_workers.reference.fast_dllm`). One :meth:`FastDLLM.step` per forward:
+
+1. the sub-block: per request, the first ``sub_block_size`` slots that still hold work
+   (masked, generated, before the request's ``max_new_tokens`` limit);
+2. unmask: :func:`diffspec.core.unmask.confidence_unmask` on the sub-block's logits
+   (shifted families read slot ``j`` at ``j - 1``), the mask token never predicted;
+3. commit in place into ``forward_batch.input_ids`` (SGLang's block buffer);
+4. finish: a request is done when a stop token is committed with nothing masked before it,
+   or when its last slot before the limit is committed (slots past the limit stay
+   masks, as in the reference; SGLang trims them with ``max_new_tokens``); a request that
+   goes on is done after one more forward over its complete block (the *completing*
+   forward, which writes the block's final KV; a shifted family's next block-first token
+   is the argmax of its last logit, written into the next block before its first forward).
+
+A shifted family's seed is kept by the token prefix it follows, not by request: when a
+later prompt ends on a block boundary inside KV the radix cache already holds, SGLang
+runs no forward over its last prompt block, and the seed recorded for that prefix (by
+the request that computed it, in this process) is the one the reference would compute.
+If none is kept (evicted after ``_MAX_SEEDS`` others), the slot is decoded like any
+other, from the block's own first logit (``shift_logits``' fallback): output then differs
+from the reference's.
+
+A finishing request whose block has no mask left also gets that completing forward:
+otherwise SGLang's radix cache would keep the block's KV from before its last tokens
+were committed. The reference skips it (nothing reads that KV), so such a request runs
+one forward more than the reference. So does a shifted family's request whose last token
+is the seed of a new block: SGLang runs every block's first forward before the
+algorithm's first step, where the reference finishes at the seed.
+
+Decoding is greedy, as the reference's: of a request's sampling parameters only
+``max_new_tokens``, stop tokens / strings and ``ignore_eos`` apply (temperature, top-p and
+penalties are ignored, as SGLang's own ``LowConfidence`` ignores them).
+
+Per-request limits and stop tokens are read from the scheduler's requests through the
+batch's sampling info (``penalizer_orchestrator.batch.reqs``, the same objects the
+scheduler checks finishing on). The chat template's turn-end token (LLaDA's
+``<|eot_id|>``, Dream's ``<|im_end|>``; :func:`~diffspec.spec_workers.reference.fast_dllm.
+turn_end_token_ids`) is added to each request's ``eos_token_ids`` at its first block, so
+SGLang's own finish check stops an instruct answer where the model cards' code does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.dllm.algorithm.base import DllmAlgorithm
+from sglang.srt.dllm.config import DllmConfig
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+from diffspec.core.unmask import confidence_unmask, shift_logits
+
+__all__ = ["FastDLLM", "RowState"]
+
+_MAX_SEEDS = 1 << 16  # next-block seeds kept, by token prefix (oldest dropped first)
+
+
+@dataclass
+class RowState:
+    """One request's view of its current block (made at the block's first forward)."""
+
+    gen: int  # first generated slot of the block (slots before it are prompt)
+    limit: int  # slots from here are past max_new_tokens: never decoded
+    ends_here: bool  # the request's max_new_tokens end inside this block
+    stops: torch.Tensor  # [num_stop_ids] int64; empty under ignore_eos
+    seeded: bool = False  # the block-first slot was given its seed (shifted families)
+    done: bool = False
+
+
+class FastDLLM(DllmAlgorithm):
+    """Fast-dLLM prefix-cache decoding; settings from ``algorithm_config`` (resolved and
+    validated by :func:`diffspec.plugin.sglang.dllm.dllm_config`)."""
+
+    def __init__(self, config: DllmConfig) -> None:
+        super().__init__(config)
+        cfg = config.algorithm_config
+        self.threshold = float(cfg["threshold"])
+        self.sub_block_size = int(cfg["sub_block_size"])
+        self.logits_shift = bool(cfg["logits_shift"])
+        self.turn_end_ids = frozenset(int(t) for t in cfg.get("turn_end_ids", ()))
+        self._seeds: OrderedDict[int, int] = OrderedDict()  # hash(token prefix) -> seed
+
+    # ------------------------------------------------------------------ SGLang hooks
+
+    def max_steps(self, block_size: int) -> int:
+        """Forwards after a block's first one (synchronous mode): one token per step, then
+        the completing forward, with one to spare."""
+        return block_size + 2
+
+    def init_step_state(self, forward_batch: ForwardBatch) -> list[RowState]:
+        reqs = _batch_requests(forward_batch)
+        offsets = forward_batch.positions.view(-1, self.block_size)[:, 0].tolist()
+        states = []
+        for req, offset in zip(reqs, offsets):
+            if self.turn_end_ids and not self.turn_end_ids <= set(req.eos_token_ids or ()):
+                # an instruct answer ends at the chat template's turn end: SGLang's own
+                # finish check (Req.eos_token_ids) stops there too
+                req.eos_token_ids = set(req.eos_token_ids or ()) | self.turn_end_ids
+            gen0 = len(req.origin_input_ids)
+            limit = gen0 + int(req.sampling_params.max_new_tokens)
+            states.append(RowState(
+                gen=min(self.block_size, max(0, gen0 - offset)),
+                limit=min(self.block_size, max(0, limit - offset)),
+                ends_here=limit - offset <= self.block_size,
+                stops=torch.tensor(sorted(_stop_ids(req)), dtype=torch.long,
+                                   device=forward_batch.input_ids.device)))
+        return states
+
+    def prepare_inputs(self, model_runner, forward_batch: ForwardBatch,
+                       states: list[RowState]) -> None:
+        """Shifted families: write each block's seed (the completing forward's argmax)
+        into its first slot before the block's first forward."""
+        if not self.logits_shift or all(s.seeded for s in states):
+            return
+        tokens = forward_batch.input_ids.view(-1, self.block_size)
+        offsets = forward_batch.positions.view(-1, self.block_size)[:, 0].tolist()
+        for row, (req, state) in enumerate(zip(_batch_requests(forward_batch), states)):
+            if state.seeded:
+                continue
+            state.seeded = True
+            if int(tokens[row, 0]) != self.mask_id or state.gen > 0:
+                continue  # the block starts with the prompt
+            seed = self._seeds.get(_prefix_key(_committed(req)[: offsets[row]]))
+            if seed is not None:
+                tokens[row, 0] = seed
+
+    def run(self, model_runner, forward_batch: ForwardBatch, algo_states=None):
+        out = super().run(model_runner, forward_batch, algo_states)
+        if self.logits_shift and not self.fdfo and not out[1]:
+            # a prefill of whole prompt blocks: the base class returns before any step
+            logits = out[0].full_logits.view(forward_batch.batch_size, self.block_size, -1)
+            for row in range(forward_batch.batch_size):
+                self._record_seed(forward_batch, logits, row)
+        return out
+
+    def step(self, forward_batch: ForwardBatch, full_logits: torch.Tensor,
+             states: list[RowState]) -> list[bool]:
+        bs, size = forward_batch.batch_size, self.block_size
+        logits = full_logits.view(bs, size, -1)
+        tokens = forward_batch.input_ids.view(bs, size)
+        masked = tokens == self.mask_id  # [bs, size]
+        slots = torch.arange(size, device=tokens.device)
+        for row, state in enumerate(states):
+            if state.done:
+                continue
+            work = masked[row] & (slots >= state.gen) & (slots < state.limit)  # [size]
+            if not bool(work.any()):
+                # this forward saw the block complete: its KV is final
+                if not state.ends_here and not self._stopped(tokens[row], state):
+                    self._record_seed(forward_batch, logits, row)
+                state.done = True
+                continue
+            c0 = int(work.nonzero()[0, 0]) // self.sub_block_size * self.sub_block_size
+            c1 = c0 + self.sub_block_size
+            row_logits = logits[row : row + 1].clone()
+            row_logits[..., self.mask_id] = float("-inf")  # the mask is never a prediction
+            if self.logits_shift:
+                row_logits = shift_logits(row_logits)
+            candidates = torch.where(work[c0:c1], self.mask_id, -1)[None]  # [1, sub]
+            new, _ = confidence_unmask(row_logits[:, c0:c1], candidates, self.mask_id,
+                                       self.threshold)
+            tokens[row, c0:c1] = torch.where(new[0] == -1, tokens[row, c0:c1], new[0])
+            finished = self._stopped(tokens[row], state) or (
+                state.ends_here and not bool((tokens[row, state.gen : state.limit]
+                                              == self.mask_id).any()))
+            # a finished block with masks left is never cached whole; a full one is
+            # completed by one more forward (see the module docstring)
+            state.done = finished and bool((tokens[row] == self.mask_id).any())
+        return [s.done for s in states]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _stopped(self, tokens: torch.Tensor, state: RowState) -> bool:
+        """A stop token committed in the generated slots with nothing masked before it."""
+        gen = tokens[state.gen : state.limit]  # [n]
+        hits = torch.isin(gen, state.stops).nonzero()
+        if hits.numel() == 0:
+            return False
+        return not bool((gen[: int(hits[0, 0])] == self.mask_id).any())
+
+    def _record_seed(self, forward_batch: ForwardBatch, logits: torch.Tensor, row: int) -> None:
+        """Shifted families: the next block's first token is the argmax of this complete
+        block's last logit. It is kept by the block's token prefix, not by request: a
+        later request whose prompt ends on that block boundary gets the prefix's KV from
+        the radix cache and no forward over its last prompt block, yet needs the same
+        seed."""
+        if not self.logits_shift:
+            return
+        last = logits[row, -1].clone()
+        last[self.mask_id] = float("-inf")
+        offset = int(forward_batch.positions.view(-1, self.block_size)[row, 0])
+        req = _batch_requests(forward_batch)[row]
+        block = forward_batch.input_ids.view(-1, self.block_size)[row].tolist()
+        key = _prefix_key([*_committed(req)[:offset], *block])
+        self._seeds[key] = int(last.argmax())
+        self._seeds.move_to_end(key)
+        if len(self._seeds) > _MAX_SEEDS:
+            self._seeds.popitem(last=False)
+
+
+def _batch_requests(forward_batch: ForwardBatch) -> list[Any]:
+    """The scheduler's ``Req`` objects of this batch, in row order."""
+    orchestrator = getattr(forward_batch.sampling_info, "penalizer_orchestrator", None)
+    batch = orchestrator.batch if orchestrator is not None else None
+    reqs = list(batch.reqs) if batch is not None else []
+    if [r.rid for r in reqs] != list(forward_batch.rids or []):
+        raise RuntimeError("FastDLLM cannot see this batch's requests (their max_new_tokens and "
+                           "stop tokens) through its sampling info; this SGLang version is not "
+                           "supported by diffspec's FastDLLM")
+    return reqs
+
+
+def _committed(req: Any) -> list[int]:
+    """The request's committed tokens: prompt, then the outputs of its finished blocks."""
+    return [*req.origin_input_ids, *req.output_ids]
+
+
+def _prefix_key(tokens: list[int]) -> int:
+    return hash(tuple(tokens))
+
+
+def _stop_ids(req: Any) -> set[int]:
+    """The token ids SGLang finishes ``req`` on (``Req._check_token_based_finish``)."""
+    params = req.sampling_params
+    if params.ignore_eos:
+        return set()
+    ids = set(params.stop_token_ids or ()) | set(req.eos_token_ids or ())
+    tokenizer = req.tokenizer
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+    return ids

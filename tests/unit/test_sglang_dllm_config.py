@@ -1,0 +1,74 @@
+"""The SGLang dLLM plugin's engine-free parts (:mod:`diffspec.plugin.sglang.dllm`): which
+architectures ``--dllm-algorithm FastDLLM`` serves and how its YAML is checked. The
+``DllmConfig`` it builds is checked in a real SGLang (tests/engine/test_sglang_fast_dllm.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffspec.core.checkpoint import CheckpointError
+from diffspec.methods import FAMILIES, get_method
+from diffspec.plugin.sglang.dllm import _yaml_options, dllm_architectures
+
+
+def test_served_architectures_are_the_diffusion_families_with_an_sglang_model() -> None:
+    archs = dllm_architectures()
+    assert archs == ("LLaDAModelLM", "DreamModel", "Fast_dLLM_QwenForCausalLM")
+    for arch in archs:
+        family = next(f for f in FAMILIES.values() if arch in f.architectures)
+        assert family.name in get_method("fast_dllm").families and not family.causal
+    # NLD's SGLang class is its self-speculative model, not a dLLM block model
+    assert "NemotronLabsDiffusionModel" not in archs
+
+
+YAML_CASES = {
+    "empty": ("", {}),
+    "settings": ("threshold: 0.8\nblock_size: 16\nsub_block_size: 4\ncache: prefix\n",
+                 {"threshold": 0.8, "block_size": 16, "sub_block_size": 4, "cache": "prefix"}),
+}
+
+
+@pytest.mark.parametrize("case", list(YAML_CASES))
+def test_yaml_options_are_read(tmp_path: Path, case: str) -> None:
+    text, want = YAML_CASES[case]
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    assert _yaml_options(str(path)) == want
+    assert _yaml_options(None) == {}
+
+
+@pytest.mark.parametrize(("text", "first_words"), [
+    ("steps: 4\n", "remove steps from"),
+    ("- threshold\n", "make "),
+])
+def test_bad_yaml_says_what_to_do(tmp_path: Path, text: str, first_words: str) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    with pytest.raises(CheckpointError) as info:
+        _yaml_options(str(path))
+    assert str(info.value).startswith(first_words)
+
+
+def test_diffusion_configs_load_without_remote_code(tmp_path: Path) -> None:
+    """``llada`` / ``Dream`` / ``Fast_dLLM_Qwen`` configs load through transformers'
+    AutoConfig once registered (as SGLang's model config loads them), LLaDA's OLMo names
+    read as the Llama ones."""
+    from transformers import AutoConfig
+
+    from diffspec.assets import SYNTH_DLLM_DIR
+    from diffspec.plugin.hf_configs import register_model_types
+    from diffspec.testing.checkpoints import write_dream
+
+    for name in ("llada", "dream", "fast_dllm_v2"):
+        register_model_types(FAMILIES[name].hf_configs)
+    llada = AutoConfig.from_pretrained(SYNTH_DLLM_DIR / "llada")
+    assert (llada.hidden_size, llada.num_attention_heads, llada.num_key_value_heads,
+            llada.num_hidden_layers, llada.intermediate_size, llada.head_dim,
+            llada.max_position_embeddings, llada.vocab_size, llada.tie_word_embeddings,
+            llada.rope_theta) == (96, 3, 1, 2, 256, 32, 1024, 224, False, 500000.0)
+    v2 = AutoConfig.from_pretrained(SYNTH_DLLM_DIR / "fast_dllm_v2")
+    assert (v2.model_type, v2.bd_size, v2.mask_token_id) == ("Fast_dLLM_Qwen", 32, 5)
+    dream = AutoConfig.from_pretrained(write_dream(tmp_path / "dream"))
+    assert dream.model_type == "Dream" and dream.mask_token_id is not None
