@@ -13,7 +13,10 @@ workers), so :func:`register` is idempotent. It refuses unsupported SGLang versi
   ``TIDAR``) and validation of :mod:`diffspec.plugin.sglang.config`;
 * adds the ``FastDLLM`` dLLM algorithm and hooks ``DllmConfig.from_server_args`` for the
   diffusion checkpoints (:mod:`diffspec.plugin.sglang.dllm`), the one hook, listed in
-  ``diffspec/plugin/patches.md``.
+  ``diffspec/plugin/patches.md``;
+* hooks ``get_req_to_token_extra_context_len`` so a request's ``req_to_token`` row holds
+  the KV window SGLang reserves for a speculative step up to the context end
+  (:mod:`diffspec.plugin.sglang.headroom`, also in ``patches.md``).
 This module imports neither torch nor SGLang at import time.
 """
 
@@ -24,6 +27,7 @@ import logging
 from diffspec.methods import FAMILIES, load_object
 from diffspec.plugin.sglang.config import self_spec_algorithms, validate_server_args
 from diffspec.plugin.sglang.dllm import register_dllm
+from diffspec.plugin.sglang.headroom import register_headroom
 from diffspec.plugin.versions import check_engine_version
 
 logger = logging.getLogger("diffspec")
@@ -55,6 +59,7 @@ def register() -> None:
     for arch, target in architectures.items():
         ModelRegistry.models.setdefault(arch, load_object(target))
     register_dllm()  # --dllm-algorithm FastDLLM
+    register_headroom()  # req_to_token rows hold the KV window the scheduler reserves
     algorithms = self_spec_algorithms()
     for name, method in algorithms.items():
         if get_spec(name) is None:

@@ -12,21 +12,28 @@ the pool; its last emitted token, the **anchor**, is at position ``C`` and has n
 * **prefill** (EXTEND): SGLang's own forward and sampler; the sampled token becomes the
   anchor carried to the next step in :class:`SelfSpecDraftInput`.
 * **decode** (one step, ``W = --speculative-num-draft-tokens``, at most the checkpoint's
-  ``block_size``):
+  ``block_size``): request ``b`` drafts ``n_b = min(W - 1, remaining_b - 1, last position
+  - C_b)`` tokens, the reference decoder's rule (never past its ``max_new_tokens``, which
+  SGLang caps at the context end, or the model's positions); the step's width is
+  ``1 + max n_b`` (SGLang's verify has one width per step) and a narrower block is padded:
 
-  1. *draft*: one diffusion-view forward over the block ``[anchor, <mask> x (W - 1)]`` at
-     positions ``C .. C + W - 1``, through SGLang's attention backend with each layer's
+  1. *draft*: one diffusion-view forward over each block ``[anchor, <mask> x n_b]`` at
+     positions ``C .. C + n_b``, through SGLang's attention backend with each layer's
      non-causal twin (:mod:`diffspec.model_executors.sglang.views`): a forward batch laid
      out as the verify's, so the block attends to the committed prefix's AR K/V in the
-     pool and to itself, and its draft K/V land in the slots the verify overwrites next;
-     the drafts are the argmax of the ``W - 1`` logits that predict positions
-     ``C + 1 .. C + W - 1``;
+     pool and to itself (not to its padding), and its draft K/V land in the slots the
+     verify overwrites next; the drafts are the argmax of the ``n_b`` logits that predict
+     positions ``C + 1 .. C + n_b``. On SGLang's torch-native backend (the CPU path), whose
+     extend kernel attends with a query as long as the whole sequence, both passes run as
+     DECODE rows instead, one per block token (:meth:`SelfSpecWorker._decode_rows_batch`):
+     the same attention, linear in the context;
   2. *verify*: one causal AR forward of ``[anchor, d_1 .. d_{W-1}]`` by SGLang's model
      runner (TARGET_VERIFY), writing its K/V into the slots ``req_to_token`` maps
      ``C .. C + W - 1`` to: the draft slots the scheduler reserved for this step
      (``alloc_for_spec_decode``);
   3. *accept*: :func:`diffspec.core.accept.greedy_accept` (the reference decoder's rule):
-     the longest draft prefix equal to the AR argmax, plus the AR token after it;
+     the longest prefix of the ``n_b`` drafts equal to the AR argmax, plus the AR token
+     after it;
   4. *commit*: SGLang's: ``new_seq_len = C + accepted + 1`` (the anchor and the accepted
      drafts now hold AR K/V; the rest of the slots hold rejected K/V past the committed
      length, which SGLang frees and never inserts into the radix cache), the scheduler
@@ -181,6 +188,8 @@ class SelfSpecWorker(TargetModelSpecWorker):
                 f"--speculative-algorithm {self.method.upper()} needs a model with a diffusion "
                 f"view; {type(model).__name__} has none (check config.json architectures)")
         self.mask_token_id = int(model.config.mask_token_id)
+        max_len = getattr(model.config, "max_position_embeddings", None)
+        self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
         self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
                                         self.width - 1, "two_pass")
@@ -199,28 +208,41 @@ class SelfSpecWorker(TargetModelSpecWorker):
     @torch.inference_mode()
     def _decode(self, batch, on_publish) -> GenerationBatchResult:
         state: SelfSpecDraftInput = batch.spec_info
-        bs, w = len(batch.reqs), self.width
+        bs = len(batch.reqs)
         rids = [req.rid for req in batch.reqs]
+        committed = batch.seq_lens.to(torch.int64)  # [bs] C
+        # drafts per request, as the reference decoder: never past the request's budget
+        # (accepted + 1 <= remaining; SGLang caps max_new_tokens at the context end) or
+        # the model's positions (the anchor is at C)
+        caps = [max(0, min(self.width - 1, _remaining(req) - 1, self._max_position - c))
+                for req, c in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True)]
         if self.adaptive is not None:  # one width per step: W = the policy's k + 1
             self.adaptive.forget(set(rids))
-            w = 1 + self.adaptive.choose_shared(rids, [self.width - 1] * bs)
-            choice_metrics().record(w - 1, bs)
+            k = self.adaptive.choose_shared(rids, caps)
+            choice_metrics().record(k, bs)
             if self.adaptive.steps % self.adaptive.log_every == 1:
                 logger.info("diffspec: %s", self.adaptive.summary())
-        committed = batch.seq_lens.to(torch.int64)  # [bs] C
+            caps = [min(k, cap) for cap in caps]
+        w = 1 + max(caps)  # one width per step (SGLang's verify); narrower blocks padded
+        num_drafts = torch.tensor(caps, dtype=torch.int64, device=self.device)  # [bs]
         anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
-        positions = committed[:, None] + self._offsets[None, :w]  # [bs, W]
+        columns = committed[:, None] + self._offsets[None, :w]  # [bs, W]
         rows = batch.req_pool_indices.to(torch.int64)  # [bs]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
-        slots = req_to_token[rows[:, None], positions].to(torch.int64)  # [bs, W]
+        slots = req_to_token[rows[:, None], columns].to(torch.int64)  # [bs, W]
+        # a padded row may sit past the model's last position (never committed); RoPE
+        # needs positions it has
+        positions = columns.clamp(max=self._max_position)  # [bs, W]
 
-        # draft: the diffusion view over [anchor, <mask> x (W - 1)] (W = 1: the policy
-        # drafts nothing this step, a plain AR step)
+        # draft: the diffusion view over each request's [anchor, <mask> x n] (n = its
+        # draft count; the block's padding rows are invisible to it) (W = 1: nothing is
+        # drafted this step, a plain AR step)
         if w > 1:
             drafts = self.timings.time(bs * w, lambda: self._draft(
-                batch, anchors, positions, slots))  # [bs, W - 1]
+                batch, anchors, positions, slots, num_drafts))  # [bs, W - 1]
         else:
             drafts = anchors.new_zeros((bs, 0))
+        padding = self._offsets[None, : w - 1] >= num_drafts[:, None]  # [bs, W - 1]
 
         # verify: SGLang's causal forward of [anchor, drafts] into the reserved slots
         verify_ids = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, W]
@@ -230,7 +252,7 @@ class SelfSpecWorker(TargetModelSpecWorker):
 
         # accept: greedy rows take the longest prefix equal to the AR argmax, then the AR
         # token after it; sampled rows rejection-sample the point-mass drafts
-        accepted = _accept(drafts, logits, batch, committed)
+        accepted = _accept(drafts, logits, batch, committed, padding)
         accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
         out = accepted.output_token_ids  # [bs, W]: emitted tokens, then -1
         new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
@@ -257,23 +279,36 @@ class SelfSpecWorker(TargetModelSpecWorker):
         anchors: torch.Tensor,  # [bs] the committed tokens the blocks start from
         positions: torch.Tensor,  # [bs, W]
         slots: torch.Tensor,  # [bs, W] KV-pool slots of positions C .. C + W - 1
-    ) -> torch.Tensor:  # [bs, W - 1] greedy drafts
+        num_drafts: torch.Tensor,  # [bs] n: block b is [anchor, <mask> x n], then padding
+    ) -> torch.Tensor:  # [bs, W - 1] greedy drafts (padding rows: not drafts)
         """The diffusion view over ``[anchor, <mask> x (W - 1)]`` through SGLang's attention
         backend: a forward batch laid out as this step's verify (same positions, same
         slots: the verify overwrites the draft K/V the backend writes there), its metadata
         planned by the backend, the layers' non-causal attention twins reading the pool."""
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
         bs, w = positions.shape
         block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64, device=self.device)
         block[:, 0] = anchors
-        forward_batch = self._step_batch(batch, block, positions, slots, causal=False)
+        forward_batch = self._step_batch(batch, block, positions, slots, causal=False,
+                                         block_lens=num_drafts + 1)
+        draft_logits = self._run_model(forward_batch, lambda: (
+            self.model_runner.model.diffusion_draft_logits(DraftBlocks(
+                block.reshape(-1), positions.reshape(-1), w, forward_batch))))  # [bs, W-1, V]
+        return draft_logits.argmax(dim=-1)
+
+    def _run_model(self, forward_batch: ForwardBatch, call=None):
+        """``call()`` (default: the served model's own forward on ``forward_batch``) with
+        the attention metadata planned by SGLang's backend, inside SGLang's forward
+        context, as its model runner runs a forward (without its static input buffers,
+        which hold at most one row per running request)."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
         backend = self.model_runner.attn_backend
         backend.init_forward_metadata(forward_batch)
         with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
-            draft_logits = self.model_runner.model.diffusion_draft_logits(DraftBlocks(
-                block.reshape(-1), positions.reshape(-1), w, forward_batch))  # [bs, W-1, V]
-        return draft_logits.argmax(dim=-1)
+            if call is not None:
+                return call()
+            return self.model_runner.model(forward_batch.input_ids, forward_batch.positions,
+                                           forward_batch)
 
     def _step_batch(
         self,
@@ -282,34 +317,81 @@ class SelfSpecWorker(TargetModelSpecWorker):
         positions: torch.Tensor,  # [bs, W]
         slots: torch.Tensor,  # [bs, W]
         causal: bool = True,
+        block_lens: torch.Tensor | None = None,  # [bs] non-causal: block tokens seen
     ) -> ForwardBatch:
         """SGLang's TARGET_VERIFY forward batch of ``ids`` at ``positions`` (``W`` tokens per
         request on its committed prefix), K/V going to ``slots``, with SGLang's own verify
         input (``NgramVerifyInput``, what its GPU backends plan target-verify batches
         from): a chain, causal within the block (the verify), or the whole block visible to
-        every block token (``causal=False``, the draft). The torch-native backend takes no
-        mask (it reads the layers' attention type); the GPU backends get the mask."""
+        every block token (``causal=False``, the draft); the GPU backends read the mask. On
+        the torch-native backend the same attention runs as decode rows
+        (:meth:`_decode_rows_batch`)."""
         from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
         w = ids.shape[1]
-        mask = None
-        if not self._torch_native:  # per request [W, C + W] (prefix, then the block), flat
-            block = (torch.ones(w, w, dtype=torch.bool, device=self.device).tril() if causal
-                     else torch.ones(w, w, dtype=torch.bool, device=self.device))
-            mask = torch.cat([torch.cat([torch.ones(w, c, dtype=torch.bool, device=self.device),
-                                         block], dim=1).reshape(-1)
-                              for c in batch.seq_lens_cpu.tolist()])
+        if block_lens is None:
+            block_lens = torch.full((ids.shape[0],), w, dtype=torch.int64, device=self.device)
+        if self._torch_native:
+            return self._decode_rows_batch(batch, ids, positions, slots, causal, block_lens)
+        # per request [W, C + W] (prefix, then the block: a chain, or its first block_len
+        # tokens for every row), flat
+        chain = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
+        seen = self._offsets[None, :w] < block_lens[:, None]  # [bs, W] block columns seen
+        mask = torch.cat([torch.cat([torch.ones(w, c, dtype=torch.bool, device=self.device),
+                                     chain if causal else seen[b][None, :].expand(w, w)],
+                                    dim=1).reshape(-1)
+                          for b, c in enumerate(batch.seq_lens_cpu.tolist())])
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = ids.reshape(-1)
         batch.out_cache_loc = slots.reshape(-1)
         batch.spec_info = NgramVerifyInput(custom_mask=mask, positions=positions.reshape(-1),
                                            draft_token_num=w, new_seq_lens=batch.seq_lens)
         try:
+            return ForwardBatch.init_new(batch, self.model_runner,
+                                         return_hidden_states_before_norm=False)
+        finally:
+            batch.forward_mode = ForwardMode.DECODE
+
+    def _decode_rows_batch(
+        self,
+        batch,
+        ids: torch.Tensor,  # [bs, W]
+        positions: torch.Tensor,  # [bs, W]
+        slots: torch.Tensor,  # [bs, W]
+        causal: bool,
+        block_lens: torch.Tensor,  # [bs] non-causal: the block tokens every row sees
+    ) -> ForwardBatch:
+        """The step's ``bs * W`` block tokens as SGLang DECODE rows, for the torch-native
+        backend: its extend kernel (what a TARGET_VERIFY runs) attends with a query as long
+        as the whole sequence per request, quadratic in the context, while its decode
+        kernel attends from one query over ``seq_len`` keys of ``req_to_token``. Row
+        ``(b, j)`` is request ``b``'s block token ``j`` at its position, writing its K/V to
+        its slot (every row's K/V is written before any row attends), over the request's
+        first ``C + j + 1`` keys (``causal``: the verify's chain) or ``C + block_len``
+        (the draft's block, without its padding rows). Same attention as the TARGET_VERIFY layout, linear in the
+        context; the batch's own fields are restored."""
+        w = ids.shape[1]
+        committed = batch.seq_lens.to(torch.int64)  # [bs] C
+        reach = (self._offsets[None, :w] + 1 if causal
+                 else block_lens[:, None].expand(-1, w))  # [bs, W] block tokens seen
+        row_lens = (committed[:, None] + reach).reshape(-1)  # [bs * W]
+        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info,
+                 batch.req_pool_indices, batch.input_ids, batch.out_cache_loc)
+        batch.forward_mode = ForwardMode.DECODE
+        batch.spec_info = None  # a decode with spec_info reads as a draft decode
+        batch.input_ids = ids.reshape(-1)
+        batch.out_cache_loc = slots.reshape(-1)
+        batch.req_pool_indices = saved[4].repeat_interleave(w)
+        batch.seq_lens = row_lens.to(saved[0].dtype)
+        batch.seq_lens_cpu = batch.seq_lens.cpu()
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        try:
             forward_batch = ForwardBatch.init_new(batch, self.model_runner,
                                                   return_hidden_states_before_norm=False)
         finally:
-            batch.forward_mode = ForwardMode.DECODE
-        _adapt_torch_native_verify(self.model_runner, forward_batch, w)
+            (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info,
+             batch.req_pool_indices, batch.input_ids, batch.out_cache_loc) = saved
+        forward_batch.positions = positions.reshape(-1).to(forward_batch.positions.dtype)
         return forward_batch
 
     @property
@@ -329,9 +411,12 @@ class SelfSpecWorker(TargetModelSpecWorker):
         if w == 1:  # nothing drafted this step (adaptive k = 0): a plain decode step
             return self._decode_forward(batch, verify_ids[:, 0], slots[:, 0])
         forward_batch = self._step_batch(batch, verify_ids, positions, slots)
-        result = self._target_worker.forward_batch_generation(
-            batch=None, forward_batch=forward_batch, is_verify=True)
-        logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
+        if self._torch_native:  # decode rows: more rows than the runner's decode buffers
+            logits = self._run_model(forward_batch).next_token_logits  # [bs * W, vocab']
+        else:
+            result = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)
+            logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
         vocab = self.model_runner.model.config.vocab_size
         return logits[:, :vocab].float().view(bs, w, vocab)
 
@@ -368,6 +453,12 @@ class SelfSpecWorker(TargetModelSpecWorker):
         logits = result.logits_output.next_token_logits  # [bs, padded vocab]
         vocab = self.model_runner.model.config.vocab_size
         return logits[:, :vocab].float().view(bs, 1, vocab)
+
+
+def _remaining(req) -> int:
+    """Tokens ``req`` may still emit (``max_new_tokens``, which SGLang caps at the context
+    end, minus its output so far)."""
+    return int(req.sampling_params.max_new_tokens) - len(req.output_ids)
 
 
 def adaptive_policy(hf_config, max_drafts: int, cost: str):
@@ -508,6 +599,7 @@ def _accept(
     logits: torch.Tensor,  # [bs, W, vocab] AR logits of [anchor, drafts] (modified in place)
     batch,  # SGLang's ScheduleBatch (its reqs and sampling_info)
     committed: torch.Tensor,  # [bs] C: the anchor's position
+    padding: torch.Tensor | None = None,  # [bs, W - 1] True: a block's padding, no draft
 ) -> AcceptOutput:
     """The reference decoder's accept rules on SGLang's per-request sampling parameters,
     after the request's penalties and logit bias (:func:`apply_penalties_per_row`, row
@@ -527,6 +619,8 @@ def _accept(
     if needs_penalties(penalties):
         apply_penalties_per_row(logits, drafts, [list(req.output_ids) for req in batch.reqs],
                                 penalties)
+    if padding is not None:  # the accept rules' placeholder past each request's drafts
+        drafts = drafts.masked_fill(padding, -1)
     if sampling_info is None or sampling_info.is_all_greedy:
         return greedy_accept(drafts, logits)
     if getattr(sampling_info, "sampling_seed", None) is not None:
@@ -578,22 +672,3 @@ def _seeded_targets(
         sampled = sampling_from_probs_torch(probs, sampling_seed=seeds, positions=positions)
     greedy = rows(sampling_info.top_ks) <= 1
     return torch.where(greedy, greedy_ids, sampled.reshape(-1).to(torch.int64)).view(bs, w)
-
-
-def _adapt_torch_native_verify(model_runner, forward_batch: ForwardBatch, width: int) -> None:
-    """SGLang's torch-native attention backend (the CPU path) runs TARGET_VERIFY through
-    its extend kernel, which reads ``extend_prefix_lens`` / ``extend_seq_lens`` and takes
-    ``seq_lens`` as the full K/V length; TARGET_VERIFY batches carry neither (the GPU
-    backends derive them from ``spec_info.draft_token_num``). Give it the chain's lengths:
-    a causal extend of ``width`` tokens on the committed prefix."""
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-    if not isinstance(model_runner.attn_backend, TorchNativeAttnBackend):
-        return
-    prefix = forward_batch.seq_lens  # [bs] committed C
-    forward_batch.extend_prefix_lens = prefix.to(torch.int32)
-    forward_batch.extend_seq_lens = torch.full_like(forward_batch.extend_prefix_lens, width)
-    forward_batch.seq_lens = prefix + width
-    if forward_batch.seq_lens_cpu is not None:
-        forward_batch.seq_lens_cpu = forward_batch.seq_lens_cpu + width
-        forward_batch.seq_lens_sum = int(forward_batch.seq_lens_cpu.sum())
