@@ -11,9 +11,13 @@ Per engine, on the model (default: the embedded default, SmolLM2-135M-Instruct +
    step time with ``B`` requests in flight (plain AR on the same checkpoint, ``B`` = 1 ..
    ``--profile-batch-sizes``; ``sweep.step_times``), and its draft pass time by query tokens
    (a fixed-K engine with ``$DIFFSPEC_DRAFT_TIMINGS`` set, so the drafter times its own
-   passes; SGLang's also times its verify forward). Written to
-   ``DIR/ENGINE-latency-profile.json`` as ``{"points", "draft_points", "verify_points"}``,
-   the file the adaptive policy loads.
+   passes; SGLang's also times its verify forward). ``--method tidar``: its one quadratic
+   step (forward, accept, next drafts), timed by the drafter as a ``verify`` pass
+   (``verify_points``, by the step's query tokens: verify chain plus branches), at several
+   fixed K
+   (``--profile-draft-counts``, default 1, K/2 and K) so that steps with fewer drafts are
+   measured too. Written to ``DIR/ENGINE-latency-profile.json`` as ``{"points",
+   "draft_points", "verify_points"}``, the file the adaptive policy loads.
 2. **Sweep**: for every repeat, one engine start per baseline in turn (``ar``, ``METHOD:K``,
    ``METHOD:K adaptive``, then the next repeat: drift of a shared machine falls on all of
    them), each serving, for every concurrency ``c``, ``max(--min-prompts, 2c)`` prompts in waves of ``c``
@@ -74,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "concurrency (c=1 serves them one by one: more is less noise)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--profile-batch-sizes", default="1,2,4,8,16,32,64,128")
+    p.add_argument("--profile-draft-counts", default=None, help="fixed draft counts whose "
+                   "passes the profile times (default: --num-draft-tokens; for a method with "
+                   "one forward per step, tidar, also 1 and half of it)")
     p.add_argument("--latency-profile", action="append", default=[], metavar="ENGINE=PATH",
                    help="use this profile for ENGINE instead of measuring one")
     p.add_argument("--sglang-python", default=None)
@@ -150,11 +157,15 @@ def measure_profile(engine: str, b: Baseline, ids: list[list[int]], args: argpar
     timings = args.out / f"{engine}-draft-timings.txt"
     timings.unlink(missing_ok=True)
     draft_job = {**job, "batch_sizes": _ints(args.concurrency), "step_repeats": 1}
-    drafts = run_worker(engine, "profile-draft", engine_launch(engine, b, None, args, extra),
-                        draft_job, python, {**env, DRAFT_TIMINGS_ENV: str(timings)},
-                        args.out / f"{engine}-profile-draft.log", args.timeout)
-    if "error" in drafts:
-        raise SystemExit(f"adaptive-sweep: {engine} draft profile failed: {drafts['error']}")
+    for k in profile_draft_counts(b, args.profile_draft_counts):
+        fixed = Baseline(f"{b.method}:{k}", b.method, k)
+        drafts = run_worker(engine, f"profile-draft-{k}",
+                            engine_launch(engine, fixed, None, args, extra), draft_job, python,
+                            {**env, DRAFT_TIMINGS_ENV: str(timings)},
+                            args.out / f"{engine}-profile-draft-k{k}.log", args.timeout)
+        if "error" in drafts:
+            raise SystemExit(f"adaptive-sweep: {engine} draft profile (K={k}) failed: "
+                             f"{drafts['error']}")
     profile = {"points": {int(k): v for k, v in steps["step_s"].items()},
                "draft_points": read_draft_timings(timings),
                "verify_points": read_draft_timings(timings, "verify"),
@@ -162,12 +173,23 @@ def measure_profile(engine: str, b: Baseline, ids: list[list[int]], args: argpar
                         "what": "points: seconds per decode step with B requests in flight "
                                 "(plain AR); draft_points / verify_points: seconds per "
                                 "draft / verify pass by query tokens (the drafter's own "
-                                "timings; verify only where the drafter runs it)",
+                                "timings; verify only where the drafter runs it; tidar: "
+                                "its quadratic step, verify chain plus branches)",
                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "machine": machine()}}
     out.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"[adaptive-sweep] {engine} profile -> {out}", file=sys.stderr, flush=True)
     return out
+
+
+def profile_draft_counts(b: Baseline, given: str | None) -> list[int]:
+    """The fixed draft counts whose passes the profile times: ``given`` (a comma list), else
+    ``b``'s; for a method with one forward per step (TiDAR, whose step's tokens grow with
+    the square of the drafts) also 1 and half of it, so smaller steps are measured."""
+    if given:
+        return _ints(given)
+    k = b.num_draft_tokens
+    return sorted({1, max(k // 2, 1), k}) if b.forwards_per_step == 1 else [k]
 
 
 def summarize(runs: dict[str, dict[str, Any]], concurrency: list[int]) -> list[dict[str, Any]]:

@@ -152,6 +152,28 @@ class DraftTimings:
             f.write(f"{kind} {int(tokens)} {seconds:.6f}\n")
         return out
 
+    def start(self) -> float | None:
+        """The start of a pass that spans several calls (:meth:`stop` ends it); ``None``
+        when disabled."""
+        if self.path is None:
+            return None
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def stop(self, start: float | None, tokens: int, kind: str = "draft") -> None:
+        """Record the pass :meth:`start` began (nothing when disabled)."""
+        if self.path is None or start is None:
+            return
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        with self.path.open("a") as f:
+            f.write(f"{kind} {int(tokens)} {time.perf_counter() - start:.6f}\n")
+
 
 def read_draft_timings(path: str | Path, kind: str = "draft",
                        min_count: int = 3) -> dict[int, float]:

@@ -21,6 +21,15 @@ tokens per second** of the whole step:
   in the draft forward, which is skipped when no request drafts); TiDAR runs one forward
   of ``(k + 1)(1 + k + skip)`` tokens per request (verify chain plus its branches).
 
+TiDAR's ``k`` is the size of the step's branches: a step verifies the ``n`` drafts the
+last step pre-drafted and pre-drafts ``k`` for the next one, in ``n + 1`` branches of
+``k + skip`` masks, so the step forwards ``(n + 1)(1 + k + skip)`` tokens per request
+(``n + 1`` with no branch for ``k = 0``: a request with ``n = k = 0`` takes a plain AR
+step). The policy prices the steady state ``n = k`` (the drafts chosen now are verified
+and re-chosen next step), so ``E(k)`` tokens cost a ``(k + 1)(1 + k + skip)``-token
+step, priced by the profile's ``verify_points`` (the drafters time their quadratic
+steps there) where measured.
+
 The search (:func:`choose_draft_counts`) is exact for costs that depend on the number of
 drafts only through their total: every extra draft adds the same tokens to the step, so
 for a given number ``m`` of drafts in the step the best set is the ``m`` drafts with the
@@ -132,8 +141,10 @@ class StepCost:
             drafted = sum(1 + k for k in counts if k > 0)
             return (profile.draft(drafted) + profile.verify(verify) if drafted
                     else profile(verify))
-        # TiDAR: verify chain + one branch of k + skip masks per outcome, one forward
-        return profile(sum((1 + k) * (1 + (k + self.skip if k > 0 else 0)) for k in counts))
+        # TiDAR: verify chain + one branch of k + skip masks per outcome, one forward,
+        # in the steady state n = k; no request drafting: a plain AR step
+        tokens = sum((1 + k) * (1 + (k + self.skip if k > 0 else 0)) for k in counts)
+        return profile.verify(tokens) if any(counts) else profile(tokens)
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:

@@ -17,7 +17,11 @@ checks:
   one prefill (fused with the bootstrap branch) plus one ``TARGET_VERIFY`` per step, the
   reference's ``num_forwards``; several tokens come out of each forward;
 * sampled requests follow the AR distribution (chi-square, like SGLang's own sampler);
-* clear errors at server-argument time; ``avg_spec_accept_length`` in the server info.
+* clear errors at server-argument time; ``avg_spec_accept_length`` in the server info;
+* adaptive draft counts (``--json-model-override-args '{"diffspec": {"adaptive": true,
+  ...}}'``) on a hand-built latency profile whose knee makes the policy draft less as the
+  batch grows: output equals AR, and the Prometheus counters show plain AR steps and
+  steps with drafts.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ NLD_SPEC = {**SPEC, "speculative_num_draft_tokens": NLD_WIDTH}
 # accepted at some steps and rejected at others.
 TEMPERATURE, TOP_P, NUM_SAMPLES, SAMPLED_TOKENS = 0.3, 0.9, 300, 4
 SINGLES = ("single_0", "single_1")  # requests served alone: forwards per step
+# flat up to 12 query tokens, then every token costs 9 flat steps: a TiDAR step with k drafts
+# forwards (k + 1)^2 tokens per request (synth-tidar's drafts are shifted), so one request
+# drafts 2, two or three 1 each, and of four or more only two draft (one each, per request)
+# or none does (one count per step) (tests/unit/test_adaptive_tidar.py)
+KNEE_PROFILE = {"points": {"1": 0.01, "12": 0.01, "13": 0.1}}
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -177,6 +186,11 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                SINGLES[1]: [greedy[5]], "near_context_end": _near_context_end_requests(),
                "options": _option_requests(), "refused": _refused_requests()}
     synth, nld = str(ckpts["synth"]), str(ckpts["nld"])
+    tmp = tmp_path_factory.mktemp("sglang_tidar")
+    profile = tmp / "knee-profile.json"
+    profile.write_text(json.dumps(KNEE_PROFILE))
+    adaptive = {**SPEC, "json_model_override_args": json.dumps(
+        {"diffspec": {"adaptive": True, "latency_profile": str(profile)}})}
     job = {
         "runs": [
             {"name": "synth_ar", "model": synth, "engine": {"disable_overlap_schedule": True},
@@ -186,6 +200,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "nld_ar", "model": nld, "batches": {"greedy": _nld_requests()}},
             {"name": "nld_spec", "model": nld, "engine": NLD_SPEC,
              "batches": {"greedy": _nld_requests()}},
+            {"name": "synth_adaptive", "model": synth, "engine": adaptive, "prometheus": True,
+             "batches": {"greedy": greedy}},
         ],
         "config_errors": {
             "too_many_drafts": {"model": synth, "server_args": {
@@ -200,7 +216,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             "eagle_topk": {"model": synth, "server_args": {**SPEC, "speculative_eagle_topk": 4}},
         },
     }
-    return _run_script(job, tmp_path_factory.mktemp("sglang_tidar"))
+    return _run_script(job, tmp)
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -396,3 +412,25 @@ def test_clear_errors(engine, case: str, match: str) -> None:
     message = engine["config_errors"][case]
     assert message is not None, f"{case}: the server arguments were accepted"
     assert re.search(match, message, re.DOTALL), message
+
+
+# ------------------------------------------------------------------------------ adaptive
+
+
+def test_adaptive_drafts_follow_the_batch(engine) -> None:
+    """``--json-model-override-args '{"diffspec": {"adaptive": true, "latency_profile":
+    P}}'`` on the knee profile: one draft count per step, none while four or more requests
+    run (plain AR steps), then 1, up to 2 for the last one alone; output and finish
+    reasons are AR's; the choices are counted in Prometheus counters."""
+    ar = engine["runs"]["synth_ar"]["greedy"]
+    run = engine["runs"]["synth_adaptive"]["greedy"]
+    assert run["outputs"] == ar["outputs"]
+    assert run["finish_reasons"] == ar["finish_reasons"]
+    metrics = engine["server_info"]["synth_adaptive"]["diffspec_metrics"]
+    prefix = "diffspec:adaptive_steps_total"
+    steps = {int(re.search(r'drafts="(\d+)"', k).group(1)): v for k, v in metrics.items()
+             if k.startswith(prefix) and v > 0}
+    assert steps.get(0, 0) > 0 and steps.get(2, 0) > 0, steps  # AR steps and 2 drafts
+    assert set(steps) <= {0, 1, 2}, steps  # never past the knee
+    assert metrics["diffspec:adaptive_draft_tokens_total"] > 0
+    assert sum(m["spec_num_correct_drafts"] for m in run["meta"]) > 0

@@ -16,7 +16,10 @@ and builds engine configs that must fail. The checks:
   number of model forwards of a request served alone (counted in the worker): one per step;
 * seeded sampling (low temperature, top-p): AR and ``tidar`` samples both pass a chi-square
   test against the exact sequence probabilities;
-* clear errors at engine-config time; the ``vllm:spec_decode_*`` counters.
+* clear errors at engine-config time; the ``vllm:spec_decode_*`` counters;
+* adaptive draft counts (``"adaptive": true``) on a hand-built latency profile whose
+  knee makes the policy draft less as the batch grows: output equals AR, and the counters
+  show steps with 3 drafts, steps with fewer and plain AR steps.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed", "disable_log_stats
 # about 70% of the mass on ~20 sequences (enough per chi-square cell), and its drafts are
 # accepted at some steps and rejected at others.
 TEMPERATURE, TOP_P, NUM_SEEDS, SAMPLED_TOKENS = 0.3, 0.9, 300, 4
+# flat up to 12 query tokens, then every token costs 9 flat steps: a TiDAR step with k drafts
+# forwards (k + 1)^2 tokens per request (synth-tidar's drafts are shifted), so one request
+# drafts 2, two or three 1 each, and of four or more only two draft (one each, per request)
+# or none does (one count per step) (tests/unit/test_adaptive_tidar.py)
+KNEE_PROFILE = {"points": {"1": 0.01, "12": 0.01, "13": 0.1}}
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -149,6 +157,14 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "prefix_reuse": prefix_reuse, "alone": [_synth_requests()[4]],
              "sampled": _sampled_requests()}
     nld = {"greedy": _random_requests()}
+    tmp = tmp_path_factory.mktemp("vllm_tidar")
+    profile = tmp / "knee-profile.json"
+    profile.write_text(json.dumps(KNEE_PROFILE))
+    (tmp / "bad-profile.json").write_text(json.dumps({"points": {}}))
+
+    def adaptive(path: Path) -> dict:
+        return {"method": "tidar", "adaptive": True, "latency_profile": str(path)}
+
     job = {
         "runs": [
             {"name": "synth_ar", "model": str(ckpts["synth"]), "llm": LLM_KWARGS,
@@ -158,6 +174,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "nld_ar", "model": str(ckpts["nld"]), "llm": LLM_KWARGS, "batches": nld},
             {"name": "nld_spec", "model": str(ckpts["nld"]),
              "llm": {**LLM_KWARGS, **SPEC_KWARGS}, "batches": nld},
+            {"name": "synth_adaptive", "model": str(ckpts["synth"]),
+             "llm": {**LLM_KWARGS, **SPEC_KWARGS, "speculative_config": adaptive(profile)},
+             "batches": {"greedy": synth["greedy"]}},
         ],
         "config_errors": {
             "too_many_drafts": {"model": str(ckpts["synth"]), "speculative_config": {
@@ -170,9 +189,13 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "method": "tidar"}},
             "unhonoured_option": {"model": str(ckpts["synth"]), "speculative_config": {
                 "method": "tidar", "num_speculative_tokens": 4, "prompt_lookup_max": 3}},
+            "adaptive_without_profile": {"model": str(ckpts["synth"]), "speculative_config": {
+                "method": "tidar", "adaptive": True}},
+            "adaptive_bad_profile": {"model": str(ckpts["synth"]),
+                                     "speculative_config": adaptive(tmp / "bad-profile.json")},
         },
     }
-    return _run_script(ckpts["synth"], job, tmp_path_factory.mktemp("vllm_tidar"))
+    return _run_script(ckpts["synth"], job, tmp)
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -274,6 +297,11 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
         ("wrong_family", r"method 'tidar' needs a checkpoint of family tidar or nld"),
         ("plain_qwen3", r"method 'tidar' needs a checkpoint of family tidar or nld.*'qwen3'"),
         ("unhonoured_option", r"'prompt_lookup_max' does not apply to method 'tidar'"),
+        # the first line says what to do
+        ("adaptive_without_profile", (r"^\w+: add \"latency_profile\": PATH to the "
+                                      r"speculative_config.*--method tidar")),
+        ("adaptive_bad_profile", (r"^\w+: point \"latency_profile\" at a forward-latency "
+                                  r"profile.*--method tidar.*at least one measured point")),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:
@@ -291,3 +319,28 @@ def test_spec_decode_counters(engine) -> None:
     steps = engine["runs"]["synth_spec"]["greedy"]["spec_steps"]
     assert metrics["vllm:spec_decode_num_drafts"] == sum(len(s) for s in steps)
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == sum(sum(s) for s in steps)
+
+
+# ------------------------------------------------------------------------------ adaptive
+
+
+def test_adaptive_drafts_follow_the_batch(engine) -> None:
+    """``"adaptive": true`` on the knee profile: while four or more requests run, only
+    two of them draft (one each) and the others take plain AR steps; as requests finish
+    the rest draft more, up to 2 for the last one alone; output and finish reasons are
+    AR's, and vLLM's own counters show the choices."""
+    ar = engine["runs"]["synth_ar"]["greedy"]
+    run = engine["runs"]["synth_adaptive"]["greedy"]
+    assert run["outputs"] == ar["outputs"]
+    assert run["finish_reasons"] == ar["finish_reasons"]
+    metrics = engine["metrics"]["synth_adaptive"]["greedy"]
+    steps = run["spec_steps"]
+    # vLLM's own counters count the verify steps (a step with drafts) and their drafts
+    assert metrics["vllm:spec_decode_num_drafts"] == sum(len(s or []) for s in steps) > 0
+    assert max(a for s in steps for a in s or []) == 2  # a step verified 2 drafts
+    drafts = metrics["vllm:spec_decode_num_draft_tokens"]
+    assert drafts < 2 * metrics["vllm:spec_decode_num_drafts"]  # and some verified 1
+    # plain AR steps: tokens that no verify step emitted (prefill's first token aside;
+    # a step cut by max_tokens / EOS emits fewer than it accepted)
+    ar_steps = [len(out) - 1 - sum(a + 1 for a in s or []) for out, s in zip(run["outputs"], steps)]
+    assert max(ar_steps) > 0, ar_steps

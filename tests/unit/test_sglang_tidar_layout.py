@@ -88,6 +88,32 @@ def test_draft_rows_are_the_reference_branch_drafts(shift: bool, drafts: int) ->
         draft_rows(drafts, masks - 1, shift)
 
 
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize(("drafts", "next_drafts"), [(0, 3), (3, 1), (2, 5)])
+def test_adaptive_steps_verify_n_and_draft_m(shift: bool, drafts: int, next_drafts: int):
+    """An adaptive step verifies the ``n`` drafts the last step chose and pre-drafts the
+    ``m`` this step chose (``n = 0``: the anchor alone, the bootstrap step's layout):
+    branches of ``m + skip`` masks, outcome ``a``'s drafts from branch ``a``."""
+    masks = branch_size(next_drafts, shift)
+    new_mask, offsets = verify_step_layout(drafts, masks)
+    mask, positions = quadratic_mask(0, drafts, masks)
+    assert torch.equal(new_mask, mask) and torch.equal(offsets, positions)
+    rows = draft_rows(drafts, masks, shift, next_drafts)
+    assert rows.shape == (drafts + 1, next_drafts)
+    skip = 0 if shift else 1
+    for a in range(drafts + 1):
+        assert rows[a].tolist() == quadratic_branch_indices(a, drafts, masks)[skip:].tolist()
+    with pytest.raises(ValueError):
+        draft_rows(drafts, masks, shift, next_drafts + 1)
+
+
+@pytest.mark.parametrize("drafts", [0, 1, 4])
+def test_a_step_that_drafts_nothing_is_the_causal_verify_chain(drafts: int) -> None:
+    new_mask, offsets = verify_step_layout(drafts, 0)
+    assert offsets.tolist() == list(range(drafts + 1))
+    assert torch.equal(new_mask, torch.ones(drafts + 1, drafts + 1, dtype=torch.bool).tril())
+
+
 def test_masked_layout_checks_shapes() -> None:
     rows = [torch.arange(3)]
     with pytest.raises(ValueError):

@@ -69,7 +69,11 @@ def verify_step_layout(
     among the step's own tokens (every token also sees the whole prefix) and each token's
     position minus ``C``. Tokens: ``t_0 = anchor, d_1 .. d_n`` (causal, offsets
     ``0 .. n``), then branch ``a = 0 .. n`` (offsets ``a + 1 .. a + K'``, sees ``t_0 ..
-    t_a`` and itself)."""
+    t_a`` and itself). ``K' = 0``: no branch, the causal verify chain alone (a step that
+    pre-drafts nothing)."""
+    if num_masks == 0:
+        chain = torch.ones(num_drafts + 1, num_drafts + 1, dtype=torch.bool, device=device)
+        return chain.tril(), torch.arange(num_drafts + 1, device=device)
     mask, offsets = quadratic_mask(0, num_drafts, num_masks, device=device)
     return mask, offsets
 
@@ -104,16 +108,19 @@ def prefill_branch_layout(
     return mask, positions
 
 
-def draft_rows(num_drafts: int, num_masks: int, logits_shift: bool) -> Tensor:
-    """``[n + 1, n]``: for each outcome ``a`` (accepted drafts), the step rows whose logits'
-    argmax are the next step's ``n`` drafts: branch ``a``'s masks, all of them when
-    shifted, all but the first (the bonus token's position) when not."""
+def draft_rows(num_drafts: int, num_masks: int, logits_shift: bool,
+               num_next: int | None = None) -> Tensor:
+    """``[n + 1, m]``: for each outcome ``a`` (accepted drafts of the ``n`` verified), the
+    step rows whose logits' argmax are the next step's ``m`` drafts (default ``m = n``):
+    branch ``a``'s masks, all of them when shifted, all but the first (the bonus token's
+    position) when not."""
     skip = 0 if logits_shift else 1
-    if num_masks - skip < num_drafts:
+    num_next = num_drafts if num_next is None else num_next
+    if num_masks - skip < num_next:
         raise ValueError(f"a branch of {num_masks} masks drafts {num_masks - skip} tokens "
-                         f"(logits_shift={logits_shift}); {num_drafts} requested")
+                         f"(logits_shift={logits_shift}); {num_next} requested")
     rows = quadratic_branch_indices(torch.arange(num_drafts + 1), num_drafts, num_masks)
-    return rows[:, skip: skip + num_drafts]
+    return rows[:, skip: skip + num_next]
 
 
 @dataclass

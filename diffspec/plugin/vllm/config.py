@@ -213,18 +213,21 @@ def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
     options = {k: spec[k] for k in DIFFSPEC_OPTIONS if k in spec}
     if options.get("adaptive"):
         path = options.get("latency_profile")
+        measure = (f"python -m benchmarks.adaptive_sweep --profile-only --engines vllm "
+                   f"--method {spec.get('method', 'orthrus')} --model CKPT --out DIR, through "
+                   f"this engine: DIR/vllm-latency-profile.json")
         if not path:
             raise CheckpointError(
                 "add \"latency_profile\": PATH to the speculative_config: \"adaptive\": true "
-                "chooses draft counts from a measured forward-latency profile (write one with "
-                "python -m benchmarks.adaptive_sweep --profile-only --engines vllm --model CKPT --out DIR, "
-                "through this engine: DIR/vllm-latency-profile.json)")
+                f"chooses draft counts from a measured forward-latency profile (write one with "
+                f"{measure})")
         try:
             from diffspec.core.adaptive import load_latency_profile
 
             options["latency_profile"] = str(Path(path).expanduser().resolve())
             load_latency_profile(json.loads(Path(options["latency_profile"]).read_text()))
         except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"latency_profile {path!r} cannot be read as a forward-latency "
-                                  f"profile: {exc}") from None
+            raise CheckpointError(f"point \"latency_profile\" at a forward-latency profile "
+                                  f"(write one with {measure}): {path!r} cannot be read as "
+                                  f"one: {exc}") from None
     return options

@@ -62,7 +62,23 @@ The fused prefill always uses ``MaskedAttention`` (SGLang's EXTEND kernels take 
 mask). Only the torch-native path runs in this repository's tests (CPU); the GPU path
 follows SGLang's contract but has not been run.
 
-The step always verifies ``n`` drafts (SGLang's verify width is uniform); the reference
+**Adaptive draft counts** (``--json-model-override-args '{"diffspec": {"adaptive": true,
+"latency_profile": PATH}}'``, as for the linear worker): each decode step the policy of
+:mod:`diffspec.core.adaptive` (``StepCost("quadratic", skip)``) picks one draft count
+``k`` for the whole batch (SGLang's step has one layout per request): the step verifies
+the ``n`` drafts the requests carry and pre-drafts ``k`` in ``n + 1`` branches of
+``k + skip`` masks; ``k = 0`` pre-drafts nothing, so the next step has no drafts to
+verify: SGLang's own DECODE forward, a plain AR step. The fused prefill's branch takes
+the policy's count for the new requests (``0``: SGLang's own prefill). Requests that
+join the running batch carry as many drafts as their prefill chose; the merged batch
+verifies the fewest any of them carries (a prefix of a draft chain is a draft chain).
+The choices are logged every 100 steps and counted in the linear worker's Prometheus
+counters (``diffspec:adaptive_steps_total{drafts}``, ``diffspec:adaptive_draft_tokens_total``).
+``$DIFFSPEC_DRAFT_TIMINGS`` times each quadratic step (kind ``verify``, by its query
+tokens: the forward, the accept and the next drafts): the ``verify_points`` of a TiDAR
+latency profile.
+
+Without the policy, the step always verifies ``n`` drafts (SGLang's verify width is uniform); the reference
 verifies at most ``remaining - 1``: the emitted tokens are the same (greedy acceptance is
 prefix-wise and the scheduler cuts at ``max_new_tokens``), only the last step's
 accepted-draft count may be larger. Near the end of the model's positions the reference
@@ -89,6 +105,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
+from diffspec.core.adaptive import StepCost, choose_shared_draft_count
 from diffspec.core.checkpoint import inspect_checkpoint, require_method
 from diffspec.model_executors.sglang.quadratic import (
     MaskedAttention,
@@ -98,10 +115,14 @@ from diffspec.model_executors.sglang.quadratic import (
     prefill_branch_layout,
     verify_step_layout,
 )
+from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.sglang.self_spec import (
     SelfSpecDraftInput,
+    SelfSpecWorker,
     TargetModelSpecWorker,
     _accept,
+    adaptive_policy,
+    choice_metrics,
 )
 
 __all__ = ["TiDARDraftInput", "TiDARWorker"]
@@ -121,10 +142,22 @@ class TiDARDraftInput(SelfSpecDraftInput):
         self.drafts = self.drafts[new_indices]
 
     def merge_batch(self, other: TiDARDraftInput) -> None:
+        """Concatenate the batches; with adaptive draft counts they may carry different
+        numbers of drafts: each keeps the first ``n`` (the fewest either carries)."""
         if not isinstance(other, TiDARDraftInput):
             raise TypeError(f"cannot merge TiDARDraftInput with {type(other).__name__}")
         super().merge_batch(other)
-        self.drafts = torch.cat([self.drafts, other.drafts])
+        n = min(self.drafts.shape[1], other.drafts.shape[1])
+        self.drafts = torch.cat([self.drafts[:, :n], other.drafts[:, :n]])
+
+
+@dataclass(frozen=True)
+class _StepLayout:
+    """A decode step that verifies ``n`` drafts and pre-drafts ``k`` per request."""
+
+    new_mask: torch.Tensor  # [T, T] among the step's tokens; T = (n + 1)(1 + K')
+    offsets: torch.Tensor  # [T] positions minus C
+    draft_rows: torch.Tensor  # [n + 1, k] rows of outcome a's next drafts
 
 
 class TiDARWorker(TargetModelSpecWorker):
@@ -136,15 +169,16 @@ class TiDARWorker(TargetModelSpecWorker):
         require_method(info, "tidar")
         self.mask_token_id = int(info.mask_token_id)
         self.logits_shift = bool(info.logits_shift)
-        self.num_drafts = self.width - 1  # n
+        self.num_drafts = self.width - 1  # n: the most drafts a step verifies
         self.num_masks = branch_size(self.num_drafts, self.logits_shift)  # K'
-        new_mask, offsets = verify_step_layout(self.num_drafts, self.num_masks, self.device)
-        self._new_mask = new_mask  # [T, T] among the step's tokens
-        self._offsets = offsets  # [T] positions minus C
-        self.tokens_per_req = int(offsets.numel())  # T = (n + 1)(1 + K')
-        self._draft_rows = draft_rows(self.num_drafts, self.num_masks,
-                                      self.logits_shift).to(self.device)  # [n + 1, n]
+        self.tokens_per_req = (self.num_drafts + 1) * (1 + self.num_masks)  # T
+        self._layouts: dict[tuple[int, int], _StepLayout] = {}  # (n, k) -> layout
         config = self.model_runner.model.config
+        self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
+                                        self.num_drafts, "quadratic")
+        if self.adaptive is not None:
+            self.adaptive.cost = StepCost("quadratic", skip=0 if self.logits_shift else 1)
+        self.timings = DraftTimings(self.device)
         # positions past the model's range (branches near its end) are clamped to its last
         max_len = getattr(config, "max_position_embeddings", None)
         self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
@@ -164,9 +198,47 @@ class TiDARWorker(TargetModelSpecWorker):
 
     # ---------------------------------------------------------------------------- prefill
 
+    def _layout(self, n: int, k: int) -> _StepLayout:
+        """The decode step that verifies ``n`` drafts and pre-drafts ``k`` (cached)."""
+        if (n, k) not in self._layouts:
+            masks = branch_size(k, self.logits_shift) if k else 0
+            new_mask, offsets = verify_step_layout(n, masks, self.device)
+            rows = (draft_rows(n, masks, self.logits_shift, k).to(self.device) if k
+                    else torch.zeros(n + 1, 0, dtype=torch.long, device=self.device))
+            self._layouts[(n, k)] = _StepLayout(new_mask, offsets, rows)
+        return self._layouts[(n, k)]
+
+    def _choose(self, batch, record: bool) -> int:
+        """Drafts to pre-draft this step: the policy's shared count (``record``: a decode
+        step, counted in the metrics and the log), else the server's."""
+        if self.adaptive is None:
+            return self.num_drafts
+        rids = [req.rid for req in batch.reqs]
+        limits = [self.num_drafts] * len(rids)
+        if not record:  # the prefill's branch: no decode step to count
+            return choose_shared_draft_count([self.adaptive.estimate.conditional] * len(rids),
+                                             limits, self.adaptive.profile, self.adaptive.cost)
+        self.adaptive.forget(set(rids))
+        k = self.adaptive.choose_shared(rids, limits)
+        choice_metrics().record(k, len(rids))
+        if self.adaptive.steps % self.adaptive.log_every == 1:
+            logger.info("diffspec: %s", self.adaptive.summary())
+        return k
+
     @torch.inference_mode()
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
-        bs, k, n = len(batch.reqs), self.num_masks, self.num_drafts
+        n = self._choose(batch, record=False)
+        if n == 0:  # nothing to pre-draft: SGLang's own prefill
+            result = self._target_worker.forward_batch_generation(batch)
+            bonus = result.next_token_ids.reshape(-1).to(torch.int64)
+            result.next_draft_input = TiDARDraftInput(
+                bonus_tokens=bonus, drafts=bonus.new_zeros((bonus.numel(), 0)),
+                new_seq_lens=batch.seq_lens)
+            result.new_seq_lens = batch.seq_lens
+            if on_publish is not None:
+                on_publish(result.new_seq_lens)
+            return result
+        bs, k = len(batch.reqs), branch_size(n, self.logits_shift)
         prefix_lens = [int(x) for x in batch.prefix_lens]  # cached prompt tokens
         extend_lens = [int(x) for x in batch.extend_lens]  # prompt tokens in this forward
         num_prompt = sum(extend_lens)
@@ -226,19 +298,27 @@ class TiDARWorker(TargetModelSpecWorker):
     @torch.inference_mode()
     def _decode(self, batch, on_publish) -> GenerationBatchResult:
         state: TiDARDraftInput = batch.spec_info
-        bs, n, t, w = len(batch.reqs), self.num_drafts, self.tokens_per_req, self.width
+        bs = len(batch.reqs)
         committed = batch.seq_lens.to(torch.int64)  # [bs] C
         anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
-        drafts = state.drafts.to(torch.int64)  # [bs, n]
+        drafts = state.drafts.to(torch.int64)  # [bs, n] pre-drafted by the last step
+        n = drafts.shape[1]
+        k = self._choose(batch, record=True)  # drafts to pre-draft for the next step
+        layout = self._layout(n, k)
+        t, w = layout.offsets.numel(), n + 1  # T = (n + 1)(1 + K'); the verify width
 
-        # the step: [anchor, d_1 .. d_n, branch 0 .. branch n of K' masks]
-        masks = torch.full((bs, t - n - 1), self.mask_token_id, dtype=torch.int64,
-                           device=self.device)
-        input_ids = torch.cat([anchors[:, None], drafts, masks], dim=1)  # [bs, T]
-        positions = committed[:, None] + self._offsets[None]  # [bs, T]
-        slots = self._step_slots(batch, committed)  # [bs, T]
-
-        logits = self._forward_step(batch, input_ids, positions, slots, committed)  # [bs, T, V]
+        start = self.timings.start() if t > 1 else None  # a quadratic step: timed
+        if t == 1:  # nothing to verify, nothing to pre-draft: a plain AR step
+            slots = self._step_slots(batch, committed, n, t)  # [bs, 1]
+            logits = SelfSpecWorker._decode_forward(self, batch, anchors, slots[:, 0])
+        else:  # [anchor, d_1 .. d_n, branch 0 .. branch n of K' masks]
+            masks = torch.full((bs, t - n - 1), self.mask_token_id, dtype=torch.int64,
+                               device=self.device)
+            input_ids = torch.cat([anchors[:, None], drafts, masks], dim=1)  # [bs, T]
+            positions = committed[:, None] + layout.offsets[None]  # [bs, T]
+            slots = self._step_slots(batch, committed, n, t)  # [bs, T]
+            logits = self._forward_step(batch, input_ids, positions, slots, committed,
+                                        layout.new_mask)  # [bs, T, vocab]
 
         # accept on the verify rows (the AR logits of [anchor, d_1 .. d_n])
         accepted = _accept(drafts, logits[:, : n + 1], batch, committed)
@@ -246,11 +326,16 @@ class TiDARWorker(TargetModelSpecWorker):
         out = accepted.output_token_ids  # [bs, n + 1]: emitted tokens, then -1
         new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
         bonus = out.gather(1, accepted.num_accepted[:, None]).reshape(-1)  # [bs] next anchor
+        if self.adaptive is not None and n > 0:
+            for a in accepted.num_accepted.tolist():
+                self.adaptive.estimate.update(n, a)
 
         # next drafts: branch a pre-drafted exactly this outcome
-        branch_rows = self._draft_rows[accepted.num_accepted]  # [bs, n]
+        branch_rows = layout.draft_rows[accepted.num_accepted]  # [bs, k]
         batch_index = torch.arange(bs, device=self.device)[:, None]  # [bs, 1]
-        next_drafts = logits[batch_index, branch_rows].argmax(dim=-1)  # [bs, n]
+        next_drafts = (logits[batch_index, branch_rows].argmax(dim=-1) if k  # [bs, k]
+                       else drafts.new_zeros((bs, 0)))
+        self.timings.stop(start, bs * t, kind="verify")
 
         if on_publish is not None:
             on_publish(new_seq_lens)
@@ -266,7 +351,8 @@ class TiDARWorker(TargetModelSpecWorker):
             num_non_draft_tokens_per_req=1,
         )
 
-    def _step_slots(self, batch, committed: torch.Tensor) -> torch.Tensor:  # [bs, T]
+    def _step_slots(self, batch, committed: torch.Tensor, n: int,
+                    t: int) -> torch.Tensor:  # [bs, T]
         """KV-pool slots the step's tokens write to. The verify tokens: the slots
         ``req_to_token`` maps their positions ``C .. C + n`` to (the window SGLang reserved
         past the committed length). The branch tokens: on the torch-native path the
@@ -275,7 +361,7 @@ class TiDARWorker(TargetModelSpecWorker):
         ``C + n + 1 .. C + T - 1`` (their kernels read the step's K/V from the pool)."""
         from sglang.srt.runtime_context import max_speculative_num_draft_tokens
 
-        bs, t, n = committed.numel(), self.tokens_per_req, self.num_drafts
+        bs = committed.numel()
         window = n + 1 if self._torch_native else t
         reserved = max_speculative_num_draft_tokens() or 0
         if reserved < window:
@@ -298,6 +384,7 @@ class TiDARWorker(TargetModelSpecWorker):
         positions: torch.Tensor,  # [bs, T]
         slots: torch.Tensor,  # [bs, T] KV-pool slots the step writes (_step_slots)
         committed: torch.Tensor,  # [bs] C
+        new_mask: torch.Tensor,  # [T, T] among the step's tokens (verify_step_layout)
     ) -> torch.Tensor:  # [bs, T, vocab] fp32 logits
         bs, t = input_ids.shape
         positions = positions.clamp(max=self._max_position)
@@ -306,7 +393,7 @@ class TiDARWorker(TargetModelSpecWorker):
         if not self._torch_native:  # SGLang's layout: per request [T, C + T], flattened
             custom_mask = torch.cat([
                 torch.cat([torch.ones(t, c, dtype=torch.bool, device=self.device),
-                           self._new_mask], dim=1).reshape(-1)
+                           new_mask], dim=1).reshape(-1)
                 for c in committed.tolist()])
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = input_ids.reshape(-1)
@@ -328,7 +415,7 @@ class TiDARWorker(TargetModelSpecWorker):
                 prefix_slots=[req_to_token[r, :c].to(torch.int64) for r, c in
                               zip(batch.req_pool_indices.tolist(), committed.tolist())],
                 masks=[torch.cat([torch.ones(t, c, dtype=torch.bool, device=self.device),
-                                  self._new_mask], dim=1) for c in committed.tolist()])
+                                  new_mask], dim=1) for c in committed.tolist()])
             attention = MaskedAttention(self.model_runner.attn_backend, layout)
             with forward_context(ForwardContext(attn_backend=attention)):
                 result = self._target_worker.forward_batch_generation(

@@ -232,9 +232,10 @@ def _on(runner, array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array).to(runner.device, non_blocking=True)
 
 
-def _adaptive_policy(vllm_config, max_drafts: int, cost: str):
+def _adaptive_policy(vllm_config, max_drafts: int, cost):
     """The adaptive draft-count policy of ``speculative_config["adaptive"]`` (moved to
-    ``additional_config["diffspec"]`` by the config translation), or ``None``."""
+    ``additional_config["diffspec"]`` by the config translation), or ``None``. ``cost``:
+    a :class:`~diffspec.core.adaptive.StepCost` or its kind."""
     import json
     from pathlib import Path
 
@@ -246,7 +247,8 @@ def _adaptive_policy(vllm_config, max_drafts: int, cost: str):
     profile = load_latency_profile(json.loads(Path(options["latency_profile"]).read_text()))
     logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
                 "profile %s", max_drafts, options["latency_profile"])
-    return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
+    return AdaptiveDrafts(max_drafts, profile,
+                          StepCost(cost) if isinstance(cost, str) else cost)
 
 
 def _adapt(policy, req_ids: list[str], sampled_token_ids: list[list[int]],

@@ -38,6 +38,20 @@ the drafts of the next step are ``min(num_speculative_tokens, max_tokens left - 
 shift))``. Cost: ``n + 1`` extra attention calls per layer (one per branch index, batched over
 requests), each over the request's context, which is TiDAR's quadratic draft work.
 
+**Adaptive draft counts** (``"adaptive": true, "latency_profile": PATH`` in the
+speculative config, as for self-speculation): each step the policy of
+:mod:`diffspec.core.adaptive` (``StepCost("quadratic", skip)``) picks, per request that
+samples a token, how many drafts its branches pre-draft: ``k`` drafts are ``n + 1``
+branches of ``k + (1 - shift)`` masks, and ``k = 0`` is no branch at all, so the next step
+is a plain AR step for that request (with no branch left in the batch, the step is the
+runner's own forward). The estimate learns from each verify: the ``n`` drafts scheduled
+and the tokens the rejection sampler emitted. vLLM's own ``vllm:spec_decode_num_drafts`` /
+``..._num_draft_tokens`` count the choices (a request with no drafts is no verify step);
+the policy's state is logged every 100 steps. ``$DIFFSPEC_DRAFT_TIMINGS`` times each
+quadratic step (kind ``verify``, by its query tokens: the forward, vLLM's sampler and the
+next drafts): the ``verify_points`` of a TiDAR latency profile
+(``benchmarks/adaptive_sweep.py --method tidar``).
+
 Why this split and not another of vLLM's attention paths: ``TREE_ATTN`` verifies a draft
 *tree* with its own Triton kernel (GPU only, a fixed tree per server) and cannot give a
 branch the bidirectional block TiDAR trains; ``FLEX_ATTENTION`` could take the structured
@@ -51,14 +65,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import numpy as np
 import torch
 from torch import nn
 
-from diffspec.spec_workers.vllm.self_spec import NonCausalBlocks, _on, non_causal_blocks
+from diffspec.core.adaptive import StepCost
+from diffspec.profiling import DraftTimings
+from diffspec.spec_workers.vllm.self_spec import (
+    NonCausalBlocks,
+    _adaptive_policy,
+    _on,
+    logger,
+    non_causal_blocks,
+)
 
 __all__ = ["BranchPlan", "TiDARProposer", "next_draft_count", "plan_branches"]
 
@@ -143,6 +165,12 @@ class TiDARProposer:
         self.num_forwards = 0  # forwards run by forward_with_runner (one per step)
         self._branches: _Branches | None = None
         self._branch_hidden: torch.Tensor | None = None  # [B, hidden]
+        self.adaptive = _adaptive_policy(
+            vllm_config, self.num_speculative_tokens,
+            StepCost("quadratic", skip=0 if self.logits_shift else 1))
+        self._verified: list[int] = []  # [num_reqs] drafts each row verifies this step
+        self.timings = DraftTimings(vllm_config.device_config.device)
+        self._step_timing: tuple[float | None, int] = (None, 0)  # (start, query tokens)
 
     def load_model(self, model) -> None:
         """Called by the runner with the target model: check it has the layers this
@@ -171,6 +199,8 @@ class TiDARProposer:
         :meth:`propose_with_runner`)."""
         self._branches = self._branch_hidden = None
         plans = self._plan(runner)
+        if self.adaptive is not None:
+            plans = self._adapt(runner, plans)
         if not plans or input_ids is None or intermediate_tensors is not None:
             return fallback()
         from vllm.forward_context import get_forward_context
@@ -179,15 +209,39 @@ class TiDARProposer:
             raise NotImplementedError("method 'tidar' runs one attention metadata per layer; "
                                "micro-batching (--enable-dbo / ubatches) is not supported")
         self.num_forwards += 1
+        num_verify = input_ids.shape[0]
+        # timed from here to the end of propose_with_runner: the forward, vLLM's sampler
+        # and the drafts (what a step adds to a plain AR step's forward and sampler)
+        self._step_timing = (self.timings.start(),
+                             num_verify + sum((p.num_drafts + 1) * p.num_masks for p in plans))
+        hidden, branches = self._forward(runner, plans, input_ids, positions)
+        self._branches, self._branch_hidden = branches, hidden[num_verify:]
+        return hidden[:num_verify]
+
+    def _forward(self, runner, plans: list[BranchPlan], input_ids: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, _Branches]:
+        """The quadratic forward: hidden states ``[T + B, hidden]`` and the branches."""
         model = runner.get_model()
         num_verify = input_ids.shape[0]
         branches = self._build_branches(runner, plans, num_verify)
         ids = torch.cat([input_ids, branches.input_ids])  # [T + B]
         pos = torch.cat([positions[:num_verify], branches.positions])  # [T + B]
         with _quadratic_attention(model, num_verify, branches):
-            hidden = _decoder_forward(model.model, ids, pos)  # [T + B, hidden]
-        self._branches, self._branch_hidden = branches, hidden[num_verify:]
-        return hidden[:num_verify]
+            return _decoder_forward(model.model, ids, pos), branches  # [T + B, hidden]
+
+    def _adapt(self, runner, plans: list[BranchPlan]) -> list[BranchPlan]:
+        """The policy's draft count for every request that samples a token this step:
+        its branches shrink to ``k`` drafts; ``k = 0`` drops them (a plain AR step next)."""
+        batch = runner.input_batch
+        req_ids = batch.req_ids
+        self._verified = [len(batch.spec_token_ids[i]) for i in range(batch.num_reqs)]
+        self.adaptive.forget(set(req_ids))
+        skip = 0 if self.logits_shift else 1
+        counts = self.adaptive.choose([req_ids[p.row] for p in plans],
+                                      [p.num_masks - skip for p in plans])
+        if plans and self.adaptive.steps % self.adaptive.log_every == 1:
+            logger.info("diffspec: %s", self.adaptive.summary())
+        return [replace(p, num_masks=k + skip) for p, k in zip(plans, counts) if k > 0]
 
     def _plan(self, runner) -> list[BranchPlan]:
         batch = runner.input_batch
@@ -235,9 +289,21 @@ class TiDARProposer:
     def propose_with_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Draft token ids ``[num_reqs][k_i]``: the argmax of the branch each request's
         acceptance selected."""
+        drafts = self._propose(runner, sampled_token_ids)
+        start, tokens = self._step_timing
+        self._step_timing = (None, 0)
+        self.timings.stop(start, tokens, kind="verify")
+        return drafts
+
+    def _propose(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         branches, hidden = self._branches, self._branch_hidden
         self._branches = self._branch_hidden = None
+        if self.adaptive is not None:  # this step's verify outcomes
+            for n, emitted in zip(self._verified, sampled_token_ids):
+                if n > 0 and emitted:
+                    self.adaptive.estimate.update(n, min(len(emitted) - 1, n))
+            self._verified = []
         if branches is None:
             return drafts
         batch = runner.input_batch
