@@ -2,7 +2,10 @@
 
 Each engine has one adapter (``benchmarks/adapters``); every figure comes from the shared
 metrics (``benchmarks/metrics.py``), and every speed row carries its lossless column: the
-fraction of prompts whose greedy output equals the same engine's AR output.
+fraction of prompts whose greedy output equals the same engine's AR output. A method that is
+not lossless (Fast-dLLM) is compared on an engine with the reference decoder's output of the
+same method instead (its oracle; ``compared_with`` in the report), and a diffusion-only
+checkpoint (LLaDA, Dream, Fast-dLLM v2: no AR view) runs no AR row.
 
     python benchmarks/driver.py --dataset gsm8k --num-prompts 8 \\
         --engines reference,vllm,sglang --sglang-python SGLANG_VENV/bin/python \\
@@ -70,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
             "metrics: acceptance length = 1 + accepted drafts / verify steps (engine counters);\n"
             "TPF = tokens / target forwards after prefill (self-spec step = draft + verify = 2);\n"
             "tok/s/user at concurrency 1; system tok/s at each --concurrency; TTFT / TPOT\n"
-            "where the engine exposes them; lossless = exact-match rate vs the engine's AR.\n"
+            "where the engine exposes them; lossless = exact-match rate vs the engine's AR\n"
+            "(a method that is not lossless, e.g. fast_dllm: vs the reference decoder's run).\n"
             "A baseline whose engine fails is reported as a failed row with its error."
         ),
     )
@@ -95,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32",
                    help="engine dtype (default float32: the dtype in which greedy outputs of "
                    "AR and speculative runs match exactly; bfloat16 for GPU timings)")
+    p.add_argument("--fast-dllm-attention", choices=("trained", "block_causal"),
+                   default="trained",
+                   help="reference decoder's fast_dllm layout: the family's trained one, or "
+                   "block_causal (SGLang's dLLM layout: compare it with --engines sglang)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads of the reference decoder (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
@@ -203,8 +211,10 @@ def run_engines(args: argparse.Namespace, model: str, ids: list[list[int]],
             for b in baselines:
                 if b.method in REFERENCE_METHODS:
                     print(f"[reference] {b.label} ...", file=sys.stderr, flush=True)
+                    options = ({"attention": args.fast_dllm_attention}
+                               if b.method == "fast_dllm" else None)
                     results.append(reference.run(b, model, ids, args.max_tokens,
-                                                 args.ignore_eos, args.threads))
+                                                 args.ignore_eos, args.threads, options))
         elif engine == "vllm":
             chosen = [b for b in baselines if b.method in vllm_offline.METHODS]
             print(f"[vllm] {', '.join(b.label for b in chosen)} ...", file=sys.stderr, flush=True)
@@ -325,6 +335,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         markdown_table(report["results"]),
         "",
+        *[f"- lossless column of {_name(e)}: output == {e['compared_with']}'s" for e in
+          report["results"] if e.get("compared_with")
+          and e["compared_with"] != f"{e['engine']}/ar"],
+        "",
         "Acceptance length per category (lossless rate in brackets):",
         "",
         category_table(report["results"]),
@@ -365,12 +379,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         baselines = baseline_specs.parse(specs, args.num_draft_tokens, drafters)
     except ValueError as e:
         raise SystemExit(f"driver: {e}") from None
+    no_ar = _without_ar_view(model)
+    if no_ar:
+        baselines = [b for b in baselines if b.method != "ar"]
+    if ({"reference", "sglang"} <= set(args.engines) and args.fast_dllm_attention == "trained"
+            and any(b.method == "fast_dllm" for b in baselines)):
+        print("driver: warning: SGLang's FastDLLM runs the block_causal layout; its output "
+              "equals the reference decoder's only with --fast-dllm-attention block_causal",
+              file=sys.stderr)
     budget = args.max_model_len - args.max_tokens
     ids, cut = tokenize(prompts, model, args.chat, budget)
     runs = run_engines(args, model, ids, baselines)
     categories = [p.category for p in prompts]
-    ar = {r.engine: r for r in runs if r.baseline == "ar"}
-    entries = [summarize(r, categories, ar.get(r.engine)) for r in runs]
+    entries = []
+    for r in runs:
+        oracle = _oracle(r, runs)
+        entries.append(summarize(r, categories, oracle))
+        entries[-1]["compared_with"] = (f"{oracle.engine}/{oracle.baseline}"
+                                        if oracle is not None else None)
     untrained = {b.label for b in baselines if tiny_drafters.is_untrained(b.drafter)}
     for e in entries:
         e["untrained_drafter"] = e["baseline"] in untrained
@@ -390,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "num_draft_tokens": args.num_draft_tokens, "concurrency": args.concurrency,
             "ignore_eos": args.ignore_eos, "dtype": args.dtype,
             "baselines": [b.__dict__ for b in baselines],
-            "not_run": skipped(args.engines, baselines),
+            "not_run": skipped(args.engines, baselines) + (
+                [f"*/ar ({no_ar})"] if no_ar else []),
             "prompts_cut": cut, "git_commit": _git_commit(),
         },
         "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(t)}
@@ -406,6 +433,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (args.out / "report.json").write_text(json.dumps(report, indent=1))
         (args.out / "report.md").write_text(markdown)
     return report
+
+
+def _without_ar_view(model: str) -> str | None:
+    """Why ``model`` runs no AR baseline (a diffusion-only family), or ``None``."""
+    from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
+    from diffspec.methods import FAMILIES
+
+    try:
+        family = FAMILIES.get(str(inspect_checkpoint(model).family))
+    except CheckpointError:
+        return None
+    if family is None or family.causal:
+        return None
+    return f"family {family.name} has no AR view"
+
+
+def _oracle(run: RunResult, runs: list[RunResult]) -> RunResult | None:
+    """What ``run``'s lossless column compares with: the same engine's AR run; for a method
+    that is not lossless on an engine, the reference decoder's run of that method (its
+    oracle); ``None`` when there is neither."""
+    method = REGISTRY.get(run.baseline.partition(":")[0])
+    if method is not None and not method.lossless and run.engine != "reference":
+        return next((r for r in runs if r.engine == "reference"
+                     and r.baseline == run.baseline), None)
+    return next((r for r in runs if r.engine == run.engine and r.baseline == "ar"), None)
 
 
 def _git_commit() -> str | None:

@@ -250,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                       f"{fast_dllm['threshold']})")
     opts.add_argument("--cache", choices=("none", "prefix", "dual"), default=None,
                       help=f"fast_dllm: KV cache mode (default: {fast_dllm['cache']})")
+    opts.add_argument("--attention", choices=("trained", "block_causal"), default=None,
+                      help="fast_dllm: the layout: the family's trained one (default), or "
+                      "block_causal, blocks from position 0 with the prompt in them "
+                      "(SGLang's dLLM layout: its FastDLLM output equals this one's)")
     opts.add_argument("--slot-size", type=int, default=None,
                       help="refusion: tokens per slot, the unit a plan picks and infills; "
                       "max_tokens is rounded up to whole slots (default "

@@ -11,10 +11,12 @@ from benchmarks.metrics import Completion, RunResult
 
 
 def run(spec: Baseline, model: str | Path, prompts: list[list[int]], max_tokens: int,
-        ignore_eos: bool = False, threads: int = 1) -> RunResult:
+        ignore_eos: bool = False, threads: int = 1,
+        options: dict | None = None) -> RunResult:
     """Decode ``prompts`` (token ids) greedily with method ``spec.method`` of the CLI's
     table, on ``threads`` torch CPU threads (1: tiny models on a shared 2-core machine are
-    fastest and steadiest on one; two threads contend with every other process)."""
+    fastest and steadiest on one; two threads contend with every other process);
+    ``options``: more ``load_decoder`` options (Fast-dLLM's ``attention``)."""
     import torch
 
     from diffspec.methods import get_method
@@ -25,7 +27,8 @@ def run(spec: Baseline, model: str | Path, prompts: list[list[int]], max_tokens:
     torch.set_num_threads(threads)
     takes_k = "num_draft_tokens" in get_method(baseline).defaults
     decoder = load_decoder(baseline, model,
-                           **({"num_draft_tokens": num_draft_tokens} if takes_k else {}))
+                           **({"num_draft_tokens": num_draft_tokens} if takes_k else {}),
+                           **(options or {}))
     stops = () if ignore_eos else decoder.stop_token_ids
     decoder.decode([Request(prompts[0], max_tokens=8, stop_token_ids=stops)])  # warm-up, untimed
     completions, accepted_per_pos = [], [0] * num_draft_tokens

@@ -51,6 +51,12 @@ def engine_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
     return kwargs
 
 
+def _dllm(b: Baseline) -> bool:
+    """The baseline runs in SGLang's diffusion-LM mode (``--dllm-algorithm``)."""
+    method = REGISTRY.get(b.method)
+    return bool(method and method.sglang and method.sglang.flag == "--dllm-algorithm")
+
+
 def serve_command(model: str | Path, kwargs: dict[str, Any]) -> str:
     """The ``python -m sglang.launch_server`` command equivalent to ``sglang.Engine``."""
     parts = ["python", "-m", "sglang.launch_server", "--model-path", str(model)]
@@ -70,8 +76,8 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
         extra_kwargs: dict[str, Any] | None = None) -> list[RunResult]:
     """Serve ``prompts`` with each baseline (one engine, one worker process each) under
     ``python``, with ``env`` added to the environment (the CPU harness's)."""
-    runs = [{"name": b.label, "engine": engine_kwargs(b, max_model_len, dtype, extra_kwargs)}
-            for b in baselines]
+    runs = [{"name": b.label, "engine": engine_kwargs(b, max_model_len, dtype, extra_kwargs),
+             "count_forwards": _dllm(b)} for b in baselines]
     from benchmarks.adapters.sglang_worker import RESULT_PREFIX
 
     results, logs, version = {}, {}, "?"
@@ -119,9 +125,14 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
             continue
         completions = [Completion(**c) for c in r["completions"]]
         for c in completions:  # target forwards after prefill, as for vLLM
-            c.forwards = (len(c.token_ids) if b.method == "ar"
+            c.forwards = (c.forwards if _dllm(b)  # counted: every forward, prefill included
+                          else len(c.token_ids) if b.method == "ar"
                           else b.forwards_per_step * c.drafts if b.method in SELF_SPEC
                           else c.drafts if c.drafts else None)
+        if _dllm(b):
+            notes.append("dLLM mode: TPF counts every model forward of a request (SGLang "
+                         "prefills a prompt one block per forward), counted in the scheduler "
+                         "process (diffspec.testing.sglang_forwards)")
         out.append(RunResult(
             engine="sglang", baseline=b.label, launch=launch, completions=completions,
             system_tokens_per_s={int(c): v for c, v in r["system_tokens_per_s"].items()},

@@ -11,18 +11,28 @@ from ``meta_info`` (``spec_verify_ct``, ``spec_num_correct_drafts``,
 ``spec_correct_drafts_histogram``), then for every concurrency c > 1 serves them in
 batches of c. Prints one JSON line after RESULT_PREFIX, in the form of ``vllm_worker.py``'s.
 With ``"mode": "waves"`` or ``"steps"`` in the job, each run does that loop of ``sweep.py``.
+A run with ``"count_forwards"`` (SGLang's dLLM mode, which has no per-request forward
+counter) also records each concurrency-1 request's model forwards, counted in the
+scheduler process (:mod:`diffspec.testing.sglang_forwards`).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 from diffspec.serving import spec_decode_counters_from_sglang
+from diffspec.testing.sglang_forwards import (
+    FORWARD_COUNT_ENV,
+    forward_counts,
+    install_forward_counter,
+)
 
 RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
 RUN_MARKER = "DIFFSPEC_BENCH_RUN "
@@ -32,8 +42,10 @@ def _params(max_tokens: int, ignore_eos: bool) -> dict:
     return {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": ignore_eos}
 
 
-def _one(engine, ids: list[int], params: dict) -> dict:
-    """One streamed request: its token ids, latency, TTFT and spec counters."""
+def _one(engine, ids: list[int], params: dict, counts: str | None = None) -> dict:
+    """One streamed request: its token ids, latency, TTFT and spec counters (and, with a
+    ``counts`` folder, its model forwards)."""
+    before = forward_counts(counts) if counts else None
     start = time.perf_counter()
     ttft, chunks = None, []
     for chunk in engine.generate(input_ids=ids, sampling_params=params, stream=True):
@@ -47,16 +59,20 @@ def _one(engine, ids: list[int], params: dict) -> dict:
     # streamed output ids are cumulative unless the server streams increments
     token_ids = last if len(last) == total else [t for c in chunks for t in c["output_ids"]]
     counters = spec_decode_counters_from_sglang(meta)
-    return {"token_ids": token_ids, "latency_s": latency, "ttft_s": ttft,
-            "drafts": int(counters.drafts), "draft_tokens": int(counters.draft_tokens),
-            "accepted": int(counters.accepted), "per_pos": counters.accepted_per_pos}
+    out = {"token_ids": token_ids, "latency_s": latency, "ttft_s": ttft,
+           "drafts": int(counters.drafts), "draft_tokens": int(counters.draft_tokens),
+           "accepted": int(counters.accepted), "per_pos": counters.accepted_per_pos}
+    if counts:  # every forward mode the request ran (prefill blocks included)
+        after = forward_counts(counts)
+        out["forwards"] = sum(n - before.get(m, 0) for m, n in after.items() if m != "EMBED")
+    return out
 
 
 def _serve(engine, prompts: list[list[int]], max_tokens: int, concurrency: list[int],
-           ignore_eos: bool) -> dict:
+           ignore_eos: bool, counts: str | None = None) -> dict:
     params = _params(max_tokens, ignore_eos)
     engine.generate(input_ids=prompts[0], sampling_params=_params(4, False))  # warm-up
-    completions = [_one(engine, ids, params) for ids in prompts]
+    completions = [_one(engine, ids, params, counts) for ids in prompts]
     # accepted drafts per position, from each request's histogram of accepted drafts
     per_pos: list[int] = []
     for c in completions:
@@ -102,11 +118,19 @@ def main() -> None:
     for run in job["runs"]:
         engine = None
         print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
+        counts = tempfile.mkdtemp(prefix="diffspec-forwards-") if run.get("count_forwards") \
+            else None
         try:  # one failing baseline must not stop the rest
-            engine = sglang.Engine(model_path=job["model"], **run["engine"])
+            if counts:  # inherited by the engine's (spawned) scheduler process
+                os.environ[FORWARD_COUNT_ENV] = counts
+            try:
+                engine = sglang.Engine(model_path=job["model"], **run["engine"])
+            finally:
+                os.environ.pop(FORWARD_COUNT_ENV, None)
             if mode == "serve":
                 runs[run["name"]] = _serve(engine, job["prompts"], job["max_tokens"],
-                                            job["concurrency"], job.get("ignore_eos", False))
+                                            job["concurrency"], job.get("ignore_eos", False),
+                                            counts)
             else:
                 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
                 from benchmarks.adapters.sweep import run_job
@@ -126,3 +150,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__" and os.environ.get(FORWARD_COUNT_ENV):
+    install_forward_counter(os.environ[FORWARD_COUNT_ENV])

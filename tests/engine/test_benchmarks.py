@@ -128,3 +128,34 @@ def test_driver_on_sglang_cpu(tmp_path: Path) -> None:
     assert by["orthrus"]["overall"]["acceptance_length"] > 3
     assert by["orthrus"]["overall"]["ttft_s"] is not None
     assert (tmp_path / "report.md").is_file() and (tmp_path / "tokens_per_s.png").is_file()
+
+
+@pytest.mark.slow
+def test_driver_fast_dllm_on_sglang_cpu(tmp_path: Path) -> None:
+    """Fast-dLLM on the bundled LLaDA, reference decoder (SGLang's block-causal layout) and
+    SGLang's dLLM mode: no AR row (LLaDA has no AR view), SGLang's output compared with the
+    reference decoder's (the method is not lossless), forwards counted in SGLang."""
+    from diffspec.assets import SYNTH_DLLM_DIR
+    from tests.engine import sglang_cpu
+
+    if sglang_cpu.sglang_python() is None:
+        pytest.skip(f"no SGLang interpreter (set {sglang_cpu.PYTHON_ENV})")
+    from benchmarks import driver
+
+    report = driver.main(["--model", str(SYNTH_DLLM_DIR / "llada"), "--dataset", "speed-bench",
+                          "--data-path", str(SPEED_BENCH_TINY), "--num-prompts", "2",
+                          "--max-tokens", "24", "--engines", "reference,sglang",
+                          "--sglang-cpu-harness", "--baselines", "fast_dllm",
+                          "--fast-dllm-attention", "block_causal", "--concurrency", "1",
+                          "--out", str(tmp_path)])
+    by = {(e["engine"], e["baseline"]): e for e in report["results"]}
+    assert set(by) == {("reference", "fast_dllm"), ("sglang", "fast_dllm")}
+    assert "*/ar (family llada has no AR view)" in report["meta"]["not_run"]
+    sglang, ref = by[("sglang", "fast_dllm")], by[("reference", "fast_dllm")]
+    assert sglang["error"] is None, sglang["error"]
+    assert sglang["launch"]["sglang.Engine"]["dllm_algorithm"] == "FastDLLM"
+    assert ref["launch"]["attention"] == "block_causal"
+    assert sglang["compared_with"] == "reference/fast_dllm"
+    assert sglang["overall"]["lossless"] == 1.0 and sglang["outputs"] == ref["outputs"]
+    # counted forwards: parallel unmasking (the trained model commits several per forward)
+    assert sglang["overall"]["tpf"] > 1.2 and ref["overall"]["tpf"] > 1.2

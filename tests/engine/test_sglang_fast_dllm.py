@@ -2,12 +2,14 @@
 real SGLang 0.5.23 on its CPU path (fp32, torch-native attention).
 
 One ``sglang_generate.py`` subprocess runs every engine of this module one after the other
-(the bundled trained tiny LLaDA and Fast-dLLM v2, a tiny random Dream checkpoint in its
-real layout; threshold 0.9 and top-1-only; SGLang's default first-done-first-out
-scheduling and its synchronous one) and builds server arguments that must fail. SGLang's
+(the bundled trained tiny LLaDA, Fast-dLLM v2 and NLD, tiny random Dream and NLD
+checkpoints in their real layouts; threshold 0.9 and top-1-only; SGLang's default
+first-done-first-out scheduling and its synchronous one) and builds server arguments that
+must fail. NLD runs its diffusion mode (block attention, no draft LoRA) in the same
+SGLang class as its self-speculation. SGLang's
 dLLM scheduler decodes one block per request over the KV of the request's earlier blocks,
 aligned at position 0: Fast-dLLM's prefix cache on the block-causal layout, which is
-Fast-dLLM v2's own and, for LLaDA / Dream, the reference decoder's
+Fast-dLLM v2's own and, for LLaDA / Dream / NLD, the reference decoder's
 ``FastDLLMConfig(attention="block_causal")``. The checks:
 
 * one batch of mixed-length prompts (continuous batching, ``max_new_tokens`` ending
@@ -19,7 +21,9 @@ Fast-dLLM v2's own and, for LLaDA / Dream, the reference decoder's
   batch before, so Fast-dLLM v2's first generated token is the seed kept for that prefix;
 * radix cache: a request whose prompt is an earlier prompt plus its output hits the cache
   (block-aligned, generated blocks included) and still decodes as the reference;
-* clear errors at server-argument time (dual cache, another algorithm, another family).
+* clear errors at server-argument time (dual cache, another algorithm, another family, an
+  NLD block larger than its trained one), and per request for sampling FastDLLM would
+  ignore (temperature > 0: that request is refused alone, the rest of its batch decodes).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diffspec.assets import SYNTH_DLLM_DIR
+from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_NLD_DIR
 from tests.engine.conftest import require_sglang
 from tests.engine.sglang_generate import RESULT_PREFIX
 
@@ -47,8 +51,12 @@ RUNS = {
     "v2_top1": ("fast_dllm_v2", 1.0, None, True),
     "v2_t09_sync": ("fast_dllm_v2", 0.9, None, False),  # --no-dllm-fdfo
     "dream_t09": ("dream", 0.9, 8, True),
+    "nld_t09": ("nld", 0.9, None, True),  # bundled synth-nld, block_size 16
+    "nld_tiny_t09": ("nld_tiny", 0.9, None, True),  # random, block_size 8
+    "nld_tiny_top1": ("nld_tiny", 1.0, None, True),
 }
 SINGLES = ("single_0", "single_1")
+SINGLES_RUNS = ("llada_t09", "v2_t09", "nld_t09")  # also serve requests alone, and prefixes
 PROMPT_LENGTHS = (3, 20, 40, 70, 8, 64)  # in the first block, across blocks, on boundaries
 MAX_TOKENS = (20, 45, 33, 50, 27, 61)
 
@@ -67,8 +75,8 @@ def _prompts(path: Path) -> tuple[tuple[int, ...], ...]:
 
     from diffspec.testing.synthetic import sample_prompts
 
-    if path.is_relative_to(SYNTH_DLLM_DIR):
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    if path.is_relative_to(SYNTH_DLLM_DIR) or path == SYNTH_NLD_DIR:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         texts = sample_prompts(12, seed=1)
         prompts = [tokenizer(a + " " + b).input_ids for a, b in zip(texts[::2], texts[1::2])]
     else:
@@ -104,7 +112,7 @@ def _reference(run: str, path: Path, requests: list[dict]) -> list:
     )
 
     stops = (*inspect_checkpoint(path).eos_token_ids,
-             *turn_end_token_ids(AutoTokenizer.from_pretrained(path)))
+             *turn_end_token_ids(AutoTokenizer.from_pretrained(path, trust_remote_code=False)))
     config = FastDLLMConfig(cache="prefix", threshold=RUNS[run][1], block_size=RUNS[run][2],
                             attention="block_causal")
     return fast_dllm_generate(_lm(path), [
@@ -141,11 +149,12 @@ def _yaml(folder: Path, name: str, text: str) -> str:
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from diffspec.testing.checkpoints import write_dream, write_qwen3
+    from diffspec.testing.checkpoints import write_dream, write_nld, write_qwen3
 
     root = tmp_path_factory.mktemp("sglang_fast_dllm_ckpts")
     return {"llada": SYNTH_DLLM_DIR / "llada", "fast_dllm_v2": SYNTH_DLLM_DIR / "fast_dllm_v2",
-            "dream": write_dream(root / "dream"), "qwen3": write_qwen3(root / "qwen3")}
+            "dream": write_dream(root / "dream"), "qwen3": write_qwen3(root / "qwen3"),
+            "nld": SYNTH_NLD_DIR, "nld_tiny": write_nld(root / "nld", block_size=8)}
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +167,14 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         path = ckpts[family]
         greedy = _greedy_requests(path)
         batches = {"greedy": greedy}
-        if name in ("llada_t09", "v2_t09"):
+        if name in SINGLES_RUNS:
             seed = _reference(name, path, _prefix_requests(path))[0].token_ids
             batches |= {SINGLES[0]: [greedy[1]], SINGLES[1]: [greedy[5]],
                         "prefix_seed": _prefix_requests(path),
                         "prefix_reuse": _prefix_requests(path, seed)}
+        if name == "nld_tiny_t09":  # one request asks for sampling: refused alone
+            batches["sampling"] = [{**r, "may_fail": True} for r in greedy[:3]]
+            batches["sampling"][1]["temperature"] = 0.7
         options = f"threshold: {threshold}\n" + (f"block_size: {block}\n" if block else "")
         runs.append({"name": name, "model": str(path), "count_forwards": True,
                      "batches": batches,
@@ -179,6 +191,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             **fast, "dllm_algorithm_config": _yaml(tmp, "large", "block_size: 64\n")}},
         "other_algorithm": {"model": llada, "server_args": {"dllm_algorithm": "LowConfidence"}},
         "causal_checkpoint": {"model": str(ckpts["qwen3"]), "server_args": fast},
+        "nld_block_too_large": {"model": str(ckpts["nld"]), "server_args": {
+            **fast, "dllm_algorithm_config": _yaml(tmp, "nld_large", "block_size: 32\n")}},
     }}
     return _run_script(job, tmp)
 
@@ -196,11 +210,11 @@ def test_mixed_length_batch_equals_reference(engine, ckpts, run: str) -> None:
     assert got["finish_reasons"] == [o.finish_reason for o in ref]
     if run == "llada_t09":  # the batch really has both endings
         assert set(got["finish_reasons"]) == {"stop", "length"}
-    if RUNS[run][1] < 1 and RUNS[run][0] != "dream":  # trained: parallel commits
+    if RUNS[run][1] < 1 and RUNS[run][0] in ("llada", "fast_dllm_v2", "nld"):  # trained
         assert any(max(o.accept_lengths) > 1 for o in ref)
 
 
-@pytest.mark.parametrize("run", ["llada_t09", "v2_t09"])
+@pytest.mark.parametrize("run", SINGLES_RUNS)
 def test_forwards_per_token_equal_reference(engine, ckpts, run: str) -> None:
     """A request served alone: SGLang's ``DLLM_EXTEND`` forwards (counted in its scheduler
     process; ``EMBED`` counts every pass through the network) are the reference's
@@ -227,7 +241,7 @@ def test_forwards_per_token_equal_reference(engine, ckpts, run: str) -> None:
         assert len(ref.token_ids) / ref.num_forwards > 1.5  # parallel decoding pays
 
 
-@pytest.mark.parametrize("run", ["llada_t09", "v2_t09"])
+@pytest.mark.parametrize("run", SINGLES_RUNS)
 def test_radix_cache_reuse_equals_reference(engine, ckpts, run: str) -> None:
     """The second request's prompt is the first one's (70 tokens) plus its 40 tokens:
     SGLang reuses the block-aligned KV, generated blocks included (written by completing
@@ -252,8 +266,9 @@ ERRORS = {
     "unknown_key": "remove steps from",
     "v2_block_too_large": "fix ",
     "other_algorithm": "use --dllm-algorithm FastDLLM",
-    "causal_checkpoint": "serve a LLaDAModelLM / DreamModel / Fast_dLLM_QwenForCausalLM "
-                         "checkpoint with --dllm-algorithm FastDLLM",
+    "causal_checkpoint": "serve a LLaDAModelLM / DreamModel / Fast_dLLM_QwenForCausalLM / "
+                         "NemotronLabsDiffusionModel checkpoint with --dllm-algorithm FastDLLM",
+    "nld_block_too_large": "fix ",
 }
 
 
@@ -263,3 +278,16 @@ def test_clear_errors(engine, case: str) -> None:
     message = engine["config_errors"][case]
     assert message is not None, case
     assert message.split(": ", 1)[1].startswith(ERRORS[case]), message
+
+
+def test_sampling_request_is_refused_alone(engine, ckpts) -> None:
+    """Temperature 0.7 (FastDLLM decodes greedily): SGLang aborts that request with the
+    message (what to do first); the other requests of the batch decode as the reference."""
+    got = engine["runs"]["nld_tiny_t09"]["sampling"]
+    assert got["errors"][0] is None and got["errors"][2] is None
+    assert got["outputs"][1] is None
+    assert "set temperature 0 (or top_k 1) for --dllm-algorithm FastDLLM" in got["errors"][1]
+    assert "would ignore temperature 0.7" in got["errors"][1]
+    requests = _greedy_requests(ckpts["nld_tiny"])
+    ref = _reference("nld_tiny_t09", ckpts["nld_tiny"], [requests[0], requests[2]])
+    assert [got["outputs"][0], got["outputs"][2]] == [o.token_ids for o in ref]

@@ -10,17 +10,19 @@ import pytest
 
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.methods import FAMILIES, get_method
-from diffspec.plugin.sglang.dllm import _yaml_options, dllm_architectures
+from diffspec.plugin.sglang.dllm import _yaml_options, dllm_architectures, sampling_error
 
 
-def test_served_architectures_are_the_diffusion_families_with_an_sglang_model() -> None:
+def test_served_architectures_are_the_fast_dllm_families_with_an_sglang_model() -> None:
     archs = dllm_architectures()
-    assert archs == ("LLaDAModelLM", "DreamModel", "Fast_dLLM_QwenForCausalLM")
+    assert archs == ("LLaDAModelLM", "DreamModel", "Fast_dLLM_QwenForCausalLM",
+                     "NemotronLabsDiffusionModel")
     for arch in archs:
         family = next(f for f in FAMILIES.values() if arch in f.architectures)
-        assert family.name in get_method("fast_dllm").families and not family.causal
-    # NLD's SGLang class is its self-speculative model, not a dLLM block model
-    assert "NemotronLabsDiffusionModel" not in archs
+        assert family.name in get_method("fast_dllm").families
+    # NLD (diffusion mode) is the one with an AR view: its class serves both modes
+    assert [a for a in archs if FAMILIES["nld"].sglang_models.get(a)] == [
+        "NemotronLabsDiffusionModel"]
 
 
 YAML_CASES = {
@@ -72,3 +74,38 @@ def test_diffusion_configs_load_without_remote_code(tmp_path: Path) -> None:
     assert (v2.model_type, v2.bd_size, v2.mask_token_id) == ("Fast_dLLM_Qwen", 32, 5)
     dream = AutoConfig.from_pretrained(write_dream(tmp_path / "dream"))
     assert dream.model_type == "Dream" and dream.mask_token_id is not None
+
+
+def _params(**fields):
+    """SGLang's SamplingParams fields as normalized (temperature 0 -> top_k 1)."""
+    from types import SimpleNamespace
+
+    base = {"temperature": 1.0, "top_k": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "repetition_penalty": 1.0, "min_new_tokens": 0, "logit_bias": None,
+            "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None}
+    return SimpleNamespace(**{**base, **fields})
+
+
+SAMPLING_CASES = {
+    "greedy": (_params(), None),
+    "greedy_top_k_1": (_params(temperature=0.7), None),
+    "temperature": (_params(temperature=0.7, top_k=1 << 30),
+                    "set temperature 0 (or top_k 1) for --dllm-algorithm FastDLLM"),
+    "default_temperature": (_params(top_k=1 << 30), "set temperature 0"),
+    "penalty": (_params(repetition_penalty=1.2), "remove repetition_penalty for"),
+    "both": (_params(temperature=0.5, top_k=1 << 30, regex="a+", logit_bias={"3": 1.0}),
+             "set temperature 0 (or top_k 1) and remove logit_bias, regex for"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampling_fastdllm_would_ignore_is_refused(case: str) -> None:
+    """FastDLLM decodes greedily: a request asking for more is refused, what to do first."""
+    params, first_words = SAMPLING_CASES[case]
+    message = sampling_error(params)
+    if first_words is None:
+        assert message is None
+    else:
+        assert message is not None and message.startswith(first_words), message
+        if "temperature" in first_words:
+            assert f"would ignore temperature {params.temperature:g}" in message

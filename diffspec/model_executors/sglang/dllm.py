@@ -4,7 +4,7 @@ with block attention (the SGLang side of :mod:`diffspec.model_executors.referenc
 SGLang's dLLM scheduler runs one block of ``block_size`` slots per request over the KV of
 the request's earlier blocks; the ``FastDLLM`` algorithm
 (:mod:`diffspec.spec_workers.sglang.fast_dllm`) reads every slot's logits. So each model
-is an SGLang causal LM with two changes (:func:`_block_attention`): every attention is
+is an SGLang causal LM with two changes (:func:`block_attention`): every attention is
 ``AttentionType.ENCODER_ONLY`` (the block sees all of itself and its prefix) and the logits
 processor returns the whole block's logits (``return_full_logits``).
 
@@ -16,6 +16,9 @@ architecture                       SGLang model         checkpoint tensors
                                                          (:func:`llada_to_llama_name`)
 ``DreamModel``                     ``Qwen2ForCausalLM``  Qwen2.5's own names
 ``Fast_dLLM_QwenForCausalLM``      ``Qwen2ForCausalLM``  Qwen2.5's own names
+``NemotronLabsDiffusionModel``     ``Ministral3ForCau-  ``encoder.*``, ``diffusion_head``
+                                   salLM``              (:mod:`~diffspec.model_executors.
+                                                        sglang.nld`, in dLLM mode)
 =================================  ===================  ========================================
 
 LLaDA's ``block_type: llama`` layer is a Llama layer (RMSNorm, half-split RoPE with
@@ -23,6 +26,12 @@ LLaDA's ``block_type: llama`` layer is a Llama layer (RMSNorm, half-split RoPE w
 (:class:`diffspec.plugin.hf_configs.LLaDAConfig`) reads the OLMo names as the Llama ones.
 Which logits are shifted (Dream, Fast-dLLM v2) is the algorithm's business: the models
 return what their head computes.
+
+NLD has one SGLang class for both of its modes (one set of weights, the attention
+switches): :class:`~diffspec.model_executors.sglang.nld.NemotronLabsDiffusionForCausalLM`
+is the causal model of linear self-speculation, and under SGLang's dLLM mode
+(:func:`dllm_mode`) the diffusion-mode model, block attention and no draft LoRA (the LoRA
+belongs to self-speculation's draft pass; the reference's diffusion mode runs without it).
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ from sglang.srt.models.qwen2 import Qwen2ForCausalLM
 
 from diffspec.core.checkpoint import CheckpointError
 
-__all__ = ["DreamModel", "FastDLLMQwenForCausalLM", "LLaDAModelLM", "llada_to_llama_name"]
+__all__ = ["DreamModel", "FastDLLMQwenForCausalLM", "LLaDAModelLM", "block_attention",
+           "dllm_mode", "llada_to_llama_name"]
 
 # LLaDA block tensor -> SGLang Llama layer tensor
 _BLOCK_NAMES = {
@@ -62,7 +72,7 @@ def llada_to_llama_name(name: str) -> str | None:
     return None
 
 
-def _block_attention(model) -> None:
+def block_attention(model) -> None:
     """Make an SGLang causal LM a dLLM block model: non-causal attention, full logits."""
     layers = model.model.layers[model.model.start_layer : model.model.end_layer]
     for layer in layers:
@@ -70,12 +80,19 @@ def _block_attention(model) -> None:
     model.logits_processor = LogitsProcessor(model.config, return_full_logits=True)
 
 
+def dllm_mode() -> bool:
+    """True in an SGLang launched with ``--dllm-algorithm`` (its model is a dLLM)."""
+    from sglang.srt.runtime_context import get_exec
+
+    return get_exec().dllm.dllm_algorithm is not None
+
+
 class LLaDAModelLM(LlamaForCausalLM):
     """SGLang's Llama with block attention, reading LLaDA's checkpoint layout."""
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
-        _block_attention(self)
+        block_attention(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         return super().load_weights(self._renamed(weights))
@@ -97,7 +114,7 @@ class DreamModel(Qwen2ForCausalLM):
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
-        _block_attention(self)
+        block_attention(self)
 
 
 class FastDLLMQwenForCausalLM(Qwen2ForCausalLM):
@@ -105,4 +122,4 @@ class FastDLLMQwenForCausalLM(Qwen2ForCausalLM):
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
-        _block_attention(self)
+        block_attention(self)

@@ -19,6 +19,10 @@ projections, rotary and llama-4 query scaling with ``o_proj(x) + scaling *
 lora_b(lora_a(x))``, bidirectional over the prefix's AR K/V and the block. Draft logits
 are unshifted (block position ``j`` predicts its own token) unless ``dlm_type ==
 "dream"``.
+
+In SGLang's dLLM mode (``--dllm-algorithm FastDLLM``; :func:`~diffspec.model_executors.
+sglang.dllm.dllm_mode`) the same class is NLD's diffusion mode: block attention
+(:func:`~diffspec.model_executors.sglang.dllm.block_attention`) and no LoRA.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from diffspec.model_executors.reference.nld_weights import (
     lora_weights,
     renamed_weights,
 )
+from diffspec.model_executors.sglang.dllm import block_attention, dllm_mode
 from diffspec.model_executors.sglang.views import DiffusionViewMixin, full_output
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
@@ -58,7 +63,10 @@ class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, Ministral3ForCausalLM
         self.draft_logits_shift = getattr(config, "dlm_type", None) == "dream"
         self.lora_path = lora_folder(getattr(config, "_name_or_path", ""))
         self.lora_scaling = 0.0
-        if self.lora_path is not None:
+        if dllm_mode():  # diffusion mode: the LoRA belongs to self-speculation's drafts
+            self.lora_path = None
+            block_attention(self)
+        elif self.lora_path is not None:
             rank, self.lora_scaling = lora_rank_and_scaling(self.lora_path)
             for i in range(self.model.start_layer, self.model.end_layer):
                 _add_lora(self.model.layers[i].self_attn, rank,

@@ -12,7 +12,9 @@ unchanged (listed in ``diffspec/plugin/patches.md``).
 YAML keys: ``threshold`` (0.9), ``block_size`` (Fast-dLLM v2: ``bd_size``; else 32),
 ``sub_block_size`` (v2: 8; else the block), ``cache`` (``prefix`` only: SGLang's
 scheduler recomputes each block over the KV of the blocks before it, which is the prefix
-cache; its block buffer is the whole block, so a dual cache cannot be expressed).
+cache; it allocates no KV past the current block and a forward's new tokens are always the
+tail of the request's KV, so neither dual cache, v1's masked suffix nor v2's sub-block
+window, can be expressed).
 
 This module imports neither torch nor SGLang at import time.
 """
@@ -27,7 +29,7 @@ from diffspec.methods import FAMILIES, get_method
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "register_dllm"]
+__all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "register_dllm", "sampling_error"]
 
 ALGORITHM = "FastDLLM"
 _OPTIONS = ("threshold", "block_size", "sub_block_size", "cache")
@@ -37,11 +39,11 @@ _registered = False
 
 def dllm_architectures() -> tuple[str, ...]:
     """Architectures ``--dllm-algorithm FastDLLM`` serves: those of the ``fast_dllm``
-    method's diffusion-only families (no AR view) that have an SGLang model class. (NLD's
-    SGLang class is its self-speculative model; its diffusion mode is not served here.)"""
+    method's families that have an SGLang model class (NLD's, which is also its
+    self-speculative model, runs its diffusion mode in dLLM mode:
+    :mod:`diffspec.model_executors.sglang.nld`)."""
     method = get_method("fast_dllm")
-    return tuple(arch for fam in method.families if not FAMILIES[fam].causal
-                 for arch in FAMILIES[fam].sglang_models)
+    return tuple(arch for fam in method.families for arch in FAMILIES[fam].sglang_models)
 
 
 def register_dllm() -> None:
@@ -105,9 +107,13 @@ def dllm_config(cfg: Any, info=None):
     cache = options.get("cache", "prefix")
     if cache != "prefix":
         raise CheckpointError(
-            f"set cache: prefix (or leave it out) in {cfg.dllm_algorithm_config}: SGLang's dLLM "
-            f"scheduler recomputes the whole block at every step over the KV of the blocks "
-            f"before it (the prefix cache); cache {cache!r} cannot be expressed on it")
+            f"set cache: prefix (or leave it out) in {cfg.dllm_algorithm_config}, or run "
+            f"cache {cache!r} on the reference decoder (diffspec generate --method fast_dllm "
+            f"--cache {cache}): SGLang's dLLM scheduler recomputes the whole block at every "
+            f"step over the KV of the blocks before it (the prefix cache); it allocates no KV "
+            f"past the current block (no masked suffix to cache) and a forward's new tokens "
+            f"are always the tail of the request's KV (no sub-block window over the block's "
+            f"other slots' KV), so the dual cache cannot be expressed on it")
     try:
         config = FastDLLMConfig(cache="prefix", threshold=options.get("threshold", 0.9),
                                 block_size=options.get("block_size"),
@@ -129,6 +135,34 @@ def dllm_config(cfg: Any, info=None):
     )
 
 
+# sampling fields FastDLLM would ignore: (name, value that means "not asked for")
+_IGNORED_FIELDS = (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                   ("repetition_penalty", 1.0), ("min_new_tokens", 0), ("logit_bias", None),
+                   ("json_schema", None), ("regex", None), ("ebnf", None),
+                   ("structural_tag", None))
+
+
+def sampling_error(params: Any) -> str | None:
+    """Why ``--dllm-algorithm FastDLLM`` refuses a request (first: what to do), or ``None``.
+
+    ``params``: SGLang's normalized ``SamplingParams`` (greedy is ``top_k == 1``; a request
+    that gives no temperature gets SGLang's default 1.0). FastDLLM decodes greedily, as the
+    reference decoder does, so sampling, penalties, ``min_new_tokens``, logit biases and
+    grammars would be silently ignored: the request is refused instead (SGLang aborts that
+    request alone, with this message)."""
+    asked = [] if params.top_k == 1 else [f"temperature {params.temperature:g}"]
+    ignored = [name for name, unset in _IGNORED_FIELDS
+               if getattr(params, name, unset) not in (unset, {}, "")]
+    if not asked and not ignored:
+        return None
+    todo = ([] if not asked else ["set temperature 0 (or top_k 1)"]) + (
+        [f"remove {', '.join(ignored)}"] if ignored else [])
+    return (f"{' and '.join(todo)} for --dllm-algorithm {ALGORITHM}: it decodes greedily "
+            f"(confidence-threshold unmasking of argmax tokens) and would ignore "
+            f"{', '.join(asked + ignored)}" + (" (SGLang's default temperature when a request "
+                                               "gives none is 1)" if asked else ""))
+
+
 def _turn_end_ids(info) -> list[int]:
     """The chat template's turn-end token (a stop besides the config's EOS), if any."""
     from transformers import AutoTokenizer
@@ -136,7 +170,7 @@ def _turn_end_ids(info) -> list[int]:
     from diffspec.spec_workers.reference.fast_dllm import turn_end_token_ids
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+        tokenizer = AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False)
     except (OSError, ValueError):
         return []
     return list(turn_end_token_ids(tokenizer))

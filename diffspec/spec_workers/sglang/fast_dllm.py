@@ -35,8 +35,11 @@ is the seed of a new block: SGLang runs every block's first forward before the
 algorithm's first step, where the reference finishes at the seed.
 
 Decoding is greedy, as the reference's: of a request's sampling parameters only
-``max_new_tokens``, stop tokens / strings and ``ignore_eos`` apply (temperature, top-p and
-penalties are ignored, as SGLang's own ``LowConfidence`` ignores them).
+``max_new_tokens``, stop tokens / strings and ``ignore_eos`` apply. A request that asks for
+more (temperature > 0, which is SGLang's default when none is given, penalties, grammars)
+is refused alone at admission (:meth:`FastDLLM.validate_request`,
+:func:`diffspec.plugin.sglang.dllm.sampling_error`) rather than silently decoded greedily,
+as SGLang's own ``LowConfidence`` does.
 
 Per-request limits and stop tokens are read from the scheduler's requests through the
 batch's sampling info (``penalizer_orchestrator.batch.reqs``, the same objects the
@@ -58,6 +61,7 @@ from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from diffspec.core.unmask import confidence_unmask, shift_logits
+from diffspec.plugin.sglang.dllm import sampling_error
 
 __all__ = ["FastDLLM", "RowState"]
 
@@ -90,6 +94,11 @@ class FastDLLM(DllmAlgorithm):
         self._seeds: OrderedDict[int, int] = OrderedDict()  # hash(token prefix) -> seed
 
     # ------------------------------------------------------------------ SGLang hooks
+
+    @classmethod
+    def validate_request(cls, req: Any) -> str | None:
+        """Refuse a request whose sampling FastDLLM would ignore (SGLang aborts it alone)."""
+        return sampling_error(req.sampling_params)
 
     def max_steps(self, block_size: int) -> int:
         """Forwards after a block's first one (synchronous mode): one token per step, then
