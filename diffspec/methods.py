@@ -237,6 +237,7 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
     Method("refusion", "ReFusion: slot-level plan-and-infill (greedy)", lossless=False,
            origin="diffspec", families=("refusion",),
            reference=f"{_SPEC}.reference.refusion:decoder",
+           sglang=EngineEntry(_DLLM_FLAG, "ReFusion", f"{_SPEC}.sglang.refusion:ReFusion"),
            # GSAI-ML/ReFusion's published GSM8K settings (slot 32, thresholds 0.9 / 0.4), in one
            # serial block (its 4 need max_tokens a multiple of 128): the fastest on the bundled
            # model (synth-refusion/TRAINING.md); with smaller slots the plan commits later

@@ -24,7 +24,8 @@ cached_tokens, ...}]}}}, "server_info": {run: {"avg_spec_accept_length": ...}},
 "config_errors": {name: message | null}, "sglang_version": str}.
 
 A run with "count_forwards" also reports, per batch, "forwards": the model forwards the
-engine ran for it, by forward mode ({"EXTEND": 1, "TARGET_VERIFY": 7}), and under
+engine ran for it, by forward mode ({"EXTEND": 1, "TARGET_VERIFY": 7}), "tokens": the
+tokens those forwards processed (``input_ids``), by forward mode, and under
 "EMBED" the passes through the network however they were started (calls of the token
 embedding, ``VocabParallelEmbedding.forward``: a worker that runs layers outside
 ``ModelRunner.forward``, as a separate draft view does, shows up there). They are counted
@@ -84,7 +85,9 @@ def _install_forward_counter(folder: str) -> None:
 
     def counted_forward(self, forward_batch, *args, **kwargs):
         mode = forward_batch.forward_mode.name
+        tokens = forward_batch.input_ids.numel()
         out = forward(self, forward_batch, *args, **kwargs)
+        counts[f"tokens:{mode}"] = counts.get(f"tokens:{mode}", 0) + tokens
         record(mode)
         return out
 
@@ -126,9 +129,12 @@ def _run(run: dict) -> tuple[dict, dict]:
             outputs[name] = _generate(engine, requests)
             if folder is not None:
                 after = _forward_counts(folder)
-                outputs[name]["forwards"] = {
-                    mode: count - before.get(mode, 0) for mode, count in after.items()
-                    if count != before.get(mode, 0)}
+                delta = {mode: count - before.get(mode, 0) for mode, count in after.items()
+                         if count != before.get(mode, 0)}
+                outputs[name]["forwards"] = {k: v for k, v in delta.items()
+                                             if not k.startswith("tokens:")}
+                outputs[name]["tokens"] = {k.partition(":")[2]: v for k, v in delta.items()
+                                           if k.startswith("tokens:")}
         info = engine.get_server_info()
         state = (info.get("internal_states") or [{}])[0]
         server = {"avg_spec_accept_length": state.get("avg_spec_accept_length")}

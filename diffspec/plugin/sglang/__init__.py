@@ -11,9 +11,9 @@ workers), so :func:`register` is idempotent. It refuses unsupported SGLang versi
   through SGLang's own plugin API, ``SpeculativeAlgorithm.register``, with the
   ``CustomSpecAlgo`` subclass of the method (``SelfSpecAlgo``; ``TiDARAlgo`` for
   ``TIDAR``) and validation of :mod:`diffspec.plugin.sglang.config`;
-* adds the ``FastDLLM`` dLLM algorithm and hooks ``DllmConfig.from_server_args`` for the
-  diffusion checkpoints (:mod:`diffspec.plugin.sglang.dllm`), the one hook, listed in
-  ``diffspec/plugin/patches.md``;
+* adds the ``FastDLLM`` and ``ReFusion`` dLLM algorithms and hooks
+  ``DllmConfig.from_server_args`` for their checkpoints (:mod:`diffspec.plugin.sglang.dllm`),
+  listed in ``diffspec/plugin/patches.md``;
 * hooks ``get_req_to_token_extra_context_len`` so a request's ``req_to_token`` row holds
   the KV window SGLang reserves for a speculative step up to the context end
   (:mod:`diffspec.plugin.sglang.headroom`, also in ``patches.md``).
@@ -58,7 +58,7 @@ def register() -> None:
         architectures.update(family.sglang_models)
     for arch, target in architectures.items():
         ModelRegistry.models.setdefault(arch, load_object(target))
-    register_dllm()  # --dllm-algorithm FastDLLM
+    register_dllm()  # --dllm-algorithm FastDLLM / ReFusion
     register_headroom()  # req_to_token rows hold the KV window the scheduler reserves
     algorithms = self_spec_algorithms()
     for name, method in algorithms.items():

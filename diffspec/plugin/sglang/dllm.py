@@ -7,7 +7,8 @@ architectures is a local dict: for an architecture of a registry family that the
 ``fast_dllm`` method serves in SGLang, :func:`dllm_config` builds the ``DllmConfig``
 (block size, mask id, the resolved algorithm settings) from the checkpoint and the
 ``--dllm-algorithm-config`` YAML; every other architecture goes to SGLang's function
-unchanged (listed in ``diffspec/plugin/patches.md``).
+unchanged (listed in ``diffspec/plugin/patches.md``). ``--dllm-algorithm ReFusion`` (a stock
+Qwen3 architecture) goes to :func:`diffspec.plugin.sglang.refusion.refusion_dllm_config`.
 
 YAML keys: ``threshold`` (0.9), ``block_size`` (Fast-dLLM v2: ``bd_size``; else 32),
 ``sub_block_size`` (v2: 8; else the block), ``cache`` (``prefix`` only: SGLang's
@@ -54,10 +55,13 @@ def register_dllm() -> None:
     from sglang.srt.dllm.algorithm import algo_name_to_cls
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from diffspec.plugin.sglang.refusion import ALGORITHM as REFUSION
     from diffspec.spec_workers.sglang.fast_dllm import FastDLLM
+    from diffspec.spec_workers.sglang.refusion import ReFusion
 
     FastDLLM.supported_architectures = dllm_architectures()
     algo_name_to_cls.setdefault(ALGORITHM, FastDLLM)
+    algo_name_to_cls.setdefault(REFUSION, ReFusion)
     HookRegistry.register(_TARGET, _from_server_args, HookType.AROUND)
     _registered = True
 
@@ -67,9 +71,14 @@ def _from_server_args(original, server_args):
     every other one in SGLang's own function."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
+    from diffspec.plugin.sglang.refusion import ALGORITHM as REFUSION
+    from diffspec.plugin.sglang.refusion import refusion_dllm_config
+
     cfg = resolving_view(server_args)
     if cfg.dllm_algorithm is None:
         return original(server_args)
+    if cfg.dllm_algorithm == REFUSION:  # a stock Qwen3 architecture: ReFusion's own config
+        return refusion_dllm_config(cfg)
     try:
         info = inspect_checkpoint(cfg.model_path)
     except CheckpointError:

@@ -1,0 +1,126 @@
+"""``--dllm-algorithm ReFusion``: the ``DllmConfig`` of a ReFusion launch (SGLang).
+
+A ReFusion checkpoint is a stock ``Qwen3ForCausalLM``, an architecture SGLang's dLLM
+table does not know; the ``DllmConfig.from_server_args`` hook of
+:mod:`diffspec.plugin.sglang.dllm` sends ``--dllm-algorithm ReFusion`` here.
+
+YAML keys (``--dllm-algorithm-config``), defaults from the registry's ``refusion`` method
+(``GSAI-ML/ReFusion``'s published slot size and thresholds): ``slot_size`` (32),
+``slot_threshold`` (0.9), ``token_threshold`` (0.4), ``num_blocks`` (serial blocks per
+request, 1; the model card's GSM8K setting is 4), ``block_size`` (the KV block a request
+gets, i.e. the most tokens it may generate: 256; a multiple of ``slot_size``).
+
+This module imports neither torch nor SGLang at import time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
+from diffspec.methods import get_method
+
+__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "refusion_dllm_config", "refusion_options",
+           "unsupported_request"]
+
+ALGORITHM = "ReFusion"
+DEFAULT_BLOCK_SIZE = 256
+_OPTIONS = ("slot_size", "slot_threshold", "token_threshold", "num_blocks", "block_size")
+
+
+def refusion_options(options: dict[str, Any], source: str = "the dLLM settings"
+                     ) -> dict[str, Any]:
+    """Resolved and checked ReFusion settings (registry defaults filled in);
+    :class:`CheckpointError` whose first words say what to fix."""
+    from diffspec.spec_workers.reference.refusion import ReFusionConfig
+
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise CheckpointError(f"remove {', '.join(unknown)} from {source}: ReFusion takes "
+                              f"{', '.join(_OPTIONS)}")
+    defaults = dict(get_method("refusion").defaults)
+    settings = {k: options.get(k, defaults[k]) for k in defaults}
+    try:
+        config = ReFusionConfig(**settings)
+    except ValueError as exc:
+        raise CheckpointError(f"fix {source}: {exc}") from None
+    block = options.get("block_size", DEFAULT_BLOCK_SIZE)
+    if isinstance(block, bool) or not isinstance(block, int) or block < config.slot_size \
+            or block % config.slot_size:
+        raise CheckpointError(f"set block_size in {source} to a multiple of slot_size "
+                              f"{config.slot_size}, got {block!r}")
+    return {"slot_size": config.slot_size, "slot_threshold": float(config.slot_threshold),
+            "token_threshold": float(config.token_threshold), "num_blocks": config.num_blocks,
+            "block_size": block}
+
+
+def unsupported_request(req: Any, block_size: int, slot_size: int, num_blocks: int
+                        ) -> str | None:
+    """Why ReFusion cannot serve ``req`` (first words: what to do), or ``None``."""
+    params = req.sampling_params
+    if params.temperature > 0 and params.top_k != 1:
+        return ("set temperature 0: ReFusion in SGLang decodes greedily (its plan and "
+                f"verify rules are greedy), got temperature {params.temperature}")
+    gen_len = math.ceil(params.max_new_tokens / slot_size) * slot_size
+    if gen_len > block_size:
+        return (f"set max_new_tokens <= {block_size} or raise block_size in "
+                f"--dllm-algorithm-config: a request's generation must fit the KV block "
+                f"SGLang gives it; max_new_tokens {params.max_new_tokens} rounds up to "
+                f"{gen_len} (whole slots of {slot_size})")
+    if gen_len % num_blocks or (gen_len // num_blocks) % slot_size:
+        return (f"set max_new_tokens to a multiple of {slot_size * num_blocks} (or change "
+                f"num_blocks / slot_size): {gen_len} tokens ({params.max_new_tokens} rounded "
+                f"up to whole slots of {slot_size}) do not split into {num_blocks} serial "
+                f"blocks of whole slots")
+    return None
+
+
+def refusion_dllm_config(cfg: Any, info=None):
+    """The ``DllmConfig`` of ``--dllm-algorithm ReFusion`` (``cfg``: server arguments)."""
+    from sglang.srt.dllm.config import DllmConfig
+
+    info = info or inspect_checkpoint(cfg.model_path)
+    try:
+        require_method(info, "refusion")
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"serve a ReFusion checkpoint (Qwen3ForCausalLM with mask_token_id in config.json) "
+            f"with --dllm-algorithm {ALGORITHM}; {exc}") from None
+    source = cfg.dllm_algorithm_config or "the dLLM settings"
+    options = refusion_options(_yaml_mapping(cfg.dllm_algorithm_config), source)
+    # Parallel completion borrows one req_to_token row per extra chosen slot, from the
+    # pool SGLang sizes by --max-running-requests (large when it is not set)
+    borrowed = options["block_size"] // options["slot_size"] - 1
+    running = 1
+    if cfg.max_running_requests is not None:
+        running = cfg.max_running_requests - borrowed
+        if running < 1:
+            raise CheckpointError(
+                f"raise --max-running-requests to at least {borrowed + 1} (got "
+                f"{cfg.max_running_requests}): ReFusion's parallel completion borrows up to "
+                f"block_size / slot_size - 1 = {borrowed} rows of SGLang's request pool, "
+                f"which holds --max-running-requests rows; requests decoding at once: "
+                f"--max-running-requests - {borrowed}")
+    # first-done-first-out has nothing to do: a request's block is decoded in one step
+    return DllmConfig(
+        algorithm=ALGORITHM,
+        algorithm_config={**options, "vocab_size": int(info.config["vocab_size"])},
+        block_size=options["block_size"],
+        mask_id=int(info.mask_token_id),
+        max_running_requests=running,
+        first_done_first_out_mode=False,
+        requires_separate_context_encoding=True,
+    )
+
+
+def _yaml_mapping(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    import yaml
+
+    with open(path) as f:
+        options = yaml.safe_load(f) or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"make {path} a YAML mapping (keys: {', '.join(_OPTIONS)})")
+    return options

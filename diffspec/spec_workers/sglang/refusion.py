@@ -1,0 +1,269 @@
+"""ReFusion in SGLang's dLLM mode: ``--dllm-algorithm ReFusion`` (a ``DllmAlgorithm``).
+
+The same rounds as the reference decoder (:mod:`diffspec.spec_workers.reference.refusion`,
+rules in :mod:`diffspec.core.slots`), on SGLang's scheduler, KV pool and attention backend:
+
+* SGLang's *separate context encoding* dLLM mode: the prompt is prefilled causally
+  (``EXTEND``, SGLang's own forward), then the request gets one block of ``block_size``
+  KV slots right after its prompt (``DLLM_EXTEND``), which :meth:`ReFusion.run` fills
+  with ReFusion rounds: plan, global verify, parallel completion, every forward an
+  SGLang ``DLLM_EXTEND`` forward on the stock Qwen3 (causal attention); the stock
+  model's logits processor is switched to full logits (it only matters in that mode).
+* KV layout: the block's slots hold the committed tokens **in commit order** (the
+  reference's cache order), each written with its **true** position (``positions`` of
+  the forward); later forwards read them through ``req_to_token`` as their prefix, so a
+  committed slot's KV is written once and reused, never recomputed. Scratch passes
+  (plan, rejected drafts) write behind the committed ones and are overwritten: rolling
+  back is moving the committed length.
+* Parallel completion: each chosen slot is one batch row over the same prefix. Row 0
+  is the request's own ``req_to_token`` row; the others get scratch rows of SGLang's
+  ``ReqToTokenPool`` whose prefix entries are the request's (indices copied, not KV),
+  followed by their slot's KV slots, laid one after another behind the committed ones:
+  the rows' KV is already in commit order when the round ends.
+* Serial blocks (``num_blocks``, the model card's 4 on GSM8K) are decoded one after
+  another inside that one SGLang block, each over the committed KV of those before it, as
+  the reference decoder does. A request's whole generation must fit the SGLang block
+  (``max_new_tokens`` rounded up to whole slots at most ``block_size``, refused
+  otherwise): SGLang discards a dLLM block's KV after it (its separate-context mode
+  re-encodes committed blocks), so a second SGLang block would recompute it.
+
+Decoding is greedy (a request with temperature > 0 is refused); the requests of a dLLM
+batch are decoded one after another (the reference's order and forward count).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+from sglang.srt.dllm.algorithm.base import DllmAlgorithm
+from sglang.srt.dllm.config import DllmConfig
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from diffspec.core.slots import first_stop_in_slots, score_slots, select_slots, verify_slot_drafts
+from diffspec.plugin.sglang.refusion import unsupported_request
+from diffspec.spec_workers.sglang.fast_dllm import _batch_requests, _stop_ids
+
+__all__ = ["ReFusion"]
+
+
+@dataclass
+class _Block:
+    """One request's serial block: committed slots are in the KV slots ``locs[:committed]``."""
+
+    pool: int  # the request's req_to_token row
+    prompt_len: int  # KV entries before the block (the prompt, causally encoded)
+    first_position: int  # position of slot 0's first token
+    locs: torch.Tensor  # [block_size] the block's KV slots (req_to_token[pool, prompt_len:])
+    masked: list[int]  # still-masked slots, original order
+    stops: tuple[int, ...]
+    slot_tokens: dict[int, list[int]] = field(default_factory=dict)
+    committed: int = 0  # KV entries of the block holding committed tokens
+    stopped: bool = False  # a stop token was committed: no later serial block
+
+
+class ReFusion(DllmAlgorithm):
+    """ReFusion plan-and-infill; settings from ``algorithm_config`` (resolved and validated
+    by :func:`diffspec.plugin.sglang.refusion.refusion_dllm_config`)."""
+
+    requires_separate_context_encoding = True
+    supported_architectures = ("Qwen3ForCausalLM",)
+
+    def __init__(self, config: DllmConfig) -> None:
+        super().__init__(config)
+        cfg = config.algorithm_config
+        self.slot_size = int(cfg["slot_size"])
+        self.slot_threshold = float(cfg["slot_threshold"])
+        self.token_threshold = float(cfg["token_threshold"])
+        self.num_blocks = int(cfg["num_blocks"])
+        self.vocab_size = int(cfg["vocab_size"])
+
+    @classmethod
+    def validate_request(cls, req) -> str | None:
+        cfg = req.dllm_config
+        return unsupported_request(req, cfg.block_size, int(cfg.algorithm_config["slot_size"]),
+                                   int(cfg.algorithm_config["num_blocks"]))
+
+    def run(self, model_runner, forward_batch: ForwardBatch, algo_states=None):
+        if not forward_batch.forward_mode.is_dllm_extend():  # the prompt's causal prefill
+            out = model_runner.forward(forward_batch)
+            return out.logits_output, [], None, None, out.can_run_graph
+        # the stock Qwen3 returns the last logit; ReFusion reads every position's
+        model_runner.model.logits_processor.return_full_logits = True
+        req_to_token = model_runner.req_to_token_pool.req_to_token
+        outputs = []
+        for row, req in enumerate(_batch_requests(forward_batch)):
+            pool = int(forward_batch.req_pool_indices[row])
+            prompt_len = int(forward_batch.extend_prefix_lens_cpu[row])
+            first = int(forward_batch.positions[row * self.block_size])
+            assert first == prompt_len, "ReFusion's block starts right after the prompt KV"
+            num_slots = math.ceil(req.sampling_params.max_new_tokens / self.slot_size)
+            per_block = num_slots // self.num_blocks  # validate_request: it splits
+            block = _Block(pool, prompt_len, first,
+                           req_to_token[pool, prompt_len : prompt_len + self.block_size].clone(),
+                           [], tuple(sorted(_stop_ids(req))))
+            for serial in range(self.num_blocks):  # over the KV of the serial blocks before
+                block.masked = list(range(serial * per_block, (serial + 1) * per_block))
+                while block.masked:
+                    self._round(model_runner, forward_batch, block)
+                if block.stopped:
+                    break
+            outputs.append(self._finish(block, req))
+        return self._last_output, outputs, None, None, False
+
+    # ------------------------------------------------------------------ one round
+
+    def _round(self, runner, template: ForwardBatch, b: _Block) -> None:
+        """Plan, global verify, parallel completion: commits at least one slot."""
+        S, device = self.slot_size, b.locs.device
+
+        # plan: the still-masked slots (original order, true positions) over the committed KV
+        masked = torch.tensor(b.masked, device=device)  # [m]
+        positions = b.first_position + masked[:, None] * S + torch.arange(S, device=device)
+        logits = self._forward(runner, template, b, [b.pool], 0,
+                               torch.full_like(positions, self.mask_id).view(1, -1),
+                               positions.view(1, -1)).view(len(masked), S, -1)  # [m, S, V]
+        scores, _ = score_slots(logits[:, 0])
+        chosen = select_slots(scores, self.slot_threshold).nonzero().flatten()
+        slots, positions = masked[chosen], positions[chosen]  # [k], [k, S]
+        drafts = logits[chosen].argmax(dim=-1)  # [k, S]
+
+        # global verify: the drafts one after another, causally, writing their KV in place
+        logits = self._forward(runner, template, b, [b.pool], 0, drafts.view(1, -1),
+                               positions.view(1, -1)).view(len(slots), S, -1)
+        accepted = self._accept(drafts, logits, 0)
+        stop_at = first_stop_in_slots(drafts, accepted, b.stops)  # [k]
+        done = (accepted == S) | (stop_at >= 0)
+        lead = int(done.long().cumprod(0).sum())
+        if lead > 0:
+            stops = (stop_at[:lead] >= 0).nonzero().flatten()
+            lead = int(stops[0]) + 1 if len(stops) else lead
+            keep = [S] * lead
+            if len(stops):
+                keep[-1] = int(stop_at[lead - 1]) + 1
+            self._commit(b, slots[:lead], drafts[:lead], keep, bool(len(stops)))
+            return
+
+        # parallel completion: one row per chosen slot, each over the committed KV only
+        tokens, rows = drafts.clone(), len(slots)
+        keep, stopped = [S] * rows, False
+        pools = self._row_pools(runner, b, rows)
+        try:
+            start = 0
+            while int(accepted.min()) < S:
+                open_ = torch.arange(S, device=device)[None] >= accepted[:, None]  # [rows, S]
+                draft_in = torch.where(open_, self.mask_id, tokens)[:, start:]
+                proposed = self._forward(runner, template, b, pools[:rows], start, draft_in,
+                                         positions[:, start:]).argmax(-1)
+                tokens[:, start:] = torch.where(open_[:, start:], proposed, tokens[:, start:])
+                logits = self._forward(runner, template, b, pools[:rows], start,
+                                       tokens[:, start:], positions[:, start:])
+                accepted = self._accept(tokens, logits, start, accepted)
+                stop_at = first_stop_in_slots(tokens, accepted, b.stops)
+                if bool((stop_at >= 0).any()):  # rows after the first stop are dropped
+                    stopped, rows = True, int((stop_at >= 0).nonzero()[0]) + 1
+                    tokens, positions, accepted = tokens[:rows], positions[:rows], accepted[:rows]
+                    keep = [S] * (rows - 1) + [int(stop_at[rows - 1]) + 1]
+                    accepted[-1] = S
+                    slots = slots[:rows]
+                start = int(accepted.min())
+        finally:
+            runner.req_to_token_pool.free_rows(pools[1:])
+        self._commit(b, slots, tokens, keep, stopped)
+
+    def _accept(self, tokens: torch.Tensor, logits: torch.Tensor, start: int,
+                accepted: torch.Tensor | None = None) -> torch.Tensor:  # [rows]
+        """Token-threshold acceptance of ``tokens`` [rows, S] from the causal logits of
+        the window ``[start:]`` ([rows, S - start, V]), as the reference's ``_verify``."""
+        probs = torch.ones(tokens.shape, dtype=logits.dtype, device=tokens.device)
+        window = tokens[:, start + 1 :]
+        probs[:, start + 1 :] = torch.softmax(logits[:, :-1], -1).gather(
+            -1, window[..., None])[..., 0]
+        return verify_slot_drafts(tokens, probs, self.token_threshold, accepted)
+
+    # ------------------------------------------------------------------ engine plumbing
+
+    def _row_pools(self, runner, b: _Block, rows: int) -> list[int]:
+        """``req_to_token`` rows for the completion: the request's own, then scratch rows
+        holding its prefix entries and slot ``r``'s KV slots behind the committed ones."""
+        S, table = self.slot_size, runner.req_to_token_pool.req_to_token
+        scratch = runner.req_to_token_pool.alloc_rows(rows - 1) if rows > 1 else []
+        if scratch is None:
+            raise RuntimeError("raise --max-running-requests: ReFusion's parallel completion "
+                               f"needs {rows - 1} free rows of SGLang's request pool")
+        prefix = b.prompt_len + b.committed
+        for r, pool in enumerate(scratch, start=1):
+            table[pool, :prefix] = table[b.pool, :prefix]
+            table[pool, prefix : prefix + S] = b.locs[b.committed + r * S : b.committed + (r + 1) * S]
+        return [b.pool, *scratch]
+
+    def _forward(self, runner, template: ForwardBatch, b: _Block, pools: list[int], start: int,
+                 input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One causal ``DLLM_EXTEND`` forward of ``input_ids`` [rows, n] at ``positions``
+        [rows, n]; row r extends ``pools[r]`` after its committed KV plus ``start``
+        entries. Returns fp32 logits [rows, n, vocab]."""
+        rows, n = input_ids.shape
+        prefix = b.prompt_len + b.committed + start
+        table = runner.req_to_token_pool.req_to_token
+        fb = copy.copy(template)
+        pool_ids = torch.tensor(pools, dtype=template.req_pool_indices.dtype,
+                                device=template.req_pool_indices.device)
+        seq_lens = torch.full((rows,), prefix + n, dtype=template.seq_lens.dtype,
+                              device=template.seq_lens.device)
+        ext = torch.full((rows,), n, dtype=template.extend_seq_lens.dtype,
+                         device=template.extend_seq_lens.device)
+        fb.forward_mode = ForwardMode.DLLM_EXTEND
+        fb.batch_size = rows
+        fb.input_ids = input_ids.reshape(-1).to(template.input_ids.dtype)
+        fb.positions = positions.reshape(-1).to(template.positions.dtype)
+        fb.req_pool_indices = pool_ids
+        fb.req_pool_indices_cpu = pool_ids.cpu()
+        fb.out_cache_loc = table[pool_ids, prefix : prefix + n].reshape(-1).to(
+            template.out_cache_loc.dtype)
+        fb.seq_lens, fb.orig_seq_lens = seq_lens, seq_lens
+        fb.seq_lens_cpu = seq_lens.cpu()
+        fb.seq_lens_sum = rows * (prefix + n)
+        fb.extend_num_tokens = rows * n
+        fb.extend_seq_lens = ext
+        fb.extend_prefix_lens = torch.full_like(ext, prefix)
+        fb.extend_start_loc = torch.arange(rows, dtype=ext.dtype, device=ext.device) * n
+        fb.extend_seq_lens_cpu = [n] * rows
+        fb.extend_prefix_lens_cpu = [prefix] * rows
+        fb.extend_logprob_start_lens_cpu = [n] * rows
+        fb.dllm_prompt_mask = None
+        fb.rids = None
+        fb.return_logprob = False
+        out = runner.forward(fb)
+        self._last_output = out.logits_output
+        return out.logits_output.full_logits[:, : self.vocab_size].float().view(rows, n, -1)
+
+    def _commit(self, b: _Block, slots: torch.Tensor, tokens: torch.Tensor, keep: list[int],
+                stopped: bool) -> None:
+        """Committed slots' KV is already in place, in this order: move the length."""
+        for slot, row, k in zip(slots.tolist(), tokens.tolist(), keep):
+            b.slot_tokens[slot] = row[:k]
+            b.masked.remove(slot)
+            b.committed += k
+        if stopped:  # nothing after the stop slot will be generated
+            b.stopped = True
+            last = int(slots[-1])
+            b.masked = [s for s in b.masked if s < last]
+
+    def _finish(self, b: _Block, req) -> torch.Tensor:
+        """The slots in original order, cut after the first stop and at max_new_tokens."""
+        tokens: list[int] = []
+        slot = 0
+        while slot in b.slot_tokens:  # only slots after a stop are never generated
+            tokens += b.slot_tokens[slot]
+            slot += 1
+        for i, t in enumerate(tokens):
+            if t in b.stops:
+                tokens = tokens[: i + 1]
+                break
+        tokens = tokens[: req.sampling_params.max_new_tokens]
+        return torch.tensor(tokens, dtype=torch.long)
+
+
+Algorithm = ReFusion
