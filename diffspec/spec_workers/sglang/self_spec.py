@@ -192,7 +192,7 @@ class SelfSpecWorker(TargetModelSpecWorker):
         self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
         self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
-                                        self.width - 1, "two_pass")
+                                        self.width - 1, "two_pass", self.method)
         self.timings = DraftTimings(self.device)
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
@@ -461,7 +461,7 @@ def _remaining(req) -> int:
     return int(req.sampling_params.max_new_tokens) - len(req.output_ids)
 
 
-def adaptive_policy(hf_config, max_drafts: int, cost: str):
+def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthrus"):
     """The adaptive draft-count policy, when the model config carries ``diffspec:
     {"adaptive": true, "latency_profile": PATH}`` (SGLang's ``--json-model-override-args``;
     SGLang has no flag of ours), else ``None``."""
@@ -478,7 +478,8 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str):
         raise ValueError("add \"latency_profile\": PATH next to \"adaptive\": true in "
                          "--json-model-override-args '{\"diffspec\": {...}}': the adaptive "
                          "policy needs a latency profile (python -m benchmarks.adaptive_sweep "
-                         "--profile-only --engines sglang --model CKPT --out DIR measures one through SGLang: "
+                         f"--profile-only --engines sglang --model CKPT --method {method} "
+                         "--out DIR measures one through SGLang: "
                          "DIR/sglang-latency-profile.json)")
     try:
         profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))

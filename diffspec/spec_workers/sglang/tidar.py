@@ -175,7 +175,7 @@ class TiDARWorker(TargetModelSpecWorker):
         self._layouts: dict[tuple[int, int], _StepLayout] = {}  # (n, k) -> layout
         config = self.model_runner.model.config
         self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
-                                        self.num_drafts, "quadratic")
+                                        self.num_drafts, "quadratic", "tidar")
         if self.adaptive is not None:
             self.adaptive.cost = StepCost("quadratic", skip=0 if self.logits_shift else 1)
         self.timings = DraftTimings(self.device)
