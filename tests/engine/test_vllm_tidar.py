@@ -53,9 +53,9 @@ SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed", "disable_log_stats
 # accepted at some steps and rejected at others.
 TEMPERATURE, TOP_P, NUM_SEEDS, SAMPLED_TOKENS = 0.3, 0.9, 300, 4
 # flat up to 12 query tokens, then every token costs 9 flat steps: a TiDAR step with k drafts
-# forwards (k + 1)^2 tokens per request (synth-tidar's drafts are shifted), so one request
-# drafts 2, two or three 1 each, and of four or more only two draft (one each, per request)
-# or none does (one count per step) (tests/unit/test_adaptive_tidar.py)
+# forwards (k + 1)^2 tokens per request (synth-tidar's drafts are shifted), so with one
+# count per step one request drafts 2, two or three 1 each, and four or more none
+# (tests/unit/test_adaptive_tidar.py)
 KNEE_PROFILE = {"points": {"1": 0.01, "12": 0.01, "13": 0.1}}
 
 
@@ -325,10 +325,10 @@ def test_spec_decode_counters(engine) -> None:
 
 
 def test_adaptive_drafts_follow_the_batch(engine) -> None:
-    """``"adaptive": true`` on the knee profile: while four or more requests run, only
-    two of them draft (one each) and the others take plain AR steps; as requests finish
-    the rest draft more, up to 2 for the last one alone; output and finish reasons are
-    AR's, and vLLM's own counters show the choices."""
+    """``"adaptive": true`` on the knee profile: while four or more requests run, the
+    steps are plain AR steps; as requests finish the rest draft, 1 each for two or three,
+    up to 2 for the last one alone; output and finish reasons are AR's, and vLLM's own
+    counters show the choices."""
     ar = engine["runs"]["synth_ar"]["greedy"]
     run = engine["runs"]["synth_adaptive"]["greedy"]
     assert run["outputs"] == ar["outputs"]

@@ -40,11 +40,12 @@ requests), each over the request's context, which is TiDAR's quadratic draft wor
 
 **Adaptive draft counts** (``"adaptive": true, "latency_profile": PATH`` in the
 speculative config, as for self-speculation): each step the policy of
-:mod:`diffspec.core.adaptive` (``StepCost("quadratic", skip)``) picks, per request that
-samples a token, how many drafts its branches pre-draft: ``k`` drafts are ``n + 1``
-branches of ``k + (1 - shift)`` masks, and ``k = 0`` is no branch at all, so the next step
-is a plain AR step for that request (with no branch left in the batch, the step is the
-runner's own forward). The estimate learns from each verify: the ``n`` drafts scheduled
+:mod:`diffspec.core.adaptive` (``StepCost("quadratic", skip)``) picks one draft count ``k``
+for the step (each request that samples a token pre-drafts ``min(k, its cap)``): ``k``
+drafts are ``n + 1`` branches of ``k + (1 - shift)`` masks, and ``k = 0`` is no branch at
+all, so the next step is a plain AR step, the runner's own forward. One count per step
+because a step where any request has branches runs the whole batch through the quadratic
+forward. The estimate learns from each verify: the ``n`` drafts scheduled
 and the tokens the rejection sampler emitted. vLLM's own ``vllm:spec_decode_num_drafts`` /
 ``..._num_draft_tokens`` count the choices (a request with no drafts is no verify step);
 the policy's state is logged every 100 steps. ``$DIFFSPEC_DRAFT_TIMINGS`` times each
@@ -230,15 +231,20 @@ class TiDARProposer:
             return _decoder_forward(model.model, ids, pos), branches  # [T + B, hidden]
 
     def _adapt(self, runner, plans: list[BranchPlan]) -> list[BranchPlan]:
-        """The policy's draft count for every request that samples a token this step:
-        its branches shrink to ``k`` drafts; ``k = 0`` drops them (a plain AR step next)."""
+        """The policy's draft count for the step: every request that samples a token
+        this step pre-drafts ``min(k, its cap)``; ``k = 0`` drops every branch (a plain AR
+        step next, the runner's own forward). One count per step, not per request: once
+        any request has branches the whole batch runs the quadratic forward, so a step
+        where some requests draft costs what a drafting step costs, which a per-request
+        price does not see (adaptive-synth-tidar-vllm, c = 16)."""
         batch = runner.input_batch
         req_ids = batch.req_ids
         self._verified = [len(batch.spec_token_ids[i]) for i in range(batch.num_reqs)]
         self.adaptive.forget(set(req_ids))
         skip = 0 if self.logits_shift else 1
-        counts = self.adaptive.choose([req_ids[p.row] for p in plans],
-                                      [p.num_masks - skip for p in plans])
+        caps = [p.num_masks - skip for p in plans]
+        k = self.adaptive.choose_shared([req_ids[p.row] for p in plans], caps)
+        counts = [min(k, cap) for cap in caps]
         if plans and self.adaptive.steps % self.adaptive.log_every == 1:
             logger.info("diffspec: %s", self.adaptive.summary())
         return [replace(p, num_masks=k + skip) for p, k in zip(plans, counts) if k > 0]
