@@ -64,7 +64,8 @@ def _one(engine, ids: list[int], params: dict, counts: str | None = None) -> dic
            "accepted": int(counters.accepted), "per_pos": counters.accepted_per_pos}
     if counts:  # every forward mode the request ran (prefill blocks included)
         after = forward_counts(counts)
-        out["forwards"] = sum(n - before.get(m, 0) for m, n in after.items() if m != "EMBED")
+        out["forwards"] = sum(n - before.get(m, 0) for m, n in after.items()
+                              if m != "EMBED" and not m.startswith("tokens:"))
     return out
 
 

@@ -6,8 +6,9 @@ SGLang starts its scheduler with the ``spawn`` method, so a script that wants th
 :func:`install_forward_counter` when it is imported as ``__mp_main__`` (what a spawned child
 does with its parent's main script). Each process then rewrites ``<folder>/<pid>.json``
 after every forward, before the forward's results are used, and :func:`forward_counts`
-sums them: ``{"DLLM_EXTEND": 12, "EMBED": 12}`` (``ModelRunner.forward`` by forward mode;
-``EMBED``: every pass through the token embedding, however it was started).
+sums them: ``{"DLLM_EXTEND": 12, "EMBED": 12, "tokens:DLLM_EXTEND": 410}``
+(``ModelRunner.forward`` by forward mode; ``EMBED``: every pass through the token embedding,
+however it was started; ``tokens:MODE``: the ``input_ids`` those forwards processed).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ FORWARD_COUNT_ENV = "DIFFSPEC_FORWARD_COUNT_DIR"
 
 
 def install_forward_counter(folder: str) -> None:
-    """Count this process's ``ModelRunner.forward`` calls by forward mode, and its token
-    embedding calls as ``EMBED``, into ``folder/<pid>.json``."""
+    """Count this process's ``ModelRunner.forward`` calls by forward mode (and the tokens
+    they processed, as ``tokens:MODE``), and its token embedding calls as ``EMBED``, into
+    ``folder/<pid>.json``."""
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -40,7 +42,9 @@ def install_forward_counter(folder: str) -> None:
 
     def counted_forward(self, forward_batch, *args, **kwargs):
         mode = forward_batch.forward_mode.name
+        tokens = forward_batch.input_ids.numel()
         out = forward(self, forward_batch, *args, **kwargs)
+        counts[f"tokens:{mode}"] = counts.get(f"tokens:{mode}", 0) + tokens
         record(mode)
         return out
 

@@ -43,6 +43,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from diffspec.testing.sglang_forwards import (
+    FORWARD_COUNT_ENV,
+    forward_counts,
+    install_forward_counter,
+)
+
 RESULT_PREFIX = "DIFFSPEC_RESULT "
 CPU_ENGINE_KWARGS = {
     "device": "cpu",
@@ -60,51 +66,6 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids"
                  "min_new_tokens", "logit_bias", "regex", "sampling_seed")
 META_KEYS = ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accept_length",
              "spec_num_correct_drafts", "cached_tokens", "completion_tokens")
-
-
-FORWARD_COUNT_ENV = "DIFFSPEC_FORWARD_COUNT_DIR"
-
-
-def _install_forward_counter(folder: str) -> None:
-    """Count this process's ``ModelRunner.forward`` calls by forward mode, and its token
-    embedding calls as ``EMBED``, into ``folder/<pid>.json`` (rewritten after every call,
-    before its results are used)."""
-    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from sglang.srt.model_executor.model_runner import ModelRunner
-
-    counts: dict[str, int] = {}
-    target = Path(folder) / f"{os.getpid()}.json"
-
-    def record(key: str) -> None:
-        counts[key] = counts.get(key, 0) + 1
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(counts))
-        tmp.replace(target)
-
-    forward, embed = ModelRunner.forward, VocabParallelEmbedding.forward
-
-    def counted_forward(self, forward_batch, *args, **kwargs):
-        mode = forward_batch.forward_mode.name
-        tokens = forward_batch.input_ids.numel()
-        out = forward(self, forward_batch, *args, **kwargs)
-        counts[f"tokens:{mode}"] = counts.get(f"tokens:{mode}", 0) + tokens
-        record(mode)
-        return out
-
-    def counted_embed(self, input_):
-        record("EMBED")
-        return embed(self, input_)
-
-    ModelRunner.forward = counted_forward
-    VocabParallelEmbedding.forward = counted_embed
-
-
-def _forward_counts(folder: str) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for path in Path(folder).glob("*.json"):
-        for mode, count in json.loads(path.read_text()).items():
-            total[mode] = total.get(mode, 0) + count
-    return total
 
 
 def _run(run: dict) -> tuple[dict, dict]:
@@ -125,10 +86,10 @@ def _run(run: dict) -> tuple[dict, dict]:
     try:
         outputs = {}
         for name, requests in run.get("batches", {}).items():
-            before = _forward_counts(folder) if folder is not None else None
+            before = forward_counts(folder) if folder is not None else None
             outputs[name] = _generate(engine, requests)
             if folder is not None:
-                after = _forward_counts(folder)
+                after = forward_counts(folder)
                 delta = {mode: count - before.get(mode, 0) for mode, count in after.items()
                          if count != before.get(mode, 0)}
                 outputs[name]["forwards"] = {k: v for k, v in delta.items()
@@ -234,4 +195,4 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 elif __name__ == "__mp_main__" and os.environ.get(FORWARD_COUNT_ENV):
-    _install_forward_counter(os.environ[FORWARD_COUNT_ENV])
+    install_forward_counter(os.environ[FORWARD_COUNT_ENV])
