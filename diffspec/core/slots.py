@@ -34,6 +34,7 @@ from diffspec.core import PLACEHOLDER_TOKEN_ID
 
 __all__ = [
     "SlotOrder",
+    "committed_slot_lengths",
     "first_stop_in_slots",
     "reorder_for_kv_reuse",
     "score_slots",
@@ -125,6 +126,25 @@ def first_stop_in_slots(
     hit = torch.isin(token_ids, stops) & (index < num_accepted[..., None])
     first = hit.long().argmax(dim=-1)  # first True, 0 when none
     return torch.where(hit.any(dim=-1), first, torch.full_like(first, -1))
+
+
+def committed_slot_lengths(
+    num_accepted: torch.Tensor,  # [num_slots] accepted prefix length of each slot (verify)
+    stop_at: torch.Tensor,  # [num_slots] first_stop_in_slots: -1 = none
+    slot_len: int,
+) -> tuple[list[int], bool]:  # tokens committed from each leading slot; whether it stopped
+    """What a global verify commits: the leading slots whose drafts were all accepted or
+    hold an accepted stop token, up to and including the first such stop (that slot keeps
+    the tokens up to its stop). ``([], False)`` when the first chosen slot is neither."""
+    done = (num_accepted == slot_len) | (stop_at >= 0)
+    lead = int(done.long().cumprod(0).sum())  # leading complete slots
+    stops = (stop_at[:lead] >= 0).nonzero().flatten()
+    if len(stops):
+        lead = int(stops[0]) + 1
+    keep = [slot_len] * lead
+    if len(stops):
+        keep[-1] = int(stop_at[lead - 1]) + 1
+    return keep, bool(len(stops))
 
 
 class SlotOrder(NamedTuple):

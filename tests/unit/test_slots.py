@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from diffspec.core.slots import (
+    committed_slot_lengths,
     first_stop_in_slots,
     reorder_for_kv_reuse,
     score_slots,
@@ -205,3 +206,16 @@ def test_reorder_empty_and_invalid() -> None:
         reorder_for_kv_reuse([0, 1], [2])
     with pytest.raises(ValueError):
         reorder_for_kv_reuse([0, 1], [2, 0])
+
+
+@pytest.mark.parametrize(("accepted", "stop_at", "expected"), [
+    ([4, 4, 2], [-1, -1, -1], ([4, 4], False)),  # two whole slots, the third partial
+    ([2, 4], [-1, -1], ([], False)),  # the first slot partial: nothing committed
+    ([4, 3, 4], [-1, 1, -1], ([4, 2], True)),  # a stop inside slot 1 ends the commit
+    ([4, 4], [2, -1], ([3], True)),  # a stop in a whole slot: up to and including it
+    ([4, 4], [-1, -1], ([4, 4], False)),
+])
+def test_committed_slot_lengths(accepted, stop_at, expected) -> None:
+    got = committed_slot_lengths(torch.tensor(accepted), torch.tensor(stop_at), 4)
+    assert got == expected
+

@@ -185,7 +185,9 @@ def _turn_end_ids(info) -> list[int]:
     return list(turn_end_token_ids(tokenizer))
 
 
-def _yaml_options(path: str | None) -> dict[str, Any]:
+def yaml_mapping(path: str | None, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The ``--dllm-algorithm-config`` file as a mapping (``{}`` without one); a
+    :class:`CheckpointError` naming ``keys`` when it is not one."""
     if path is None:
         return {}
     import yaml
@@ -193,7 +195,12 @@ def _yaml_options(path: str | None) -> dict[str, Any]:
     with open(path) as f:
         options = yaml.safe_load(f) or {}
     if not isinstance(options, dict):
-        raise CheckpointError(f"make {path} a YAML mapping (keys: {', '.join(_OPTIONS)})")
+        raise CheckpointError(f"make {path} a YAML mapping (keys: {', '.join(keys)})")
+    return options
+
+
+def _yaml_options(path: str | None) -> dict[str, Any]:
+    options = yaml_mapping(path, _OPTIONS)
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise CheckpointError(f"remove {', '.join(unknown)} from {path}: FastDLLM takes "

@@ -20,6 +20,7 @@ from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
 from diffspec.methods import get_method
+from diffspec.plugin.sglang.dllm import yaml_mapping
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "refusion_dllm_config", "refusion_options",
            "unsupported_request"]
@@ -88,7 +89,7 @@ def refusion_dllm_config(cfg: Any, info=None):
             f"serve a ReFusion checkpoint (Qwen3ForCausalLM with mask_token_id in config.json) "
             f"with --dllm-algorithm {ALGORITHM}; {exc}") from None
     source = cfg.dllm_algorithm_config or "the dLLM settings"
-    options = refusion_options(_yaml_mapping(cfg.dllm_algorithm_config), source)
+    options = refusion_options(yaml_mapping(cfg.dllm_algorithm_config, _OPTIONS), source)
     # Parallel completion borrows one req_to_token row per extra chosen slot, from the
     # pool SGLang sizes by --max-running-requests (large when it is not set)
     borrowed = options["block_size"] // options["slot_size"] - 1
@@ -112,15 +113,3 @@ def refusion_dllm_config(cfg: Any, info=None):
         first_done_first_out_mode=False,
         requires_separate_context_encoding=True,
     )
-
-
-def _yaml_mapping(path: str | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    import yaml
-
-    with open(path) as f:
-        options = yaml.safe_load(f) or {}
-    if not isinstance(options, dict):
-        raise CheckpointError(f"make {path} a YAML mapping (keys: {', '.join(_OPTIONS)})")
-    return options

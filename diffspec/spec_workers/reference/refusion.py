@@ -59,7 +59,13 @@ import torch
 from torch import Tensor
 
 from diffspec.core.kv import rollback_kv
-from diffspec.core.slots import first_stop_in_slots, score_slots, select_slots, verify_slot_drafts
+from diffspec.core.slots import (
+    committed_slot_lengths,
+    first_stop_in_slots,
+    score_slots,
+    select_slots,
+    verify_slot_drafts,
+)
 from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
 __all__ = ["ReFusionConfig", "ReFusionOutput", "decoder", "refusion_generate"]
@@ -196,16 +202,11 @@ def _round(model, run: _Run, cfg: ReFusionConfig, mask_id: int, stop_ids: tuple[
     logits = _forward(model, run.cache, drafts.view(1, -1), positions.view(1, -1), out)
     accepted = _verify(drafts, logits.view(len(slots), S, -1), 0, cfg.token_threshold, out)
     stop_at = first_stop_in_slots(drafts, accepted, stop_ids)  # [k], -1 = none
-    done = (accepted == S) | (stop_at >= 0)
-    lead = int(done.long().cumprod(0).sum())  # leading complete slots
-    if lead > 0:
-        stops = (stop_at[:lead] >= 0).nonzero().flatten()
-        lead = int(stops[0]) + 1 if len(stops) else lead
-        keep = [S] * lead
-        if len(stops):
-            keep[-1] = int(stop_at[lead - 1]) + 1
+    keep, stopped = committed_slot_lengths(accepted, stop_at, S)  # leading complete slots
+    if keep:
+        lead = len(keep)
         rollback_kv(run.cache, prefix_len + sum(keep))  # this pass's KV, in commit order
-        _commit(run, slots[:lead], drafts[:lead], keep, stopped=bool(len(stops)))
+        _commit(run, slots[:lead], drafts[:lead], keep, stopped=stopped)
         return
     rollback_kv(run.cache, prefix_len)
 

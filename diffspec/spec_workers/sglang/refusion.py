@@ -42,7 +42,13 @@ from sglang.srt.dllm.algorithm.base import DllmAlgorithm
 from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from diffspec.core.slots import first_stop_in_slots, score_slots, select_slots, verify_slot_drafts
+from diffspec.core.slots import (
+    committed_slot_lengths,
+    first_stop_in_slots,
+    score_slots,
+    select_slots,
+    verify_slot_drafts,
+)
 from diffspec.plugin.sglang.refusion import unsupported_request
 from diffspec.spec_workers.sglang.fast_dllm import _batch_requests, _stop_ids
 
@@ -135,15 +141,10 @@ class ReFusion(DllmAlgorithm):
                                positions.view(1, -1)).view(len(slots), S, -1)
         accepted = self._accept(drafts, logits, 0)
         stop_at = first_stop_in_slots(drafts, accepted, b.stops)  # [k]
-        done = (accepted == S) | (stop_at >= 0)
-        lead = int(done.long().cumprod(0).sum())
-        if lead > 0:
-            stops = (stop_at[:lead] >= 0).nonzero().flatten()
-            lead = int(stops[0]) + 1 if len(stops) else lead
-            keep = [S] * lead
-            if len(stops):
-                keep[-1] = int(stop_at[lead - 1]) + 1
-            self._commit(b, slots[:lead], drafts[:lead], keep, bool(len(stops)))
+        keep, stopped = committed_slot_lengths(accepted, stop_at, S)
+        if keep:
+            lead = len(keep)
+            self._commit(b, slots[:lead], drafts[:lead], keep, stopped)
             return
 
         # parallel completion: one row per chosen slot, each over the committed KV only
