@@ -28,8 +28,6 @@ Fast-dLLM v2's own and, for LLaDA / Dream / NLD, the reference decoder's
 
 from __future__ import annotations
 
-import json
-import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import pytest
 
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_NLD_DIR
 from tests.engine.conftest import require_sglang
-from tests.engine.sglang_generate import RESULT_PREFIX
+from tests.engine.sglang_cpu import run_generate_job
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -127,20 +125,6 @@ def _lm(path: Path):
     return load_dllm(path)
 
 
-def _run_script(job: dict, tmp: Path, timeout: int = 2400) -> dict:
-    from tests.engine.sglang_cpu import sglang_cpu_env
-
-    python = require_sglang()
-    job_file = tmp / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.run([python, str(HERE / "sglang_generate.py"), str(job_file)],
-                          capture_output=True, text=True, timeout=timeout, check=False,
-                          env=sglang_cpu_env(python), start_new_session=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
-
-
 def _yaml(folder: Path, name: str, text: str) -> str:
     path = folder / f"{name}.yaml"
     path.write_text(text)
@@ -194,7 +178,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "nld_block_too_large": {"model": str(ckpts["nld"]), "server_args": {
             **fast, "dllm_algorithm_config": _yaml(tmp, "nld_large", "block_size: 32\n")}},
     }}
-    return _run_script(job, tmp)
+    return run_generate_job(job, tmp, timeout=2400)
 
 
 # ------------------------------------------------------------------------------ outputs

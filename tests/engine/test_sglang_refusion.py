@@ -25,8 +25,6 @@ random checkpoint in the published layout
 
 from __future__ import annotations
 
-import json
-import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import pytest
 
 from diffspec.assets import SYNTH_REFUSION_DIR as SYNTH
 from tests.engine.conftest import require_sglang
-from tests.engine.sglang_generate import RESULT_PREFIX
+from tests.engine.sglang_cpu import run_generate_job
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -127,20 +125,6 @@ def _lm(path: Path):
     return load_refusion(path)
 
 
-def _run_script(job: dict, tmp: Path, timeout: int = 1200) -> dict:
-    from tests.engine.sglang_cpu import sglang_cpu_env
-
-    python = require_sglang()
-    job_file = tmp / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.run([python, str(HERE / "sglang_generate.py"), str(job_file)],
-                          capture_output=True, text=True, timeout=timeout, check=False,
-                          env=sglang_cpu_env(python), start_new_session=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
-
-
 def _yaml(folder: Path, name: str, settings: dict) -> str:
     path = folder / f"{name}.yaml"
     path.write_text("".join(f"{k}: {v}\n" for k, v in settings.items()))
@@ -193,7 +177,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "qwen3_checkpoint": {"model": str(ckpts["qwen3"]), "server_args": refusion},
         "request_pool": {"model": synth, "server_args": {**refusion, "max_running_requests": 4}},
     }}
-    return _run_script(job, tmp)
+    return run_generate_job(job, tmp, timeout=1200)
 
 
 # ------------------------------------------------------------------------------ outputs

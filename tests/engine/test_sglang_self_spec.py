@@ -40,7 +40,7 @@ import pytest
 from diffspec.assets import ASSETS_DIR
 from diffspec.testing.checkpoints import add_eos_token
 from tests.engine.conftest import require_sglang
-from tests.engine.sglang_generate import RESULT_PREFIX
+from tests.engine.sglang_cpu import run_generate_job
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -166,20 +166,6 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _run_script(job: dict, tmp: Path, timeout: int = 1200) -> dict:
-    from tests.engine.sglang_cpu import sglang_cpu_env
-
-    python = require_sglang()
-    job_file = tmp / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.run([python, str(HERE / "sglang_generate.py"), str(job_file)],
-                          capture_output=True, text=True, timeout=timeout, check=False,
-                          env=sglang_cpu_env(python), start_new_session=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
-
-
 @pytest.fixture(scope="module")
 def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every offline engine run of this module, in one subprocess."""
@@ -235,7 +221,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 **SPEC, "kv_cache_dtype": "fp8_e4m3"}},
         },
     }
-    return _run_script(job, tmp)
+    return run_generate_job(job, tmp, timeout=1200)
 
 
 # ------------------------------------------------------------------------------ lossless
