@@ -16,7 +16,10 @@ workers), so :func:`register` is idempotent. It refuses unsupported SGLang versi
   listed in ``diffspec/plugin/patches.md``;
 * hooks ``get_req_to_token_extra_context_len`` so a request's ``req_to_token`` row holds
   the KV window SGLang reserves for a speculative step up to the context end
-  (:mod:`diffspec.plugin.sglang.headroom`, also in ``patches.md``).
+  (:mod:`diffspec.plugin.sglang.headroom`, also in ``patches.md``);
+* hooks the torch-native backend's decode kernel so the rows of one request (the
+  self-speculative passes on SGLang's CPU path) read its K/V once, not once per row
+  (:mod:`diffspec.plugin.sglang.decode_rows`, also in ``patches.md``).
 This module imports neither torch nor SGLang at import time.
 """
 
@@ -26,6 +29,7 @@ import logging
 
 from diffspec.methods import FAMILIES, load_object
 from diffspec.plugin.sglang.config import self_spec_algorithms, validate_server_args
+from diffspec.plugin.sglang.decode_rows import register_decode_rows
 from diffspec.plugin.sglang.dllm import register_dllm
 from diffspec.plugin.sglang.headroom import register_headroom
 from diffspec.plugin.versions import check_engine_version
@@ -60,6 +64,7 @@ def register() -> None:
         ModelRegistry.models.setdefault(arch, load_object(target))
     register_dllm()  # --dllm-algorithm FastDLLM / ReFusion
     register_headroom()  # req_to_token rows hold the KV window the scheduler reserves
+    register_decode_rows()  # torch-native decode: one K/V read per request, not per row
     algorithms = self_spec_algorithms()
     for name, method in algorithms.items():
         if get_spec(name) is None:
