@@ -11,13 +11,18 @@ Per engine, on the model (default: the embedded default, SmolLM2-135M-Instruct +
    step time with ``B`` requests in flight (plain AR on the same checkpoint, ``B`` = 1 ..
    ``--profile-batch-sizes``; ``sweep.step_times``), and its draft pass time by query tokens
    (a fixed-K engine with ``$DIFFSPEC_DRAFT_TIMINGS`` set, so the drafter times its own
-   passes; SGLang's also times its verify forward). ``--method tidar``: its one quadratic
-   step (forward, accept, next drafts), timed by the drafter as a ``verify`` pass
-   (``verify_points``, by the step's query tokens: verify chain plus branches), at several
-   fixed K
-   (``--profile-draft-counts``, default 1, K/2 and K) so that steps with fewer drafts are
-   measured too. Written to ``DIR/ENGINE-latency-profile.json`` as ``{"points",
-   "draft_points", "verify_points"}``, the file the adaptive policy loads.
+   passes, serving ``B`` = each ``--concurrency``; SGLang's also times its verify forward).
+   ``--method tidar``: its one quadratic step, which the policy prices by the requests in
+   it and their drafts (``step_grid``: the drafter's timing of whole steps in which every
+   request verifies and pre-drafts ``k``, from one step's forward to the next), measured
+   at several fixed K (``--profile-draft-counts``, default 1, K/2 and K) and at every
+   batch size it serves (each ``--concurrency`` and each ``--profile-batch-sizes`` up to
+   the largest concurrency: a wave's batch shrinks as its requests finish; rows of batch
+   sizes measured at every K), each serving ``--max-tokens`` per request twice; the
+   drafter's own timing of the forward, accept and next drafts goes to ``verify_points``
+   (by the step's query tokens, what older profiles priced TiDAR by). Written to
+   ``DIR/ENGINE-latency-profile.json`` as ``{"points", "draft_points", "verify_points"[,
+   "step_grid"]}``, the file the adaptive policy loads.
 2. **Sweep**: for every repeat, one engine start per baseline in turn (``ar``, ``METHOD:K``,
    ``METHOD:K adaptive``, then the next repeat: drift of a shared machine falls on all of
    them), each serving, for every concurrency ``c``, ``max(--min-prompts, 2c)`` prompts in waves of ``c``
@@ -143,8 +148,10 @@ def run_worker(engine: str, name: str, launch: dict[str, Any], job: dict[str, An
 def measure_profile(engine: str, b: Baseline, ids: list[list[int]], args: argparse.Namespace,
                     python: str, env: dict[str, str], extra: dict[str, Any]) -> Path:
     """The engine's latency profile (see the module docstring): ``{"points": AR step
-    seconds by requests in flight, "draft_points": draft pass seconds by query tokens}``."""
-    from diffspec.profiling import DRAFT_TIMINGS_ENV, read_draft_timings
+    seconds by requests in flight, "draft_points" / "verify_points": the drafter's pass
+    seconds by query tokens, "step_grid": quadratic step seconds by requests and drafts
+    (TiDAR only)}``."""
+    from diffspec.profiling import DRAFT_TIMINGS_ENV, read_draft_timings, read_step_grid
 
     out = args.out / f"{engine}-latency-profile.json"
     sizes = _ints(args.profile_batch_sizes)
@@ -156,8 +163,11 @@ def measure_profile(engine: str, b: Baseline, ids: list[list[int]], args: argpar
         raise SystemExit(f"adaptive-sweep: {engine} AR profile failed: {steps['error']}")
     timings = args.out / f"{engine}-draft-timings.txt"
     timings.unlink(missing_ok=True)
-    draft_job = {**job, "batch_sizes": _ints(args.concurrency), "step_repeats": 1}
-    for k in profile_draft_counts(b, args.profile_draft_counts):
+    draft_job = {**job, "batch_sizes": profile_draft_batch_sizes(b, args), "step_repeats": 1}
+    if b.forwards_per_step == 1:  # steady steps of every batch size, timed whole (step_grid)
+        draft_job |= {"long": max(args.max_tokens, 20), "step_repeats": 2}
+    counts = profile_draft_counts(b, args.profile_draft_counts)
+    for k in counts:
         fixed = Baseline(f"{b.method}:{k}", b.method, k)
         drafts = run_worker(engine, f"profile-draft-{k}",
                             engine_launch(engine, fixed, None, args, extra), draft_job, python,
@@ -166,20 +176,45 @@ def measure_profile(engine: str, b: Baseline, ids: list[list[int]], args: argpar
         if "error" in drafts:
             raise SystemExit(f"adaptive-sweep: {engine} draft profile (K={k}) failed: "
                              f"{drafts['error']}")
+    grid = full_rows(read_step_grid(timings), counts)
     profile = {"points": {int(k): v for k, v in steps["step_s"].items()},
                "draft_points": read_draft_timings(timings),
                "verify_points": read_draft_timings(timings, "verify"),
+               **({"step_grid": grid} if grid else {}),
                "meta": {"engine": engine, "model": args.model, "method": b.label,
                         "what": "points: seconds per decode step with B requests in flight "
                                 "(plain AR); draft_points / verify_points: seconds per "
                                 "draft / verify pass by query tokens (the drafter's own "
                                 "timings; verify only where the drafter runs it; tidar: "
-                                "its quadratic step, verify chain plus branches)",
+                                "its quadratic forward, accept and next drafts); "
+                                "step_grid (tidar): seconds per whole decode step by "
+                                "requests in it and the drafts each verifies and "
+                                "pre-drafts, the price of a TiDAR step",
                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "machine": machine()}}
     out.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"[adaptive-sweep] {engine} profile -> {out}", file=sys.stderr, flush=True)
     return out
+
+
+def profile_draft_batch_sizes(b: Baseline, args: argparse.Namespace) -> list[int]:
+    """The batch sizes the drafter's passes are timed at: each ``--concurrency``; for a
+    method with one forward per step (TiDAR, priced by requests and drafts) also each
+    ``--profile-batch-sizes`` up to the largest concurrency (the batch sizes a wave runs
+    as its requests finish), so every size served lies between measured ones."""
+    concurrency = _ints(args.concurrency)
+    if b.forwards_per_step != 1:
+        return concurrency
+    top = max(concurrency)
+    return sorted({*concurrency, *(s for s in _ints(args.profile_batch_sizes) if s <= top)})
+
+
+def full_rows(grid: dict[int, dict[int, float]],
+              counts: list[int]) -> dict[int, dict[int, float]]:
+    """The rows of a ``step_grid`` measured at every draft count of ``counts``: a batch
+    size met only as a wave's requests finished may lack some, and its row would price
+    the missing counts by the measured ones."""
+    return {b: row for b, row in grid.items() if row.keys() >= set(counts)}
 
 
 def profile_draft_counts(b: Baseline, given: str | None) -> list[int]:

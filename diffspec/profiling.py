@@ -3,9 +3,10 @@ cache of C context tokens, as the draft-count policy (:mod:`diffspec.core.adapti
 it. ``benchmarks/profile_forward.py`` builds its tables with :func:`forward_latency`;
 ``diffspec quickstart`` measures a small profile at start-up with
 :func:`measure_latency_profile`. :class:`DraftTimings` times the engines' draft passes when
-``$DIFFSPEC_DRAFT_TIMINGS`` names a file (``benchmarks/engine_profile.py`` sets it), which
-:func:`read_draft_timings` turns into a profile's ``draft_points``. torch and transformers
-are imported inside the functions.
+``$DIFFSPEC_DRAFT_TIMINGS`` names a file (``benchmarks/adaptive_sweep.py`` sets it), which
+:func:`read_draft_timings` turns into a profile's ``draft_points`` / ``verify_points`` and
+:func:`read_step_grid` into its ``step_grid`` (TiDAR's whole steps by requests and drafts).
+torch and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from diffspec.core.adaptive import LatencyProfile
 
 __all__ = ["DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "DraftTimings", "forward_latency",
-           "measure_latency_profile", "read_draft_timings"]
+           "measure_latency_profile", "read_draft_timings", "read_step_grid"]
 
 DRAFT_TIMINGS_ENV = "DIFFSPEC_DRAFT_TIMINGS"
 
@@ -126,14 +127,17 @@ def measure_latency_profile(checkpoint: str | Path, context: int, query_lens: Se
 class DraftTimings:
     """Wall time of an engine drafter's passes, one line ``KIND TOKENS SECONDS`` appended
     per pass (``draft``; ``verify`` where the drafter runs the verify forward itself) to the
-    file ``$DIFFSPEC_DRAFT_TIMINGS`` names (read when the drafter starts). Unset (the
-    default): :meth:`time` just calls the pass, with no synchronization. Set, a CUDA device
-    is synchronized around the pass, so leave it unset when serving."""
+    file ``$DIFFSPEC_DRAFT_TIMINGS`` names (read when the drafter starts), and of whole
+    quadratic steps, ``step REQUESTS DRAFTS SECONDS`` (:meth:`step`). Unset (the default):
+    :meth:`time` just calls the pass, with no synchronization. Set, a CUDA device is
+    synchronized around the pass, so leave it unset when serving."""
 
     def __init__(self, device: Any = None) -> None:
         path = os.environ.get(DRAFT_TIMINGS_ENV)
         self.path = Path(path) if path else None
         self.cuda = getattr(device, "type", str(device or "")).startswith("cuda")
+        # the last step, when steady: (its start, its requests, its drafts)
+        self._steady: tuple[float, frozenset[str], int] | None = None
 
     def time(self, tokens: int, fn: Any, kind: str = "draft") -> Any:
         """``fn()``, timed as a ``kind`` pass over ``tokens`` query tokens when enabled."""
@@ -174,14 +178,55 @@ class DraftTimings:
         with self.path.open("a") as f:
             f.write(f"{kind} {int(tokens)} {time.perf_counter() - start:.6f}\n")
 
+    def step(self, req_ids: Sequence[str], verified: Sequence[int],
+             drafted: Sequence[int]) -> None:
+        """Mark the start of an engine step of the requests ``req_ids`` (at the same point
+        of every step, whatever it runs), of which those with branches verify
+        ``verified`` drafts and pre-draft ``drafted`` each (``[]``: none has branches).
+        The step before ran from its own mark to this one, a whole engine step (scheduler
+        to scheduler, as the AR profile's ``points`` time it); it is written as ``step
+        REQUESTS DRAFTS SECONDS`` when it was **steady** (every one of its requests
+        verified and pre-drafted the same ``k >= 1``: TiDAR's steady state) and this step
+        runs some of its requests and no other (so nothing else ran in between: no new
+        request's prefill, no pause between two ``generate`` calls)."""
+        if self.path is None:
+            return
+        now = self.start()
+        if self._steady is not None:
+            start, requests, k = self._steady
+            if req_ids and requests.issuperset(req_ids):
+                with self.path.open("a") as f:
+                    f.write(f"step {len(requests)} {k} {now - start:.6f}\n")
+        counts = {*verified, *drafted}
+        steady = (len(counts) == 1 and min(counts) >= 1
+                  and len(verified) == len(drafted) == len(req_ids))
+        self._steady = (now, frozenset(req_ids), min(counts)) if steady else None
+
+
+def _samples(path: str | Path, kind: str) -> dict[tuple[int, ...], list[float]]:
+    """Seconds by key of the ``kind`` lines (``KIND KEY.. SECONDS``) of a timings file."""
+    samples: dict[tuple[int, ...], list[float]] = {}
+    for line in Path(path).read_text().splitlines():
+        what, *key, seconds = line.split()
+        if what == kind:
+            samples.setdefault(tuple(int(x) for x in key), []).append(float(seconds))
+    return samples
+
 
 def read_draft_timings(path: str | Path, kind: str = "draft",
                        min_count: int = 3) -> dict[int, float]:
     """``{tokens: median seconds}`` of the ``kind`` passes a :class:`DraftTimings` file
     holds, for token counts seen at least ``min_count`` times (fewer: too few to trust)."""
-    samples: dict[int, list[float]] = {}
-    for line in Path(path).read_text().splitlines():
-        what, tokens, seconds = line.split()
-        if what == kind:
-            samples.setdefault(int(tokens), []).append(float(seconds))
-    return {t: statistics.median(s) for t, s in sorted(samples.items()) if len(s) >= min_count}
+    return {tokens: statistics.median(s) for (tokens,), s in sorted(_samples(path, kind).items())
+            if len(s) >= min_count}
+
+
+def read_step_grid(path: str | Path, min_count: int = 3) -> dict[int, dict[int, float]]:
+    """``{requests: {drafts: median seconds}}`` of the steady quadratic steps a
+    :class:`DraftTimings` file holds (:meth:`DraftTimings.step`; a profile's
+    ``step_grid``), for cells seen at least ``min_count`` times."""
+    grid: dict[int, dict[int, float]] = {}
+    for (requests, drafts), s in sorted(_samples(path, "step").items()):
+        if len(s) >= min_count:
+            grid.setdefault(requests, {})[drafts] = statistics.median(s)
+    return grid

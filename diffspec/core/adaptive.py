@@ -14,8 +14,9 @@ tokens per second** of the whole step:
   estimate from the engine's own verify outcomes);
 * ``latency(k)``: the step's forward time from a measured profile of this model on this
   machine (:class:`LatencyProfile`: seconds per forward as a function of the query tokens
-  in it; optionally a separate table for draft passes), and the method's cost in tokens
-  (:class:`StepCost`): Orthrus / NLD linear run a
+  in it; optionally separate tables for draft and verify passes, and for TiDAR's steps by
+  requests and drafts), and the method's cost in tokens (:class:`StepCost`): Orthrus / NLD
+  linear run a
   draft forward over ``k + 1`` tokens and a verify forward over ``k + 1`` tokens per
   drafting request (a request with ``k = 0`` takes one token in the verify forward and none
   in the draft forward, which is skipped when no request drafts); TiDAR runs one forward
@@ -26,9 +27,19 @@ last step pre-drafted and pre-drafts ``k`` for the next one, in ``n + 1`` branch
 ``k + skip`` masks, so the step forwards ``(n + 1)(1 + k + skip)`` tokens per request
 (``n + 1`` with no branch for ``k = 0``: a request with ``n = k = 0`` takes a plain AR
 step). The policy prices the steady state ``n = k`` (the drafts chosen now are verified
-and re-chosen next step), so ``E(k)`` tokens cost a ``(k + 1)(1 + k + skip)``-token
-step, priced by the profile's ``verify_points`` (the drafters time their quadratic
-steps there) where measured.
+and re-chosen next step). What such a step costs is not a function of its query tokens
+alone: each of a request's ``k + 1`` branches attends over the request's whole context
+(a batched attention call per branch and layer, with its own metadata), so 16 requests
+drafting 1 each and one request drafting 7, both 64 query tokens, cost different times;
+and the engine step around the forward (scheduling, inputs, sampling, outputs) is part
+of the price, as it is of the AR steps in ``points``. A profile with ``step_grid``
+prices the step by the measured whole step of ``B`` requests drafting ``k`` each
+(:meth:`LatencyProfile.quadratic`; the drafters time it under ``$DIFFSPEC_DRAFT_TIMINGS``),
+and a step of ``B`` requests drafting ``k_r`` each as ``B`` requests drafting
+``max k_r`` (every request of a step with branches runs the quadratic forward); one
+without it (older profiles) prices the ``(k + 1)(1 + k + skip)``-token forward from
+``verify_points`` (the drafters' own timing of the forward, by its query tokens), at
+least a plain step of as many tokens.
 
 The search (:func:`choose_draft_counts`) is exact for costs that depend on the number of
 drafts only through their total: every extra draft adds the same tokens to the step, so
@@ -73,7 +84,9 @@ __all__ = [
 class LatencyProfile:
     """Seconds per forward as a function of its query tokens (all requests together),
     piecewise linear between measured points and extrapolated from the last two beyond
-    them. Built from :mod:`benchmarks.profile_forward` tables or measured at start-up."""
+    them (:func:`_interpolate`); for quadratic steps, optionally by requests and drafts
+    (``step_grid``). Built from :mod:`benchmarks.profile_forward` tables or measured
+    through an engine (``benchmarks/adaptive_sweep.py``)."""
 
     points: Mapping[int, float]  # query tokens -> seconds per forward (a whole engine step)
     # query tokens -> seconds of a draft pass, where it was measured apart (an engine's
@@ -84,16 +97,26 @@ class LatencyProfile:
     # apart (SGLang's torch-native backend runs a verify as an extend over the whole
     # sequence); a verify step costs at least a plain step of as many tokens
     verify_points: Mapping[int, float] | None = None
+    # requests in the step -> {drafts k >= 1 -> seconds of a whole engine step (as
+    # ``points``: scheduler to scheduler) in which every request verifies k drafts and
+    # pre-drafts k (TiDAR's quadratic step, steady state)}; None: quadratic steps are
+    # priced by their query tokens (verify_points)
+    step_grid: Mapping[int, Mapping[int, float]] | None = None
 
     def __post_init__(self) -> None:
         for name, table in (("points", self.points), ("draft_points", self.draft_points),
-                            ("verify_points", self.verify_points)):
-            if table is None and name != "points":
+                            ("verify_points", self.verify_points),
+                            *((f"step_grid[{b}]", row)
+                              for b, row in (self.step_grid or {}).items())):
+            if table is None and name in ("draft_points", "verify_points"):
                 continue
             if not table:
                 raise ValueError(f"a latency profile needs at least one measured point ({name})")
             if any(t < 1 or s <= 0 for t, s in table.items()):
                 raise ValueError(f"profile {name} need tokens >= 1 and seconds > 0: {dict(table)}")
+        if self.step_grid is not None and (not self.step_grid or min(self.step_grid) < 1):
+            raise ValueError(f"profile step_grid needs rows of requests >= 1: "
+                             f"{dict(self.step_grid)}")
 
     def __call__(self, tokens: int) -> float:
         """Seconds for one forward of ``tokens`` query tokens (0: no forward, 0 s)."""
@@ -110,10 +133,27 @@ class LatencyProfile:
         return plain if not self.verify_points else max(
             plain, _interpolate(self.verify_points, tokens))
 
+    def quadratic(self, requests: int, drafts: int) -> float:
+        """Seconds for a whole step of ``requests`` requests that each verify ``drafts``
+        drafts and pre-draft as many (``drafts = 0``: a plain AR step, ``self(requests)``)
+        from ``step_grid``: within each measured batch size piecewise linear in the
+        drafts, then between batch sizes piecewise linear in the requests (both as
+        :func:`_interpolate`: below the first measured value its seconds, past the last
+        the last two's line); never less than a plain AR step of as many requests."""
+        if self.step_grid is None:
+            raise ValueError("this latency profile has no step_grid")
+        plain = self(requests)
+        if drafts <= 0:
+            return plain
+        rows = {b: _interpolate(row, drafts) for b, row in self.step_grid.items()}
+        return max(plain, _interpolate(rows, requests))
+
 
 def _interpolate(points: Mapping[int, float], tokens: int) -> float:
-    """Piecewise linear in ``points``, extrapolated from the last two, never below the
-    first point's seconds; 0 for no tokens."""
+    """Piecewise linear in ``points`` (the measured seconds at a measured point), the
+    first point's seconds below it, extrapolated from the last two past the last but never
+    below the last point's seconds (more tokens never cost less than the most measured);
+    0 for no tokens."""
     if tokens <= 0:
         return 0.0
     xs = sorted(points)
@@ -122,7 +162,8 @@ def _interpolate(points: Mapping[int, float], tokens: int) -> float:
         return ys[0]
     i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), ys[0])
+    line = y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+    return max(line, ys[-1]) if tokens > xs[-1] else line
 
 
 @dataclass(frozen=True)
@@ -143,18 +184,27 @@ class StepCost:
                     else profile(verify))
         # TiDAR: verify chain + one branch of k + skip masks per outcome, one forward,
         # in the steady state n = k; no request drafting: a plain AR step
+        if not any(counts):
+            return profile(len(counts))
+        if profile.step_grid is not None:  # measured by requests and drafts
+            return profile.quadratic(len(counts), max(counts))
         tokens = sum((1 + k) * (1 + (k + self.skip if k > 0 else 0)) for k in counts)
-        return profile.verify(tokens) if any(counts) else profile(tokens)
+        return profile.verify(tokens)
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     """``1 + sum_{j<=k} prod_{i<=j} a(i)``: tokens a step with ``k`` drafts commits in
     expectation (``acceptance[i]``: conditional acceptance of draft ``i + 1``)."""
-    total, survive = 1.0, 1.0
+    return _expected_by_count(acceptance, k)[k]
+
+
+def _expected_by_count(acceptance: Sequence[float], k: int) -> list[float]:
+    """``[E(0), E(1) .. E(k)]`` (:func:`expected_tokens`), in one pass."""
+    totals, survive = [1.0], 1.0
     for i in range(k):
         survive *= acceptance[i] if i < len(acceptance) else 0.0
-        total += survive
-    return total
+        totals.append(totals[-1] + survive)
+    return totals
 
 
 def conditional_acceptance(per_position: Sequence[float]) -> list[float]:
@@ -218,17 +268,19 @@ def choose_shared_draft_count(
     cost: StepCost,
 ) -> int:
     """One draft count for every request of the step (engines whose verify forward has one
-    width per step, e.g. SGLang's linear verify): the ``k`` maximizing expected committed
-    tokens per second when every request is charged ``k + 1`` tokens in each forward and
-    request ``r`` drafts ``min(k, max_drafts[r])``. Ties go to fewer drafts; 0 = a plain AR
-    step for the whole batch."""
+    width per step, e.g. SGLang's linear verify, and both engines' TiDAR steps): the ``k``
+    maximizing expected committed tokens per second when the step is priced as every
+    request drafting ``k`` (``cost.latency`` of ``[k] * num_reqs``) and request ``r``
+    drafts ``min(k, max_drafts[r])``. Ties go to fewer drafts; 0 = a plain AR step for the
+    whole batch."""
     if not max_drafts:
         return 0
     n = len(max_drafts)
+    committed = [_expected_by_count(acc, limit)  # [num_reqs][limit + 1] E(0 .. limit)
+                 for acc, limit in zip(acceptance, max_drafts, strict=True)]
     best_k, best_rate = 0, n / cost.latency(profile, [0] * n)
     for k in range(1, max(max_drafts) + 1):
-        tokens = sum(expected_tokens(acc, min(k, limit))
-                     for acc, limit in zip(acceptance, max_drafts, strict=True))
+        tokens = sum(e[min(k, len(e) - 1)] for e in committed)
         rate = tokens / cost.latency(profile, [k] * n)
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
@@ -314,15 +366,17 @@ class AcceptanceEstimate:
 
 def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyProfile:
     """A :class:`LatencyProfile` from JSON data: ``{"points": {tokens: seconds},
-    "draft_points": {...}, "verify_points": {...}}`` (the last two optional; what
-    ``benchmarks/engine_profile.py`` measures through an engine), or the
+    "draft_points": {...}, "verify_points": {...}, "step_grid": {requests: {drafts:
+    seconds}}}`` (all but ``points`` optional, absent or empty alike; what
+    ``benchmarks/adaptive_sweep.py`` measures through an engine), or the
     ``forward_latency.json`` of ``benchmarks/profile_forward.py`` (``latency_s[context]
     [query_len]``; the measured context nearest ``context``, default the smallest)."""
     if "points" in data:
-        def table(key: str) -> dict[int, float] | None:
-            rows = data.get(key)
+        def table(rows: Mapping | None) -> dict[int, float] | None:
             return {int(t): float(s) for t, s in rows.items()} if rows else None
-        return LatencyProfile(table("points"), table("draft_points"), table("verify_points"))
+        grid = {int(b): table(row) for b, row in (data.get("step_grid") or {}).items()}
+        return LatencyProfile(table(data["points"]), table(data.get("draft_points")),
+                              table(data.get("verify_points")), grid or None)
     if "latency_s" in data:
         contexts = sorted(int(c) for c in data["latency_s"])
         ctx = contexts[0] if context is None else min(contexts, key=lambda c: abs(c - context))

@@ -74,9 +74,11 @@ join the running batch carry as many drafts as their prefill chose; the merged b
 verifies the fewest any of them carries (a prefix of a draft chain is a draft chain).
 The choices are logged every 100 steps and counted in the linear worker's Prometheus
 counters (``diffspec:adaptive_steps_total{drafts}``, ``diffspec:adaptive_draft_tokens_total``).
-``$DIFFSPEC_DRAFT_TIMINGS`` times each quadratic step (kind ``verify``, by its query
-tokens: the forward, the accept and the next drafts): the ``verify_points`` of a TiDAR
-latency profile.
+``$DIFFSPEC_DRAFT_TIMINGS`` times each quadratic step twice: the forward, the accept and
+the next drafts (kind ``verify``, by its query tokens: ``verify_points``), and the whole
+scheduler step, from this decode step to the next, for steps that verify and pre-draft
+the same ``k`` (kind ``step``, by requests and ``k``: the ``step_grid`` the policy prices
+TiDAR steps from; ``benchmarks/adaptive_sweep.py --method tidar``).
 
 Without the policy, the step always verifies ``n`` drafts (SGLang's verify width is uniform); the reference
 verifies at most ``remaining - 1``: the emitted tokens are the same (greedy acceptance is
@@ -227,6 +229,7 @@ class TiDARWorker(TargetModelSpecWorker):
 
     @torch.inference_mode()
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
+        self.timings.step([req.rid for req in batch.reqs], [], [])  # no steady step
         n = self._choose(batch, record=False)
         if n == 0:  # nothing to pre-draft: SGLang's own prefill
             result = self._target_worker.forward_batch_generation(batch)
@@ -304,6 +307,7 @@ class TiDARWorker(TargetModelSpecWorker):
         drafts = state.drafts.to(torch.int64)  # [bs, n] pre-drafted by the last step
         n = drafts.shape[1]
         k = self._choose(batch, record=True)  # drafts to pre-draft for the next step
+        self.timings.step([req.rid for req in batch.reqs], [n] * bs, [k] * bs)
         layout = self._layout(n, k)
         t, w = layout.offsets.numel(), n + 1  # T = (n + 1)(1 + K'); the verify width
 

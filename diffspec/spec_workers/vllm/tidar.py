@@ -49,9 +49,11 @@ forward. The estimate learns from each verify: the ``n`` drafts scheduled
 and the tokens the rejection sampler emitted. vLLM's own ``vllm:spec_decode_num_drafts`` /
 ``..._num_draft_tokens`` count the choices (a request with no drafts is no verify step);
 the policy's state is logged every 100 steps. ``$DIFFSPEC_DRAFT_TIMINGS`` times each
-quadratic step (kind ``verify``, by its query tokens: the forward, vLLM's sampler and the
-next drafts): the ``verify_points`` of a TiDAR latency profile
-(``benchmarks/adaptive_sweep.py --method tidar``).
+quadratic step twice: the forward, vLLM's sampler and the next drafts (kind ``verify``, by
+its query tokens: ``verify_points``), and the whole engine step, from this step's forward
+to the next one's, for steps in which every request verifies and pre-drafts the same
+``k`` (kind ``step``, by requests and ``k``: the ``step_grid`` the policy prices TiDAR steps
+from; ``benchmarks/adaptive_sweep.py --method tidar``).
 
 Why this split and not another of vLLM's attention paths: ``TREE_ATTN`` verifies a draft
 *tree* with its own Triton kernel (GPU only, a fixed tree per server) and cannot give a
@@ -202,7 +204,12 @@ class TiDARProposer:
         plans = self._plan(runner)
         if self.adaptive is not None:
             plans = self._adapt(runner, plans)
-        if not plans or input_ids is None or intermediate_tensors is not None:
+        if input_ids is None or intermediate_tensors is not None:
+            plans = []
+        skip = 0 if self.logits_shift else 1
+        self.timings.step(runner.input_batch.req_ids, [p.num_drafts for p in plans],
+                          [p.num_masks - skip for p in plans])
+        if not plans:
             return fallback()
         from vllm.forward_context import get_forward_context
 
