@@ -15,12 +15,15 @@ This module imports neither torch nor SGLang at import time.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
 from diffspec.methods import get_method
 from diffspec.plugin.sglang.dllm import yaml_mapping
+
+logger = logging.getLogger("diffspec")
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "refusion_dllm_config", "refusion_options",
            "unsupported_request"]
@@ -104,6 +107,10 @@ def refusion_dllm_config(cfg: Any, info=None):
                 f"which holds --max-running-requests rows; requests decoding at once: "
                 f"--max-running-requests - {borrowed}")
     # first-done-first-out has nothing to do: a request's block is decoded in one step
+    if getattr(cfg, "dllm_fdfo", False):
+        logger.info("diffspec: --dllm-fdfo has no effect with --dllm-algorithm %s: each "
+                    "request's generation is decoded within one scheduler step and "
+                    "returned when that step ends", ALGORITHM)
     return DllmConfig(
         algorithm=ALGORITHM,
         algorithm_config={**options, "vocab_size": int(info.config["vocab_size"])},

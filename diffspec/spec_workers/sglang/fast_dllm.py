@@ -63,7 +63,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from diffspec.core.unmask import confidence_unmask, shift_logits
 from diffspec.plugin.sglang.dllm import sampling_error
 
-__all__ = ["FastDLLM", "RowState"]
+__all__ = ["FastDLLM", "RowState", "batch_requests", "request_stop_ids"]
 
 _MAX_SEEDS = 1 << 16  # next-block seeds kept, by token prefix (oldest dropped first)
 
@@ -106,7 +106,7 @@ class FastDLLM(DllmAlgorithm):
         return block_size + 2
 
     def init_step_state(self, forward_batch: ForwardBatch) -> list[RowState]:
-        reqs = _batch_requests(forward_batch)
+        reqs = batch_requests(forward_batch)
         offsets = forward_batch.positions.view(-1, self.block_size)[:, 0].tolist()
         states = []
         for req, offset in zip(reqs, offsets):
@@ -120,7 +120,7 @@ class FastDLLM(DllmAlgorithm):
                 gen=min(self.block_size, max(0, gen0 - offset)),
                 limit=min(self.block_size, max(0, limit - offset)),
                 ends_here=limit - offset <= self.block_size,
-                stops=torch.tensor(sorted(_stop_ids(req)), dtype=torch.long,
+                stops=torch.tensor(sorted(request_stop_ids(req)), dtype=torch.long,
                                    device=forward_batch.input_ids.device)))
         return states
 
@@ -132,7 +132,7 @@ class FastDLLM(DllmAlgorithm):
             return
         tokens = forward_batch.input_ids.view(-1, self.block_size)
         offsets = forward_batch.positions.view(-1, self.block_size)[:, 0].tolist()
-        for row, (req, state) in enumerate(zip(_batch_requests(forward_batch), states)):
+        for row, (req, state) in enumerate(zip(batch_requests(forward_batch), states)):
             if state.seeded:
                 continue
             state.seeded = True
@@ -207,7 +207,7 @@ class FastDLLM(DllmAlgorithm):
         last = logits[row, -1].clone()
         last[self.mask_id] = float("-inf")
         offset = int(forward_batch.positions.view(-1, self.block_size)[row, 0])
-        req = _batch_requests(forward_batch)[row]
+        req = batch_requests(forward_batch)[row]
         block = forward_batch.input_ids.view(-1, self.block_size)[row].tolist()
         key = _prefix_key([*_committed(req)[:offset], *block])
         self._seeds[key] = int(last.argmax())
@@ -216,15 +216,16 @@ class FastDLLM(DllmAlgorithm):
             self._seeds.popitem(last=False)
 
 
-def _batch_requests(forward_batch: ForwardBatch) -> list[Any]:
-    """The scheduler's ``Req`` objects of this batch, in row order."""
+def batch_requests(forward_batch: ForwardBatch) -> list[Any]:
+    """The scheduler's ``Req`` objects of this batch, in row order (shared by the FastDLLM
+    and ReFusion algorithms: ``DllmAlgorithm.run`` receives the ``ForwardBatch`` only)."""
     orchestrator = getattr(forward_batch.sampling_info, "penalizer_orchestrator", None)
     batch = orchestrator.batch if orchestrator is not None else None
     reqs = list(batch.reqs) if batch is not None else []
     if [r.rid for r in reqs] != list(forward_batch.rids or []):
-        raise RuntimeError("FastDLLM cannot see this batch's requests (their max_new_tokens and "
-                           "stop tokens) through its sampling info; this SGLang version is not "
-                           "supported by diffspec's FastDLLM")
+        raise RuntimeError("use SGLang 0.5.23: diffspec's dLLM algorithms (FastDLLM, ReFusion) "
+                           "cannot see this batch's requests (their max_new_tokens and stop "
+                           "tokens) through its sampling info in this SGLang version")
     return reqs
 
 
@@ -237,7 +238,7 @@ def _prefix_key(tokens: list[int]) -> int:
     return hash(tuple(tokens))
 
 
-def _stop_ids(req: Any) -> set[int]:
+def request_stop_ids(req: Any) -> set[int]:
     """The token ids SGLang finishes ``req`` on (``Req._check_token_based_finish``)."""
     params = req.sampling_params
     if params.ignore_eos:

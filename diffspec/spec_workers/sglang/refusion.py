@@ -50,7 +50,7 @@ from diffspec.core.slots import (
     verify_slot_drafts,
 )
 from diffspec.plugin.sglang.refusion import unsupported_request
-from diffspec.spec_workers.sglang.fast_dllm import _batch_requests, _stop_ids
+from diffspec.spec_workers.sglang.fast_dllm import batch_requests, request_stop_ids
 
 __all__ = ["ReFusion"]
 
@@ -100,7 +100,7 @@ class ReFusion(DllmAlgorithm):
         model_runner.model.logits_processor.return_full_logits = True
         req_to_token = model_runner.req_to_token_pool.req_to_token
         outputs = []
-        for row, req in enumerate(_batch_requests(forward_batch)):
+        for row, req in enumerate(batch_requests(forward_batch)):
             pool = int(forward_batch.req_pool_indices[row])
             prompt_len = int(forward_batch.extend_prefix_lens_cpu[row])
             first = int(forward_batch.positions[row * self.block_size])
@@ -109,7 +109,7 @@ class ReFusion(DllmAlgorithm):
             per_block = num_slots // self.num_blocks  # validate_request: it splits
             block = _Block(pool, prompt_len, first,
                            req_to_token[pool, prompt_len : prompt_len + self.block_size].clone(),
-                           [], tuple(sorted(_stop_ids(req))))
+                           [], tuple(sorted(request_stop_ids(req))))
             for serial in range(self.num_blocks):  # over the KV of the serial blocks before
                 block.masked = list(range(serial * per_block, (serial + 1) * per_block))
                 while block.masked:
