@@ -7,9 +7,10 @@ workers), so :func:`register` is idempotent. It refuses unsupported vLLM version
   lazy ``"module:Class"`` strings) and the checkpoints' ``model_type`` names with
   transformers' ``AutoConfig`` (so ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load
   without remote code);
-* adds vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``) for the diffusion-only
-  LMs the ``fast_dllm`` method serves with a vLLM model class, so they run on vLLM's
-  diffusion path (:mod:`diffspec.plugin.vllm.dllm`);
+* adds vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``) for the architectures
+  the ``fast_dllm`` method serves with a vLLM model class (LLaDA, Dream, Fast-dLLM v2; NLD
+  under ``--diffusion-config``), so they run on vLLM's diffusion path
+  (:mod:`diffspec.plugin.vllm.dllm`);
 * makes diffspec's speculative methods selectable with vLLM's own flag,
   ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": 31}'``, by
   applying the patches listed in ``diffspec/plugin/patches.md``
@@ -60,10 +61,9 @@ def register() -> None:
     for arch, target in architectures.items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, target)
-    # diffusion-only LMs (no AR view) decoded by Fast-dLLM: vLLM's diffusion path
-    # (diffusion_config, V2 runner); NLD keeps its AR class (its diffusion mode: not yet)
+    # Fast-dLLM's checkpoints on vLLM's diffusion path (diffusion_config, V2 runner); the
+    # hook leaves NLD (a causal family) alone unless --diffusion-config is given
     register_config_hooks([arch for family in METHODS[DIFFUSION_METHOD].families
-                           if not FAMILIES[family].causal
                            for arch in FAMILIES[family].vllm_models])
     apply_all(vllm.__version__)
     _registered = True
