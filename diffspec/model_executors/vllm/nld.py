@@ -15,6 +15,12 @@ verify pass) never calls them. :meth:`diffusion_hidden_states` is the diffusion 
 same layers under the forward context's non-causal metadata, with
 ``o_proj(x) + scaling * lora_b(lora_a(x))`` in every attention. Draft logits are unshifted
 (block position ``j`` predicts its own token) unless ``dlm_type == "dream"``.
+
+NLD's diffusion mode (Fast-dLLM, :mod:`diffspec.model_executors.vllm.dllm`) is this class
+too, run on vLLM's diffusion path when vLLM is started with ``--diffusion-config``: the
+backbone without the LoRA (the plain ``forward``), causal over the prompt and non-causal
+over each block, as the Fast-dLLM model state sets per request. Without
+``--diffusion-config`` the class names no model state and is the causal model above.
 """
 
 from __future__ import annotations
@@ -33,13 +39,15 @@ from diffspec.model_executors.reference.nld_weights import (
     lora_weights,
     renamed_weights,
 )
+from diffspec.model_executors.vllm.dllm import FastDLLMModel
 from diffspec.model_executors.vllm.views import DiffusionViewMixin
 
 __all__ = ["NemotronLabsDiffusionForCausalLM"]
 
 
-class NemotronLabsDiffusionForCausalLM(DiffusionViewMixin, MistralForCausalLM):
-    """vLLM's Ministral3 with NLD's checkpoint layout and its draft-only LoRA."""
+class NemotronLabsDiffusionForCausalLM(FastDLLMModel, DiffusionViewMixin, MistralForCausalLM):
+    """vLLM's Ministral3 with NLD's checkpoint layout and its draft-only LoRA (and, under
+    ``--diffusion-config``, NLD's diffusion mode: :class:`FastDLLMModel`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         config = vllm_config.model_config.hf_config

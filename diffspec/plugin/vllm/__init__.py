@@ -7,6 +7,10 @@ workers), so :func:`register` is idempotent. It refuses unsupported vLLM version
   lazy ``"module:Class"`` strings) and the checkpoints' ``model_type`` names with
   transformers' ``AutoConfig`` (so ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load
   without remote code);
+* adds vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``) for the architectures
+  the ``fast_dllm`` method serves with a vLLM model class (LLaDA, Dream, Fast-dLLM v2; NLD
+  under ``--diffusion-config``), so they run on vLLM's diffusion path
+  (:mod:`diffspec.plugin.vllm.dllm`);
 * makes diffspec's speculative methods selectable with vLLM's own flag,
   ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": 31}'``, by
   applying the patches listed in ``diffspec/plugin/patches.md``
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from diffspec.methods import FAMILIES
+from diffspec.methods import FAMILIES, METHODS
 from diffspec.plugin.versions import check_engine_version
 from diffspec.plugin.vllm.config import (
     is_self_spec_proposer,
@@ -33,6 +37,7 @@ logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers
 __all__ = ["is_self_spec_proposer", "register", "translate_speculative_config"]
 
 _registered = False
+DIFFUSION_METHOD = "fast_dllm"  # the registry method served on vLLM's diffusion path
 
 
 def register() -> None:
@@ -46,6 +51,7 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from diffspec.plugin.hf_configs import register_model_types
+    from diffspec.plugin.vllm.dllm import register_config_hooks
     from diffspec.plugin.vllm.patches import apply_all
 
     architectures = {}
@@ -55,6 +61,10 @@ def register() -> None:
     for arch, target in architectures.items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, target)
+    # Fast-dLLM's checkpoints on vLLM's diffusion path (diffusion_config, V2 runner); the
+    # hook leaves NLD (a causal family) alone unless --diffusion-config is given
+    register_config_hooks([arch for family in METHODS[DIFFUSION_METHOD].families
+                           for arch in FAMILIES[family].vllm_models])
     apply_all(vllm.__version__)
     _registered = True
     logger.info(

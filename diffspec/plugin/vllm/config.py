@@ -31,9 +31,13 @@ logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers
 __all__ = ["diffspec_options", "is_self_spec_proposer", "proposer_path", "self_spec_methods",
            "translate_speculative_config", "unknown_method_message"]
 
+SPEC_FLAG = "--speculative-config"
+
+
 def self_spec_methods() -> dict[str, Method]:
-    """diffspec's methods served through vLLM's ``speculative_config``, by method name."""
-    return methods_for_engine("vllm")
+    """diffspec's methods served through vLLM's ``speculative_config``, by method name
+    (not ``fast_dllm``, which runs on vLLM's diffusion path: ``--diffusion-config``)."""
+    return methods_for_engine("vllm", flag=SPEC_FLAG)
 
 
 def proposer_path(method: str) -> str:

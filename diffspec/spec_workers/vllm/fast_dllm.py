@@ -1,0 +1,511 @@
+"""Fast-dLLM on vLLM's diffusion path (``DiffusionConfig``, the diffusion scheduler, the V2
+model runner), the way ``vllm/model_executor/models/diffusion_gemma.py`` drives it: a
+:class:`FastDLLMModelState` (named by the model's ``get_model_state_cls()``,
+:mod:`diffspec.model_executors.vllm.dllm`) and the sampler it installs
+(:class:`FastDLLMSampler`, through ``ModelState.custom_sampler``). Serves LLaDA, Dream,
+Fast-dLLM v2 and NLD's diffusion mode.
+
+**Layout** (the reference's block-causal layout with a causal prompt, NLD's diffusion mode:
+:mod:`diffspec.spec_workers.reference.fast_dllm` with ``DiffusionLM(attention=
+"block_causal", causal_prefix=True)``, the *prefix* cache): the prompt is prefilled
+causally (vLLM's own prefill, KV kept); generation is cut into blocks of ``canvas_length``
+slots starting at the prompt end; every forward of a block attends non-causally to the
+paged KV of the prompt and the completed blocks and to the whole block. For NLD that is its
+trained layout; LLaDA and Dream were trained bidirectional over the whole canvas and
+Fast-dLLM v2 with the prompt's tail inside the first block, so on vLLM they run this
+layout instead (vLLM's attention takes a causal flag per request, not a mask: a prompt
+cannot be prefilled block-wise or bidirectionally).
+
+**The data path.** vLLM schedules a diffusion request's draft tokens as its canvas: after
+the prefill, each step runs the ``canvas_length`` draft tokens at the positions after the
+committed ones. One request, one block (the rules are the pure functions below, which the
+unit tests drive against the reference decoder):
+
+0. *prefill* (causal, KV kept): a shifted family's first slot is seeded with the argmax of
+   the prompt's last logit (:func:`begin_blocks`; the sampler computes that one row from
+   the hidden states the model keeps, as vLLM's diffusion prefill computes no logits);
+1. *denoise* (every step while slots before the limit are masked, :func:`denoise_step`):
+   the block's logits (shifted families: slot ``j`` reads row ``j - 1``; the mask token is
+   never predicted) commit, among the masked slots of the current sub-block (the first one
+   with masked slots, Fast-dLLM v2: 8 slots) before the request's ``max_tokens`` limit,
+   every one with confidence > ``threshold`` and at least the top-1
+   (:func:`diffspec.core.unmask.confidence_unmask`, the reference's rule). Nothing is
+   emitted: ``num_rejected`` = the whole block, so vLLM does not advance
+   ``num_computed_tokens`` (the block's KV is rewritten by the next forward);
+2. *finish*: a request that committed a stop token with nothing masked before it, or its
+   last slot before ``max_tokens``, emits its tokens on that step and vLLM's scheduler ends
+   it (``num_rejected`` = the rest of the block);
+3. *complete* (the request goes on, :func:`complete_block`): one more forward over the
+   finished block, whose K/V are kept, emits the block's ``canvas_length`` tokens
+   (``num_rejected = 0``); the next canvas is all masks, and for a shifted family its first
+   slot is the argmax of this forward's last logit (Fast-dLLM v2's rule).
+
+Forwards per request are counted as the reference counts them: the prefill, every
+denoise step and every completing forward (:attr:`FastDLLMModelState.forwards`). One
+difference: a shifted request whose last token is a later block's seed (a stop token, or
+its ``max_tokens``-th slot) takes one forward more than the reference, which finishes as
+the seed is committed: vLLM emits at most the scheduled block per step, so the seed is
+emitted by the next block's first step. (A seed that ends the request at the prefill is
+emitted by the prefill step itself.) A chunked prefill counts one forward per chunk, and a
+step whose canvas vLLM's scheduler cut short for its token budget (not ``max_model_len``)
+is discarded (nothing committed, the block rescheduled whole): one forward more each.
+
+**Per request**: ``max_tokens``, ``stop_token_ids`` and EOS (``ignore_eos``) as in
+:class:`vllm.SamplingParams` (:func:`request_stops`: exactly vLLM's ``check_stop``, so the
+model state never finishes a request the scheduler would not end); the checkpoint's EOS ids
+and chat-template turn end are added by the plugin (patch ``generation_stops``) as
+generation-config EOS ids, so they are stops unless ``ignore_eos``; stop strings are vLLM's
+own (its detokenizer ends the request; tokens past the string are dropped by vLLM); the
+threshold as ``extra_args={"fast_dllm_threshold": t}`` (default: the server's,
+``--additional-config '{"diffspec": {"fast_dllm": {"threshold": 0.9}}}'``; 1.0 commits one
+slot per step). Decoding is greedy, as the reference's: a temperature, penalties or vLLM's
+DiffusionGemma ``diffusion_*`` extra_args are ignored with a warning (the worker cannot
+refuse a single request). A block cut by ``max_model_len`` decodes only its scheduled
+slots. A request that finished is done: a step vLLM already scheduled for it (async
+scheduling) emits nothing.
+
+**Caches**: the prefix cache only (above); the dual cache is refused at start-up
+(:mod:`diffspec.plugin.vllm.dllm`). vLLM's automatic prefix caching may reuse the KV of a
+finished request's blocks (written by their completing, block-non-causal forward) for a
+later prompt that contains them, which the reference would prefill causally; serve with
+``--no-enable-prefix-caching`` for reference-exact output on such prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+from diffspec.core.unmask import confidence_unmask, shift_logits
+from diffspec.plugin.vllm.dllm import THRESHOLD_ARG
+
+__all__ = ["BlockState", "FastDLLMModelState", "FastDLLMSampler", "begin_blocks",
+           "block_outcome", "complete_block", "denoise_step", "request_stops", "seed_token",
+           "unmask_block"]
+
+logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
+
+PREFILL, DENOISE, COMPLETE, DONE = 0, 1, 2, 3  # a request's phase: what its next forward is
+DEFAULT_THRESHOLD = 0.9
+
+
+# ---------------------------------------------------------------------------- rules
+
+
+def unmask_block(
+    logits: torch.Tensor,  # [n, block, vocab] as the head computes them (row j at slot j)
+    canvas: torch.Tensor,  # [n, block] int64, mask_token_id where masked
+    limit: torch.Tensor,  # [n] int64: slots from here are past max_tokens, never decoded
+    mask_token_id: int,
+    threshold: float,
+    *,
+    sub_block: int | None = None,  # decode only the first sub-block with masked slots
+    shifted: bool = False,  # slot j reads row j - 1 (Dream, Fast-dLLM v2)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (canvas [n, block], committed [n, block] bool)
+    """One Fast-dLLM step on a batch of blocks: among the masked slots before ``limit`` in
+    each row's current sub-block, commit every one whose confidence exceeds ``threshold``,
+    and at least the most confident one."""
+    scores = logits.float().clone()
+    scores[..., mask_token_id] = float("-inf")  # the mask token is never a prediction
+    if shifted:
+        scores = shift_logits(scores)
+    block = canvas.shape[1]
+    idx = torch.arange(block, device=canvas.device)
+    work = (canvas == mask_token_id) & (idx[None] < limit[:, None])
+    if sub_block is not None and sub_block < block:
+        first = torch.where(work.any(1), work.int().argmax(1), 0)  # first slot with work
+        c0 = first // sub_block * sub_block
+        work &= (idx[None] >= c0[:, None]) & (idx[None] < c0[:, None] + sub_block)
+    candidates = torch.where(work, mask_token_id, -1)  # only the slots to decode are masked
+    tokens, committed = confidence_unmask(scores, candidates, mask_token_id, threshold)
+    return torch.where(committed, tokens, canvas), committed
+
+
+def seed_token(logits: torch.Tensor, mask_token_id: int) -> int:
+    """A shifted family's block-first token: the argmax of the logit row before the block
+    (``[vocab]``), the mask token excluded."""
+    scores = logits.float().clone()
+    scores[mask_token_id] = float("-inf")
+    return int(scores.argmax())
+
+
+def block_outcome(
+    canvas: torch.Tensor,  # [block] int64
+    limit: int,  # slots before max_tokens
+    ends_here: bool,  # max_tokens ends in this block
+    stops: torch.Tensor,  # [num_stop_ids] int64
+    mask_token_id: int,
+) -> tuple[int, bool]:
+    """``(emit, complete)`` for one request after a step: ``emit > 0`` when it finishes now
+    with its first ``emit`` slots (a stop token with nothing masked before it, or every slot
+    before a ``max_tokens`` limit that ends here); ``complete`` when every slot before the
+    limit is committed and the request goes on (its completing forward comes next)."""
+    gen = canvas[:limit]
+    masked = gen == mask_token_id
+    hits = (torch.isin(gen, stops) & ~masked).nonzero()
+    if hits.numel():
+        first = int(hits[0, 0])
+        if not bool(masked[:first].any()):
+            return first + 1, False
+    if bool(masked.any()):
+        return 0, False
+    return (limit, False) if ends_here else (0, True)
+
+
+def request_stops(sampling_params: Any) -> list[int]:
+    """The token ids that end a request, as vLLM's scheduler checks them (``check_stop``):
+    ``stop_token_ids`` and, unless ``ignore_eos``, the EOS."""
+    stops = set(getattr(sampling_params, "stop_token_ids", None) or ())
+    eos = getattr(sampling_params, "eos_token_id", None)
+    if eos is not None and not getattr(sampling_params, "ignore_eos", False):
+        stops.add(int(eos))
+    return sorted(stops)
+
+
+@dataclass
+class BlockState:
+    """One request's decoding state (host side), kept by its vLLM slot."""
+
+    max_tokens: int
+    stops: torch.Tensor  # [num_stop_ids] int64
+    threshold: float
+    canvas: torch.Tensor  # [block] int64: the current block, mask where still masked
+    phase: int = PREFILL
+    generated: int = 0  # tokens emitted so far by completed blocks
+    steps: list[int] = field(default_factory=list)  # forwards per decoded block
+
+    def limit(self, block: int) -> tuple[int, bool]:
+        """``(slots of this block before max_tokens, max_tokens ends in this block)``."""
+        left = self.max_tokens - self.generated
+        return min(block, left), left <= block
+
+
+def _finish(state: BlockState, rows: int, block: int, mask_token_id: int) -> tuple[int, bool]:
+    """:func:`block_outcome` of the state's canvas when ``rows`` slots were scheduled."""
+    limit, ends_here = state.limit(block)
+    return block_outcome(state.canvas, min(limit, rows), ends_here or rows < block,
+                         state.stops, mask_token_id)
+
+
+def begin_blocks(state: BlockState, last_logits: torch.Tensor | None, block: int,
+                 mask_token_id: int) -> int:
+    """After the prompt's last prefill chunk: the first block starts. A shifted family
+    (``last_logits``: the prompt's last logit row) seeds its first slot; returns how many
+    tokens the request emits now (1 when that seed already ends it, else 0)."""
+    state.phase = DENOISE
+    if last_logits is None:
+        return 0
+    state.canvas[0] = seed_token(last_logits, mask_token_id)
+    emit, _ = _finish(state, block, block, mask_token_id)
+    if emit:
+        state.phase = DONE
+    return emit
+
+
+def denoise_step(states: list[BlockState], logits: torch.Tensor, rows: list[int], block: int,
+                 mask_token_id: int, *, sub_block: int | None, shifted: bool) -> list[int]:
+    """One denoise forward of a batch of requests: ``logits`` ``[n, block, vocab]`` (row
+    ``j`` computed at slot ``j``; ``rows[k]`` of them scheduled, the rest padding). Updates
+    each state's canvas and phase; returns the tokens each request emits now."""
+    emit = [0] * len(states)
+    todo = []
+    for k, st in enumerate(states):  # a seed (the completing forward's) may end a request
+        n, _ = _finish(st, rows[k], block, mask_token_id)
+        if n:
+            emit[k], st.phase = n, DONE
+        else:
+            todo.append(k)
+    if not todo:
+        return emit
+    device = logits.device
+    canvas = torch.stack([states[k].canvas for k in todo]).to(device)
+    limit = torch.tensor([min(states[k].limit(block)[0], rows[k]) for k in todo],
+                         device=device)
+    thresholds = [states[k].threshold for k in todo]
+    new = canvas.clone()
+    sel_logits = logits[torch.tensor(todo, device=device)]
+    for t in sorted(set(thresholds)):  # confidence_unmask takes one threshold
+        pick = torch.tensor([x == t for x in thresholds], device=device)
+        new[pick] = unmask_block(sel_logits[pick], canvas[pick], limit[pick], mask_token_id,
+                                 t, sub_block=sub_block, shifted=shifted)[0]
+    new = new.cpu()
+    for j, k in enumerate(todo):
+        st = states[k]
+        st.canvas = new[j]
+        n, complete = _finish(st, rows[k], block, mask_token_id)
+        if complete:
+            st.phase = COMPLETE
+        elif n:
+            emit[k], st.phase = n, DONE
+    return emit
+
+
+def complete_block(state: BlockState, last_logits: torch.Tensor | None, block: int,
+                   mask_token_id: int) -> torch.Tensor:
+    """After the completing forward: the block's tokens (``[block]``, all emitted); the
+    next canvas is all masks, its first slot seeded for a shifted family (``last_logits``:
+    this forward's last logit row)."""
+    tokens = state.canvas
+    state.generated += block
+    state.canvas = torch.full((block,), mask_token_id, dtype=torch.long)
+    if last_logits is not None:
+        state.canvas[0] = seed_token(last_logits, mask_token_id)
+    state.phase = DENOISE
+    return tokens
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+class FastDLLMModelState(DefaultModelState):
+    """vLLM model state of a diffusion LM decoded with Fast-dLLM: causal prefill, then
+    non-causal block forwards (see the module docstring); the sampler does the rest."""
+
+    num_new_sampled_tokens_per_step: int = 0  # a block forward samples no bonus token
+
+    def __init__(self, vllm_config: VllmConfig, model: torch.nn.Module, encoder_cache: Any,
+                 device: torch.device) -> None:
+        super().__init__(vllm_config, model, encoder_cache, device)
+        diffusion = vllm_config.diffusion_config
+        extra = vllm_config.additional_config if isinstance(
+            vllm_config.additional_config, dict) else {}
+        settings = (extra.get("diffspec") or {}).get("fast_dllm")
+        if diffusion is None or not diffusion.canvas_length or not settings:
+            raise ValueError(
+                "load diffspec's vLLM plugin in every vLLM process (it is the "
+                "vllm.general_plugins entry point 'diffspec'): Fast-dLLM's settings were not "
+                "resolved by its config hook (diffspec.plugin.vllm.dllm)")
+        self.block_size = int(diffusion.canvas_length)
+        self.sub_block_size = int(settings["sub_block_size"])
+        self.threshold = float(settings["threshold"])
+        self.mask_token_id = int(settings["mask_token_id"])
+        self.logits_shift = bool(settings["logits_shift"])
+        if self.logits_shift and getattr(model, "fast_dllm_hidden", None) is None:
+            raise ValueError(f"{type(model).__name__} keeps no hidden states "
+                             f"(diffspec.model_executors.vllm.dllm.FastDLLMModel): a shifted "
+                             f"family's first token cannot be seeded")
+        self.states: dict[int, BlockState] = {}  # vLLM slot -> state
+        self.slot_of: dict[str, int] = {}
+        self.forwards: dict[str, int] = {}  # request id -> forwards it took part in
+        self._causal = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
+
+    def get_supported_generation_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
+        return FastDLLMSampler(sampler, self), None
+
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        super().add_request(req_index, new_req_data)
+        self.slot_of[new_req_data.req_id] = req_index
+        self.forwards.setdefault(new_req_data.req_id, 0)
+
+    def remove_request(self, req_id: str) -> None:
+        super().remove_request(req_id)
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.states.pop(slot, None)
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        for req_id in input_batch.req_ids[: input_batch.num_reqs]:
+            self.forwards[req_id] = self.forwards.get(req_id, 0) + 1
+        return super().prepare_inputs(input_batch, req_states)
+
+    def prepare_attn(
+        self, input_batch: Any, cudagraph_mode: CUDAGraphMode, block_tables: Any,
+        slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
+        for_capture: bool = False, ubatch_idx: int = 0, **_: Any,
+    ) -> dict[str, Any]:
+        """vLLM's attention metadata with per-request causality: causal for a prefill,
+        non-causal for a block (denoise or completing forward)."""
+        full = cudagraph_mode == CUDAGraphMode.FULL
+        num_reqs = input_batch.num_reqs_after_padding if full else input_batch.num_reqs
+        num_tokens = input_batch.num_tokens_after_padding if full else input_batch.num_tokens
+        slots = input_batch.idx_mapping_np[: input_batch.num_reqs].tolist()
+        causal = [1 if self.states.get(s) is None or self.states[s].phase == PREFILL else 0
+                  for s in slots]
+        self._causal[: len(causal)].copy_(torch.tensor(causal, dtype=torch.int32))
+        self._causal[len(causal) : num_reqs] = 0
+        seq_upper = input_batch.seq_lens_cpu_upper_bound
+        max_seq_len = (self.max_model_len if for_capture
+                       else int(seq_upper[:num_reqs].max().item()))
+        return build_attn_metadata(
+            attn_groups=attn_groups,
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            query_start_loc_gpu=input_batch.query_start_loc[: num_reqs + 1],
+            query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np[: num_reqs + 1]),
+            max_query_len=int(input_batch.num_scheduled_tokens.max()),
+            seq_lens=input_batch.seq_lens,
+            max_seq_len=max_seq_len,
+            block_tables=block_tables,
+            slot_mappings=slot_mappings,
+            kv_cache_config=kv_cache_config,
+            seq_lens_cpu_upper_bound=seq_upper,
+            positions=input_batch.positions,
+            is_prefilling=torch.from_numpy(input_batch.is_prefilling_np),
+            for_cudagraph_capture=for_capture,
+            causal=self._causal[:num_reqs],
+            req_idx=input_batch.idx_mapping_np,
+            ubatch_idx=ubatch_idx,
+        )
+
+
+class FastDLLMSampler:
+    """Replaces vLLM's sampler for a Fast-dLLM model (``ModelState.custom_sampler``): turns
+    each step's block logits into committed slots, the next canvas (the request's draft
+    tokens) and the tokens to emit, with the rules above."""
+
+    def __init__(self, sampler: Any, state: FastDLLMModelState) -> None:
+        self.sampling_states = sampler.sampling_states
+        self.logprob_token_ids_state = sampler.logprob_token_ids_state
+        self.req_states = sampler.req_states
+        self.penalties_state = SimpleNamespace(output_bin_counts=None)  # no penalties
+        self.compute_nans = False
+        self.state = state
+        block, n = state.block_size, state.max_num_reqs
+        self._sampled = torch.zeros(n, block, dtype=torch.int32, device=state.device)
+        self._num_sampled = torch.zeros(n, dtype=torch.int32, device=state.device)
+        self._num_rejected = torch.zeros(n, dtype=torch.int32, device=state.device)
+
+    def add_request(self, req_idx: int, sampling_params: Any) -> None:
+        ignored = [k for k in (getattr(sampling_params, "extra_args", None) or {})
+                   if str(k).startswith("diffusion_")]
+        if getattr(sampling_params, "temperature", 0.0) not in (0.0, None) or ignored:
+            logger.warning("Fast-dLLM decodes greedily with its own block rules; ignoring "
+                           "temperature %s%s", sampling_params.temperature,
+                           f" and extra_args {ignored}" if ignored else "")
+        self.sampling_states.add_request(req_idx, sampling_params)
+        self.logprob_token_ids_state.add_request(req_idx, sampling_params)
+        block = self.state.block_size
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        threshold = extra.get(THRESHOLD_ARG, self.state.threshold)
+        try:
+            threshold = float(threshold)
+        except (TypeError, ValueError):
+            threshold = -1.0
+        if not 0.0 <= threshold <= 1.0:
+            logger.warning("extra_args %s must lie in [0, 1], got %r; using %s", THRESHOLD_ARG,
+                           extra.get(THRESHOLD_ARG), self.state.threshold)
+            threshold = self.state.threshold
+        self.state.states[req_idx] = BlockState(
+            max_tokens=int(sampling_params.max_tokens),
+            stops=torch.tensor(request_stops(sampling_params), dtype=torch.long),
+            threshold=threshold,
+            canvas=torch.full((block,), self.state.mask_token_id, dtype=torch.long),
+        )
+
+    def apply_staged_writes(self) -> None:
+        self.sampling_states.apply_staged_writes()
+        self.logprob_token_ids_state.apply_staged_writes()
+
+    def __call__(self, logits: torch.Tensor, input_batch: Any,
+                 draft_logits: torch.Tensor | None = None) -> SamplerOutput:
+        # logits: [num_logits, vocab]; a block request has its scheduled rows, a prefill none
+        state, block, mask = self.state, self.state.block_size, self.state.mask_token_id
+        num_reqs = input_batch.num_reqs
+        slots = input_batch.idx_mapping_np[:num_reqs].tolist()
+        cu = input_batch.cu_num_logits_np[: num_reqs + 1]
+        starts = input_batch.query_start_loc_np[: num_reqs + 1]
+        query = np.diff(starts)
+        emit = np.zeros(num_reqs, dtype=np.int32)
+        rejected = np.zeros(num_reqs, dtype=np.int32)
+        sampled = torch.zeros(num_reqs, block, dtype=torch.long)
+        seeds, denoise, complete = [], [], []
+        for i, s in enumerate(slots):
+            st = state.states.get(s)
+            rows = int(cu[i + 1] - cu[i])
+            if st is None:  # a dummy (profiling) request
+                continue
+            if st.phase == PREFILL:
+                if rows == 0 and self._prefill_done(input_batch, i):
+                    if state.logits_shift:
+                        seeds.append(i)
+                    else:
+                        begin_blocks(st, None, block, mask)
+            elif st.phase == DONE:  # a step scheduled before the finish was seen
+                rejected[i] = int(query[i])
+            elif rows and rows < block and (int(input_batch.num_computed_tokens_np[i]) + rows
+                                            < state.max_model_len):
+                # the scheduler cut this canvas for its token budget (not max_model_len):
+                # the forward saw part of the block; discard it, the block is rescheduled
+                rejected[i] = int(query[i])
+            elif st.phase == DENOISE and rows:
+                denoise.append(i)
+            elif st.phase == COMPLETE and rows:
+                complete.append(i)
+        if seeds:
+            seed_logits = self._prompt_logits([int(starts[i + 1]) - 1 for i in seeds])
+            for k, i in enumerate(seeds):
+                st = state.states[slots[i]]
+                n = begin_blocks(st, seed_logits[k], block, mask)
+                emit[i] = n
+                sampled[i, :n] = st.canvas[:n]
+        if denoise:
+            rows = [int(cu[i + 1] - cu[i]) for i in denoise]
+            blocks = logits.new_zeros(len(denoise), block, logits.shape[-1])
+            for k, i in enumerate(denoise):
+                blocks[k, : rows[k]] = logits[int(cu[i]) : int(cu[i + 1])]
+            states = [state.states[slots[i]] for i in denoise]
+            emitted = denoise_step(states, blocks, rows, block, mask,
+                                   sub_block=state.sub_block_size, shifted=state.logits_shift)
+            for k, i in enumerate(denoise):
+                emit[i], rejected[i] = emitted[k], int(query[i]) - emitted[k]
+                sampled[i, : emitted[k]] = states[k].canvas[: emitted[k]]
+        for i in complete:  # the completing forward: the block's KV kept, its tokens out
+            st = state.states[slots[i]]
+            last = logits[int(cu[i + 1]) - 1] if state.logits_shift else None
+            tokens = complete_block(st, last, block, mask)
+            emit[i] = block
+            sampled[i] = tokens
+        self._write_canvases(slots)
+        return self._output(num_reqs, sampled, emit, rejected)
+
+    def _prompt_logits(self, rows: list[int]) -> torch.Tensor:  # [len(rows), vocab]
+        """The logits of the given token rows of this step's forward, from the hidden
+        states the model kept (vLLM computes no logits for a diffusion prefill)."""
+        model = self.state.model
+        hidden = model.fast_dllm_hidden
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        return model.compute_logits(hidden.index_select(0, index))
+
+    def _write_canvases(self, slots: list[int]) -> None:
+        """Every request's canvas becomes its draft tokens: the tokens of its next forward."""
+        live = [s for s in slots if s in self.state.states]
+        if not live:
+            return
+        draft = self.req_states.draft_tokens
+        index = torch.tensor(live, dtype=torch.long, device=draft.device)
+        canvases = torch.stack([self.state.states[s].canvas for s in live])
+        draft[index, : self.state.block_size] = canvases.to(draft.device, draft.dtype)
+
+    @staticmethod
+    def _prefill_done(input_batch: Any, i: int) -> bool:
+        """True when request ``i``'s prompt is fully computed after this step."""
+        return bool(input_batch.num_computed_prefill_tokens_np[i]
+                    + input_batch.num_scheduled_tokens[i] >= input_batch.prefill_len_np[i])
+
+    def _output(self, num_reqs: int, sampled: torch.Tensor, emit: np.ndarray,
+                rejected: np.ndarray) -> SamplerOutput:
+        out = self._sampled[:num_reqs]
+        out.copy_(sampled.to(out.dtype))
+        num_sampled = self._num_sampled[:num_reqs]
+        num_sampled.copy_(torch.from_numpy(emit))
+        num_rejected = self._num_rejected[:num_reqs]
+        num_rejected.copy_(torch.from_numpy(rejected))
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None, num_nans=None,
+                             num_sampled=num_sampled, num_rejected=num_rejected)
+
+    def get_logprobs_dims(self, *_: Iterable[Any], **__: Any) -> Any:
+        raise NotImplementedError("Fast-dLLM returns no logprobs")

