@@ -22,22 +22,17 @@ windows) run SGLang's loop unchanged.
 
 from __future__ import annotations
 
+from diffspec.plugin.sglang.hooks import register_around
+
 __all__ = ["TARGET", "register_decode_rows"]
 
 TARGET = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
           "._run_sdpa_forward_decode")
-_registered = False
 
 
 def register_decode_rows() -> None:
     """Register the AROUND hook (idempotent); SGLang's ``load_plugins()`` applies it."""
-    global _registered
-    if _registered:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, _forward_decode, HookType.AROUND)
-    _registered = True
+    register_around(TARGET, _forward_decode)
 
 
 def request_runs(req_pool_indices: list[int]) -> list[tuple[int, int]]:
@@ -55,16 +50,14 @@ def _forward_decode(original, backend, query, output, k_cache, v_cache, req_to_t
                     req_pool_indices, seq_lens, encoder_lens=None, scaling=None,
                     enable_gqa=False, causal=False, is_cross_attn=False,
                     sliding_window_size=None):
-    args = (backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-            seq_lens)
-    kwargs = dict(encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
-                  causal=causal, is_cross_attn=is_cross_attn,
-                  sliding_window_size=sliding_window_size)
     pools = req_pool_indices.tolist()
     runs = request_runs(pools)
     if (len(runs) == len(pools) or encoder_lens is not None or is_cross_attn
             or (sliding_window_size is not None and sliding_window_size > -1)):
-        return original(*args, **kwargs)
+        return original(backend, query, output, k_cache, v_cache, req_to_token,
+                        req_pool_indices, seq_lens, encoder_lens=encoder_lens,
+                        scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
     return _grouped(query, output, k_cache, v_cache, req_to_token, pools, seq_lens.tolist(),
                     runs, scaling, enable_gqa)
 

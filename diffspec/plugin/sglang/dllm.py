@@ -53,8 +53,8 @@ def register_dllm() -> None:
     if _registered:
         return
     from sglang.srt.dllm.algorithm import algo_name_to_cls
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from diffspec.plugin.sglang.hooks import register_around
     from diffspec.plugin.sglang.refusion import ALGORITHM as REFUSION
     from diffspec.spec_workers.sglang.fast_dllm import FastDLLM
     from diffspec.spec_workers.sglang.refusion import ReFusion
@@ -62,7 +62,7 @@ def register_dllm() -> None:
     FastDLLM.supported_architectures = dllm_architectures()
     algo_name_to_cls.setdefault(ALGORITHM, FastDLLM)
     algo_name_to_cls.setdefault(REFUSION, ReFusion)
-    HookRegistry.register(_TARGET, _from_server_args, HookType.AROUND)
+    register_around(_TARGET, _from_server_args)
     _registered = True
 
 

@@ -16,22 +16,16 @@ speculative algorithms only; every other launch gets SGLang's value unchanged.
 from __future__ import annotations
 
 from diffspec.plugin.sglang.config import self_spec_algorithms
+from diffspec.plugin.sglang.hooks import register_around
 
 __all__ = ["TARGET", "register_headroom"]
 
 TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
-_registered = False
 
 
 def register_headroom() -> None:
     """Register the AROUND hook (idempotent); SGLang's ``load_plugins()`` applies it."""
-    global _registered
-    if _registered:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, _extra_context_len, HookType.AROUND)
-    _registered = True
+    register_around(TARGET, _extra_context_len)
 
 
 def _extra_context_len(original) -> int:
