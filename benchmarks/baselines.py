@@ -33,6 +33,7 @@ class Baseline:
     method: str  # a key of METHODS
     num_draft_tokens: int  # drafts per step (0 for ar)
     drafter: str | None = None  # drafter checkpoint (eagle3 / dflash)
+    dllm_config: str | None = None  # fast_dllm: its settings YAML (--dllm-algorithm-config)
 
     @property
     def forwards_per_step(self) -> int:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default="trained",
                    help="reference decoder's fast_dllm layout: the family's trained one, or "
                    "block_causal (SGLang's dLLM layout: compare it with --engines sglang)")
+    p.add_argument("--fast-dllm-config", default=None, metavar="YAML",
+                   help="fast_dllm settings (threshold, block_size, sub_block_size, cache: "
+                   "prefix | dual), given to SGLang as --dllm-algorithm-config and to the "
+                   "reference decoder as its options, so both decode with the same ones "
+                   "(default: the method's defaults)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads of the reference decoder (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
@@ -194,6 +200,23 @@ ENGINE_METHODS = {"reference": REFERENCE_METHODS, "vllm": vllm_offline.METHODS,
                   "sglang": SGLANG_METHODS}
 
 
+FAST_DLLM_KEYS = ("threshold", "block_size", "sub_block_size", "cache")
+
+
+def fast_dllm_settings(path: str | None) -> dict[str, Any]:
+    """The ``--fast-dllm-config`` YAML as reference-decoder options (``{}`` without one);
+    ``ValueError`` naming the keys for anything else."""
+    if path is None:
+        return {}
+    import yaml
+
+    with open(path) as f:
+        settings = yaml.safe_load(f) or {}
+    if not isinstance(settings, dict) or set(settings) - set(FAST_DLLM_KEYS):
+        raise ValueError(f"make {path} a YAML mapping of {', '.join(FAST_DLLM_KEYS)}")
+    return settings
+
+
 def skipped(engines: list[str], baselines: list[Baseline]) -> list[str]:
     """``engine/baseline`` pairs not run because the engine has no such method."""
     return [f"{e}/{b.label}" for e in engines if e in ENGINE_METHODS
@@ -211,7 +234,8 @@ def run_engines(args: argparse.Namespace, model: str, ids: list[list[int]],
             for b in baselines:
                 if b.method in REFERENCE_METHODS:
                     print(f"[reference] {b.label} ...", file=sys.stderr, flush=True)
-                    options = ({"attention": args.fast_dllm_attention}
+                    options = ({"attention": args.fast_dllm_attention,
+                                **fast_dllm_settings(args.fast_dllm_config)}
                                if b.method == "fast_dllm" else None)
                     results.append(reference.run(b, model, ids, args.max_tokens,
                                                  args.ignore_eos, args.threads, options))
@@ -377,6 +401,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   if d and not any(s.partition(":")[0] == m
                                                    for s in args.baselines)]
         baselines = baseline_specs.parse(specs, args.num_draft_tokens, drafters)
+        if args.fast_dllm_config:
+            fast_dllm_settings(args.fast_dllm_config)  # checked before any engine starts
+            baselines = [replace(b, dllm_config=args.fast_dllm_config)
+                         if b.method == "fast_dllm" else b for b in baselines]
     except ValueError as e:
         raise SystemExit(f"driver: {e}") from None
     no_ar = _without_ar_view(model)

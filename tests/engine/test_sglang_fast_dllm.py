@@ -10,18 +10,21 @@ SGLang class as its self-speculation. SGLang's
 dLLM scheduler decodes one block per request over the KV of the request's earlier blocks,
 aligned at position 0: Fast-dLLM's prefix cache on the block-causal layout, which is
 Fast-dLLM v2's own and, for LLaDA / Dream / NLD, the reference decoder's
-``FastDLLMConfig(attention="block_causal")``. The checks:
+``FastDLLMConfig(attention="block_causal")``. Under ``cache: dual`` (Fast-dLLM v2's block
+cache) a step runs only the current sub-block over the KV the block's other slots got from
+the last full-block forward (the reference's ``cache="dual"`` on that layout). The checks:
 
 * one batch of mixed-length prompts (continuous batching, ``max_new_tokens`` ending
   mid-block, prompts ending on a block boundary, EOS / turn end inside a block): every
   output equals the reference decoder's token for token;
-* forwards: a request served alone takes the reference's ``num_forwards``, except that
+* forwards: a request served alone takes the reference's ``num_forwards`` (and, under the
+  dual cache, as many window-only forwards: the tokens processed are counted), except that
   SGLang prefills the prompt one block per forward (the reference: one forward); one of
   them (64 tokens) ends on a block boundary inside KV the radix cache holds from the
   batch before, so Fast-dLLM v2's first generated token is the seed kept for that prefix;
 * radix cache: a request whose prompt is an earlier prompt plus its output hits the cache
   (block-aligned, generated blocks included) and still decodes as the reference;
-* clear errors at server-argument time (dual cache, another algorithm, another family, an
+* clear errors at server-argument time (cache none, another algorithm, another family, an
   NLD block larger than its trained one), and per request for sampling FastDLLM would
   ignore (temperature > 0: that request is refused alone, the rest of its batch decodes).
 """
@@ -41,20 +44,31 @@ from tests.engine.sglang_cpu import run_generate_job
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-# run: (checkpoint, threshold, block_size in the YAML (None: the checkpoint's), FDFO)
+# run: (checkpoint, threshold, block_size in the YAML (None: the checkpoint's), FDFO,
+#       cache, sub_block_size in the YAML (None: the checkpoint's: v2 8, else the block))
 RUNS = {
-    "llada_t09": ("llada", 0.9, 8, True),
-    "llada_top1": ("llada", 1.0, 8, True),
-    "v2_t09": ("fast_dllm_v2", 0.9, None, True),  # bd_size 32, sub-blocks of 8
-    "v2_top1": ("fast_dllm_v2", 1.0, None, True),
-    "v2_t09_sync": ("fast_dllm_v2", 0.9, None, False),  # --no-dllm-fdfo
-    "dream_t09": ("dream", 0.9, 8, True),
-    "nld_t09": ("nld", 0.9, None, True),  # bundled synth-nld, block_size 16
-    "nld_tiny_t09": ("nld_tiny", 0.9, None, True),  # random, block_size 8
-    "nld_tiny_top1": ("nld_tiny", 1.0, None, True),
+    "llada_t09": ("llada", 0.9, 8, True, "prefix", None),
+    "llada_top1": ("llada", 1.0, 8, True, "prefix", None),
+    "v2_t09": ("fast_dllm_v2", 0.9, None, True, "prefix", None),  # bd_size 32, sub-blocks of 8
+    "v2_top1": ("fast_dllm_v2", 1.0, None, True, "prefix", None),
+    "v2_t09_sync": ("fast_dllm_v2", 0.9, None, False, "prefix", None),  # --no-dllm-fdfo
+    "dream_t09": ("dream", 0.9, 8, True, "prefix", None),
+    "nld_t09": ("nld", 0.9, None, True, "prefix", None),  # bundled synth-nld, block_size 16
+    "nld_tiny_t09": ("nld_tiny", 0.9, None, True, "prefix", None),  # random, block_size 8
+    "nld_tiny_top1": ("nld_tiny", 1.0, None, True, "prefix", None),
+    # the dual cache: each step runs the current sub-block over the block's cached KV
+    "llada_dual_t09": ("llada", 0.9, 8, True, "dual", 4),
+    "llada_dual_top1": ("llada", 1.0, 8, True, "dual", 4),
+    "v2_dual_t09": ("fast_dllm_v2", 0.9, None, True, "dual", None),
+    "v2_dual_top1": ("fast_dllm_v2", 1.0, None, True, "dual", None),
+    "v2_dual_t09_sync": ("fast_dllm_v2", 0.9, None, False, "dual", None),
+    "dream_dual_t09": ("dream", 0.9, 8, True, "dual", 4),
+    "nld_dual_t09": ("nld", 0.9, None, True, "dual", 4),
 }
 SINGLES = ("single_0", "single_1")
-SINGLES_RUNS = ("llada_t09", "v2_t09", "nld_t09")  # also serve requests alone, and prefixes
+# also serve requests alone, and prefixes
+SINGLES_RUNS = ("llada_t09", "v2_t09", "nld_t09", "llada_dual_t09", "v2_dual_t09")
+DUAL_RUNS = tuple(run for run, spec in RUNS.items() if spec[4] == "dual")
 PROMPT_LENGTHS = (3, 20, 40, 70, 8, 64)  # in the first block, across blocks, on boundaries
 MAX_TOKENS = (20, 45, 33, 50, 27, 61)
 
@@ -111,8 +125,9 @@ def _reference(run: str, path: Path, requests: list[dict]) -> list:
 
     stops = (*inspect_checkpoint(path).eos_token_ids,
              *turn_end_token_ids(AutoTokenizer.from_pretrained(path, trust_remote_code=False)))
-    config = FastDLLMConfig(cache="prefix", threshold=RUNS[run][1], block_size=RUNS[run][2],
-                            attention="block_causal")
+    _, threshold, block, _, cache_mode, sub = RUNS[run]
+    config = FastDLLMConfig(cache=cache_mode, threshold=threshold, block_size=block,
+                            sub_block_size=sub, attention="block_causal")
     return fast_dllm_generate(_lm(path), [
         Request(r["input_ids"], r["max_new_tokens"],
                 stop_token_ids=() if r.get("ignore_eos") else stops) for r in requests], config)
@@ -147,7 +162,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     require_sglang()
     tmp = tmp_path_factory.mktemp("sglang_fast_dllm")
     runs = []
-    for name, (family, threshold, block, fdfo) in RUNS.items():
+    for name, (family, threshold, block, fdfo, cache_mode, sub) in RUNS.items():
         path = ckpts[family]
         greedy = _greedy_requests(path)
         batches = {"greedy": greedy}
@@ -159,7 +174,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         if name == "nld_tiny_t09":  # one request asks for sampling: refused alone
             batches["sampling"] = [{**r, "may_fail": True} for r in greedy[:3]]
             batches["sampling"][1]["temperature"] = 0.7
-        options = f"threshold: {threshold}\n" + (f"block_size: {block}\n" if block else "")
+        options = (f"threshold: {threshold}\n" + (f"block_size: {block}\n" if block else "")
+                   + (f"cache: {cache_mode}\n" if cache_mode != "prefix" else "")
+                   + (f"sub_block_size: {sub}\n" if sub else ""))
         runs.append({"name": name, "model": str(path), "count_forwards": True,
                      "batches": batches,
                      "engine": {"max_running_requests": 8, "dllm_fdfo": fdfo,
@@ -167,8 +184,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                 "dllm_algorithm_config": _yaml(tmp, name, options)}})
     llada, fast = str(ckpts["llada"]), {"dllm_algorithm": "FastDLLM"}
     job = {"runs": runs, "config_errors": {
-        "dual_cache": {"model": llada, "server_args": {
-            **fast, "dllm_algorithm_config": _yaml(tmp, "dual", "cache: dual\n")}},
+        "no_cache": {"model": llada, "server_args": {
+            **fast, "dllm_algorithm_config": _yaml(tmp, "none", "cache: none\n")}},
         "unknown_key": {"model": llada, "server_args": {
             **fast, "dllm_algorithm_config": _yaml(tmp, "unknown", "steps: 4\n")}},
         "v2_block_too_large": {"model": str(ckpts["fast_dllm_v2"]), "server_args": {
@@ -223,6 +240,12 @@ def test_forwards_per_token_equal_reference(engine, ckpts, run: str) -> None:
         expected = ref.num_forwards - (full_blocks > 0) + prefills + ends_full + ends_on_seed
         assert got["forwards"] == {"DLLM_EXTEND": expected, "EMBED": expected}, name
         assert len(ref.token_ids) / ref.num_forwards > 1.5  # parallel decoding pays
+        # tokens processed: whole blocks, except the dual cache's window-only steps, which
+        # run one sub-block over the block's cached KV (as many as the reference's)
+        windows = ref.window_forwards
+        sub = RUNS[run][5] or (8 if RUNS[run][0] == "fast_dllm_v2" else block)
+        assert (windows > 0) == (run in DUAL_RUNS), name
+        assert got["tokens"]["DLLM_EXTEND"] == block * (expected - windows) + sub * windows, name
 
 
 @pytest.mark.parametrize("run", SINGLES_RUNS)
@@ -246,7 +269,7 @@ def test_radix_cache_reuse_equals_reference(engine, ckpts, run: str) -> None:
 
 
 ERRORS = {
-    "dual_cache": "set cache: prefix",
+    "no_cache": "set cache: prefix or dual",
     "unknown_key": "remove steps from",
     "v2_block_too_large": "fix ",
     "other_algorithm": "use --dllm-algorithm FastDLLM",

@@ -11,11 +11,13 @@ unchanged (listed in ``diffspec/plugin/patches.md``). ``--dllm-algorithm ReFusio
 Qwen3 architecture) goes to :func:`diffspec.plugin.sglang.refusion.refusion_dllm_config`.
 
 YAML keys: ``threshold`` (0.9), ``block_size`` (Fast-dLLM v2: ``bd_size``; else 32),
-``sub_block_size`` (v2: 8; else the block), ``cache`` (``prefix`` only: SGLang's
-scheduler recomputes each block over the KV of the blocks before it, which is the prefix
-cache; it allocates no KV past the current block and a forward's new tokens are always the
-tail of the request's KV, so neither dual cache, v1's masked suffix nor v2's sub-block
-window, can be expressed).
+``sub_block_size`` (v2: 8; else the block), ``cache``: ``prefix`` (default: SGLang's
+scheduler recomputes each block over the KV of the blocks before it) or ``dual`` (each step
+runs only the current sub-block, over the KV the block's other slots got from the last
+full-block forward: Fast-dLLM v2's block cache, the reference's ``cache="dual"`` on the
+block-causal layout; :meth:`diffspec.spec_workers.sglang.fast_dllm.FastDLLM.dual_forward`).
+v1's dual cache of a masked suffix has no counterpart: SGLang's layout is block-causal, a
+block never sees the slots after it.
 
 This module imports neither torch nor SGLang at import time.
 """
@@ -34,6 +36,7 @@ __all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "register_dllm", "s
 
 ALGORITHM = "FastDLLM"
 _OPTIONS = ("threshold", "block_size", "sub_block_size", "cache")
+SGLANG_CACHES = ("prefix", "dual")  # cache strategies FastDLLM runs in SGLang
 _TARGET = "sglang.srt.dllm.config.DllmConfig.from_server_args"
 _registered = False
 
@@ -114,17 +117,16 @@ def dllm_config(cfg: Any, info=None):
             f"serves {', '.join(dllm_architectures())})")
     options = _yaml_options(cfg.dllm_algorithm_config)
     cache = options.get("cache", "prefix")
-    if cache != "prefix":
+    if cache not in SGLANG_CACHES:
         raise CheckpointError(
-            f"set cache: prefix (or leave it out) in {cfg.dllm_algorithm_config}, or run "
-            f"cache {cache!r} on the reference decoder (diffspec generate --method fast_dllm "
-            f"--cache {cache}): SGLang's dLLM scheduler recomputes the whole block at every "
-            f"step over the KV of the blocks before it (the prefix cache); it allocates no KV "
-            f"past the current block (no masked suffix to cache) and a forward's new tokens "
-            f"are always the tail of the request's KV (no sub-block window over the block's "
-            f"other slots' KV), so the dual cache cannot be expressed on it")
+            f"set cache: prefix or dual in {cfg.dllm_algorithm_config} (or leave it out: "
+            f"prefix), or run cache {cache!r} on the reference decoder (diffspec generate "
+            f"--method fast_dllm --cache {cache}): SGLang's dLLM scheduler keeps the KV of "
+            f"a request's earlier blocks, so each step runs at most the current block (the "
+            f"prefix cache; cache none would recompute the prompt and every earlier block "
+            f"at every step, with the same result on this layout)")
     try:
-        config = FastDLLMConfig(cache="prefix", threshold=options.get("threshold", 0.9),
+        config = FastDLLMConfig(cache=cache, threshold=options.get("threshold", 0.9),
                                 block_size=options.get("block_size"),
                                 sub_block_size=options.get("sub_block_size"),
                                 attention="block_causal")
@@ -132,10 +134,17 @@ def dllm_config(cfg: Any, info=None):
     except ValueError as exc:
         raise CheckpointError(f"fix {cfg.dllm_algorithm_config or 'the dLLM settings'}: "
                               f"{exc}") from None
+    if cache == "dual" and sub == block:
+        logger.warning(
+            "diffspec FastDLLM: cache: dual with sub_block_size == block_size (%d) computes "
+            "what cache: prefix does (the window is the whole block); set sub_block_size "
+            "below block_size in %s for the dual cache's sub-block window", block,
+            cfg.dllm_algorithm_config)
     return DllmConfig(
         algorithm=ALGORITHM,
         algorithm_config={"threshold": config.threshold, "block_size": block,
-                          "sub_block_size": sub, "logits_shift": info.logits_shift,
+                          "sub_block_size": sub, "cache": cache,
+                          "logits_shift": info.logits_shift,
                           "turn_end_ids": _turn_end_ids(info)},
         block_size=block,
         mask_id=int(info.mask_token_id),

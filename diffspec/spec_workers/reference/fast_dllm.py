@@ -47,7 +47,10 @@ that forward is also the block's first step). Block-causal families keep the KV 
 completed blocks across blocks (written by the forward that *completes* a block, and for
 the prompt by a prefill), and under ``dual`` refresh the block when the window changes or
 (shifted) its first slot is still masked: a shifted window needs that slot's token to
-predict its second slot (v2's rule).
+predict its second slot (v2's rule). That rule is applied per request: on a step where
+only some requests' first slots are masked, the others read the cache as they would
+alone and keep their K/V (v2's ``batch_sample`` refreshes the whole batch then, which makes
+a request's output depend on its batch neighbours; a server cannot promise that).
 
 **Shifted families** (Dream, Fast-dLLM v2) read position j's logits at j-1
 (:func:`diffspec.core.unmask.shift_logits`). The first slot of a block is committed alone,
@@ -85,7 +88,7 @@ import torch
 from torch import Tensor
 
 from diffspec.core.checkpoint import CheckpointError, CheckpointInfo, validate_block_size
-from diffspec.core.kv import rollback_kv
+from diffspec.core.kv import restore_rows, rollback_kv, save_rows
 from diffspec.core.masks import block_causal_mask, block_diffusion_mask
 from diffspec.core.unmask import confidence_unmask, shift_logits
 from diffspec.model_executors.reference.dllm import DiffusionLM
@@ -160,6 +163,7 @@ class FastDLLMOutput(RequestOutput):
     """A request's output; ``accept_lengths`` holds the tokens committed by each step."""
 
     steps_per_block: list[int] = field(default_factory=list)  # forwards per decoded block
+    window_forwards: int = 0  # dual cache: steps that ran only the window over cached KV
 
     @property
     def mean_steps_per_block(self) -> float:
@@ -192,6 +196,7 @@ class KVState:
     valid: Tensor  # [batch, cache_len] bool, in cache order
     base_len: int = 0  # slots kept across blocks (block-causal: prompt and completed blocks)
     window: tuple[int, int] | None = None  # the window the rest of the cache was refreshed for
+    read_cache: Tensor | None = None  # [batch] rows whose last step ran only the window
 
 
 def fast_dllm_generate(
@@ -244,6 +249,9 @@ def decode_block(
         candidates[seed, 1:] = -1
         tokens, chosen = confidence_unmask(logits, candidates, mask_id, config.threshold)
         _commit(batch, c0, tokens, chosen, counted=rows)
+        if kv.read_cache is not None:
+            for r in (rows & kv.read_cache).nonzero()[:, 0].tolist():
+                batch.outputs[r].window_forwards += 1
         steps += rows
         _finish(batch)
 
@@ -265,6 +273,7 @@ def _step_logits(
     """One forward per the cache strategy; the aligned logits of the sub-block ``[c0, c1)``."""
     size = batch.tokens.shape[1]
     bidirectional = lm.attention == "bidirectional"
+    kv.read_cache = None
     if kv.cache is None:  # cache="none": recompute everything visible
         visible = size if bidirectional else end
         return _aligned(lm, _forward(lm, batch, kv, torch.arange(visible), block), 0, c0, c1)
@@ -274,20 +283,36 @@ def _step_logits(
         w0, w1 = (start, size) if bidirectional else (start, end)
     else:  # dual
         w0, w1 = (start, end) if bidirectional else (c0, c1)
-    first_masked = bool((rows & (batch.tokens[:, w0] == lm.mask_token_id)).any())
-    if kv.window != (w0, w1) or (lm.logits_shift and first_masked):  # refresh
-        _rollback(kv, kv.base_len)
-        idx = torch.arange(vis0, vis1)
-        in_window = (idx >= w0) & (idx < w1)
-        order = torch.cat([idx[~in_window], idx[in_window]])  # the window last
-        out = _forward(lm, batch, kv, order, block, keep=True)
-        _rollback(kv, kv.valid.shape[1] - (w1 - w0))
-        kv.window = (w0, w1)
-        natural = torch.empty_like(out)
-        natural[:, order - vis0] = out
-        return _aligned(lm, natural, vis0, c0, c1)
-    out = _forward(lm, batch, kv, torch.arange(w0, w1), block)
-    return _aligned(lm, out, w0, c0, c1)
+    # a shifted window whose first slot is masked needs the slot before it: refreshed
+    first_masked = rows & (batch.tokens[:, w0] == lm.mask_token_id) & lm.logits_shift  # [batch]
+    new_window = kv.window != (w0, w1)
+    if not new_window and not bool(first_masked.any()):
+        out = _forward(lm, batch, kv, torch.arange(w0, w1), block)
+        kv.read_cache = rows.clone() if cache == "dual" else None
+        return _aligned(lm, out, w0, c0, c1)
+    # Per request, as one request alone would: only the rows that need it are refreshed
+    # (Fast-dLLM v2's batch_sample refreshes the whole batch when one row needs it, so a
+    # request's output would depend on its batch neighbours). The others read the cache
+    # and keep their K/V.
+    cached = rows & ~first_masked if not new_window else torch.zeros_like(rows)
+    if bool(cached.any()):
+        kept = _aligned(lm, _forward(lm, batch, kv, torch.arange(w0, w1), block), w0, c0, c1)
+        saved = save_rows(kv.cache, cached)
+    _rollback(kv, kv.base_len)
+    idx = torch.arange(vis0, vis1)
+    in_window = (idx >= w0) & (idx < w1)
+    order = torch.cat([idx[~in_window], idx[in_window]])  # the window last
+    out = _forward(lm, batch, kv, order, block, keep=True)
+    _rollback(kv, kv.valid.shape[1] - (w1 - w0))
+    kv.window = (w0, w1)
+    natural = torch.empty_like(out)
+    natural[:, order - vis0] = out
+    logits = _aligned(lm, natural, vis0, c0, c1)
+    if bool(cached.any()):
+        restore_rows(kv.cache, saved, cached)
+        logits = torch.where(cached[:, None, None], kept, logits)
+        kv.read_cache = cached if cache == "dual" else None
+    return logits
 
 
 def _aligned(lm: DiffusionLM, logits: Tensor, first: int, c0: int, c1: int) -> Tensor:
@@ -502,7 +527,7 @@ def turn_end_token_ids(tokenizer: Any) -> tuple[int, ...]:
 
 def decoder(info, options):
     """The reference decoder of method ``fast_dllm`` (registry factory): ``block_size``
-    (default: the checkpoint's bd_size, else 32),
+    (default: the checkpoint's bd_size, else 32), ``sub_block_size``,
     ``threshold``, ``cache`` and ``attention`` as :class:`FastDLLMConfig` takes them."""
     from diffspec.model_executors.reference.dllm import load_dllm
     from diffspec.spec_workers.reference import Decoder
@@ -511,6 +536,7 @@ def decoder(info, options):
     lm = load_dllm(info.path, dtype=options.get("dtype", torch.float32))
     config = FastDLLMConfig(cache=options["cache"], threshold=options["threshold"],
                             block_size=options.get("block_size"),
+                            sub_block_size=options.get("sub_block_size"),
                             attention=options.get("attention", "trained"))
     block, _ = config.sizes(lm.info)  # checks the block against the checkpoint
     tokenizer = load_tokenizer(info)

@@ -51,6 +51,7 @@ SGLang's own finish check stops an instruct answer where the model cards' code d
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,7 @@ class RowState:
     stops: torch.Tensor  # [num_stop_ids] int64; empty under ignore_eos
     seeded: bool = False  # the block-first slot was given its seed (shifted families)
     done: bool = False
+    window: int | None = None  # dual cache: first slot of the sub-block last refreshed for
 
 
 class FastDLLM(DllmAlgorithm):
@@ -91,7 +93,9 @@ class FastDLLM(DllmAlgorithm):
         self.sub_block_size = int(cfg["sub_block_size"])
         self.logits_shift = bool(cfg["logits_shift"])
         self.turn_end_ids = frozenset(int(t) for t in cfg.get("turn_end_ids", ()))
+        self.dual = cfg.get("cache", "prefix") == "dual"
         self._seeds: OrderedDict[int, int] = OrderedDict()  # hash(token prefix) -> seed
+        self._windows: list[int | None] = []  # dual cache: the next forward's query per row
 
     # ------------------------------------------------------------------ SGLang hooks
 
@@ -127,7 +131,13 @@ class FastDLLM(DllmAlgorithm):
     def prepare_inputs(self, model_runner, forward_batch: ForwardBatch,
                        states: list[RowState]) -> None:
         """Shifted families: write each block's seed (the completing forward's argmax)
-        into its first slot before the block's first forward."""
+        into its first slot before the block's first forward. Dual cache: choose each
+        row's query for the coming forward (:meth:`_plan_windows`)."""
+        self._seed_blocks(forward_batch, states)
+        if self.dual:
+            self._plan_windows(forward_batch, states)
+
+    def _seed_blocks(self, forward_batch: ForwardBatch, states: list[RowState]) -> None:
         if not self.logits_shift or all(s.seeded for s in states):
             return
         tokens = forward_batch.input_ids.view(-1, self.block_size)
@@ -143,7 +153,9 @@ class FastDLLM(DllmAlgorithm):
                 tokens[row, 0] = seed
 
     def run(self, model_runner, forward_batch: ForwardBatch, algo_states=None):
-        out = super().run(model_runner, forward_batch, algo_states)
+        self._windows = []
+        runner = _DualCacheRunner(model_runner, self) if self.dual else model_runner
+        out = super().run(runner, forward_batch, algo_states)
         if self.logits_shift and not self.fdfo and not out[1]:
             # a prefill of whole prompt blocks: the base class returns before any step
             logits = out[0].full_logits.view(forward_batch.batch_size, self.block_size, -1)
@@ -186,6 +198,88 @@ class FastDLLM(DllmAlgorithm):
             state.done = finished and bool((tokens[row] == self.mask_id).any())
         return [s.done for s in states]
 
+    # ------------------------------------------------------------------ dual cache
+
+    def _plan_windows(self, forward_batch: ForwardBatch, states: list[RowState]) -> None:
+        """Dual cache (Fast-dLLM v2's block cache, the reference's ``cache="dual"`` on the
+        block-causal layout): per row, the coming forward's query is its current sub-block
+        alone, over the KV the block's other slots got from the row's last full forward,
+        unless the row needs that full forward (a *refresh*): its sub-block changed, or
+        (shifted) the sub-block's first slot is still masked (it reads the slot before
+        it), or the row has no work left (the completing forward writes the block's final
+        KV). ``None``: the whole block."""
+        tokens = forward_batch.input_ids.view(-1, self.block_size)
+        slots = torch.arange(self.block_size, device=tokens.device)
+        self._windows = []
+        for row, state in enumerate(states):
+            window = None
+            if not state.done:
+                work = ((tokens[row] == self.mask_id) & (slots >= state.gen)
+                        & (slots < state.limit))
+                if bool(work.any()):
+                    c0 = int(work.nonzero()[0, 0]) // self.sub_block_size * self.sub_block_size
+                    first_masked = self.logits_shift and int(tokens[row, c0]) == self.mask_id
+                    if state.window == c0 and not first_masked:
+                        window = c0
+                    state.window = c0
+            self._windows.append(window)
+
+    def dual_forward(self, model_runner, forward_batch: ForwardBatch):
+        """One forward of the planned queries. Rows on a window run only its
+        ``sub_block_size`` slots: the request's ``req_to_token`` row is reordered for the
+        forward so that the window is its tail (the block's other slots, before it, are
+        read as cached prefix K/V; positions travel with the tokens and block attention is
+        bidirectional, so the order of the keys changes nothing) and restored after. The
+        returned logits are laid out as the whole block's (``[bs * block_size, vocab]``,
+        zeros outside the windows: only a window's own slots are read)."""
+        windows = self._windows or [None] * forward_batch.batch_size
+        if all(w is None for w in windows):
+            return model_runner.forward(forward_batch, pp_proxy_tensors=None)
+        bs, size, sub = forward_batch.batch_size, self.block_size, self.sub_block_size
+        fb = copy.copy(forward_batch)
+        table = model_runner.req_to_token_pool.req_to_token
+        pools = forward_batch.req_pool_indices.tolist()
+        prefix = list(forward_batch.extend_prefix_lens_cpu)
+        keep = torch.ones(bs, size, dtype=torch.bool, device=forward_batch.input_ids.device)
+        saved = []
+        for row, c0 in enumerate(windows):
+            if c0 is None:
+                continue
+            keep[row] = False
+            keep[row, c0 : c0 + sub] = True
+            p = prefix[row]
+            block = table[pools[row], p : p + size].clone()
+            saved.append((pools[row], p, block))
+            inside = torch.zeros(size, dtype=torch.bool, device=block.device)
+            inside[c0 : c0 + sub] = True
+            table[pools[row], p : p + size] = torch.cat([block[~inside], block[inside]])
+        lens = [sub if w is not None else size for w in windows]
+        ext = torch.tensor(lens, dtype=forward_batch.extend_seq_lens.dtype,
+                           device=forward_batch.extend_seq_lens.device)
+        flat = keep.view(-1)
+        fb.input_ids = forward_batch.input_ids[flat]
+        fb.positions = forward_batch.positions[flat]
+        fb.out_cache_loc = forward_batch.out_cache_loc[flat]
+        fb.extend_num_tokens = sum(lens)
+        fb.extend_seq_lens = ext
+        fb.extend_seq_lens_cpu = lens
+        fb.extend_prefix_lens_cpu = [p + size - n for p, n in zip(prefix, lens)]
+        fb.extend_prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=ext.dtype,
+                                             device=ext.device)
+        fb.extend_start_loc = torch.cumsum(ext, 0) - ext
+        fb.extend_logprob_start_lens_cpu = lens
+        try:
+            out = model_runner.forward(fb, pp_proxy_tensors=None)
+        finally:
+            for pool, p, block in saved:
+                table[pool, p : p + size] = block
+        logits = out.logits_output.full_logits
+        full = logits.new_zeros(bs * size, logits.shape[-1])
+        full[flat] = logits
+        out.logits_output = copy.copy(out.logits_output)
+        out.logits_output.full_logits = full
+        return out
+
     # ------------------------------------------------------------------ helpers
 
     def _stopped(self, tokens: torch.Tensor, state: RowState) -> bool:
@@ -214,6 +308,20 @@ class FastDLLM(DllmAlgorithm):
         self._seeds.move_to_end(key)
         if len(self._seeds) > _MAX_SEEDS:
             self._seeds.popitem(last=False)
+
+
+class _DualCacheRunner:
+    """The model runner as :class:`FastDLLM`'s steps see it under the dual cache: its
+    ``forward`` runs the queries :meth:`FastDLLM.prepare_inputs` planned."""
+
+    def __init__(self, runner: Any, algorithm: FastDLLM) -> None:
+        self._runner, self._algorithm = runner, algorithm
+
+    def forward(self, forward_batch: ForwardBatch, pp_proxy_tensors=None):
+        return self._algorithm.dual_forward(self._runner, forward_batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
 
 
 def batch_requests(forward_batch: ForwardBatch) -> list[Any]:
