@@ -124,6 +124,7 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
             out.append(RunResult(engine="sglang", baseline=b.label, launch=launch,
                                  completions=[], notes=notes, error=error))
             continue
+        forward_tokens = [c.pop("forward_tokens", None) for c in r["completions"]]
         completions = [Completion(**c) for c in r["completions"]]
         for c in completions:  # target forwards after prefill, as for vLLM
             c.forwards = (c.forwards if _dllm(b)  # counted: every forward, prefill included
@@ -134,6 +135,12 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
             notes.append("dLLM mode: TPF counts every model forward of a request (SGLang "
                          "prefills a prompt one block per forward), counted in the scheduler "
                          "process (diffspec.testing.sglang_forwards)")
+            if None not in forward_tokens:
+                generated = sum(len(c.token_ids) for c in completions)
+                notes.append(f"dLLM mode: the forwards of the c=1 requests ran "
+                             f"{sum(forward_tokens)} tokens through the model for {generated} "
+                             f"generated ({sum(forward_tokens) / max(1, generated):.2f} per "
+                             f"generated token, prompt blocks included)")
         out.append(RunResult(
             engine="sglang", baseline=b.label, launch=launch, completions=completions,
             system_tokens_per_s={int(c): v for c, v in r["system_tokens_per_s"].items()},

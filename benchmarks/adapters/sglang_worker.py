@@ -66,6 +66,8 @@ def _one(engine, ids: list[int], params: dict, counts: str | None = None) -> dic
         after = forward_counts(counts)
         out["forwards"] = sum(n - before.get(m, 0) for m, n in after.items()
                               if m != "EMBED" and not m.startswith("tokens:"))
+        out["forward_tokens"] = sum(n - before.get(m, 0) for m, n in after.items()
+                                    if m.startswith("tokens:"))
     return out
 
 

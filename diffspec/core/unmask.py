@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["confidence_unmask", "shift_logits"]
+__all__ = ["confidence_unmask", "shift_logits", "sub_block_start", "unmask_block"]
 
 
 def shift_logits(
@@ -92,3 +92,45 @@ def confidence_unmask(
 
     new_canvas = torch.where(selected, x0.to(canvas.dtype), canvas)
     return new_canvas, selected
+
+
+def unmask_block(
+    logits: torch.Tensor,  # [n, block, vocab] as the head computes them (row j at slot j)
+    canvas: torch.Tensor,  # [n, block] int64, mask_token_id where masked
+    limit: torch.Tensor,  # [n] int64: slots from here are past max_tokens, never decoded
+    mask_token_id: int,
+    threshold: float,
+    *,
+    sub_block: int | None = None,  # decode only the first sub-block with masked slots
+    shifted: bool = False,  # slot j reads row j - 1 (Dream, Fast-dLLM v2)
+    start: torch.Tensor | None = None,  # [n] int64: slots before it are prompt, never decoded
+) -> tuple[torch.Tensor, torch.Tensor]:  # (canvas [n, block], committed [n, block] bool)
+    """One Fast-dLLM step on a batch of blocks, each row on its own: among the masked
+    slots in ``[start, limit)`` of the row's current sub-block (the first one with such
+    slots), commit every one whose confidence exceeds ``threshold``, and at least the most
+    confident one (:func:`confidence_unmask`); the mask token is never a prediction. The
+    engines' per-row form of the reference decoder's step (``vllm`` and ``sglang``
+    Fast-dLLM workers)."""
+    scores = logits.float().clone()
+    scores[..., mask_token_id] = float("-inf")  # the mask token is never a prediction
+    if shifted:
+        scores = shift_logits(scores)
+    block = canvas.shape[1]
+    idx = torch.arange(block, device=canvas.device)
+    work = (canvas == mask_token_id) & (idx[None] < limit[:, None])
+    if start is not None:
+        work &= idx[None] >= start[:, None]
+    if sub_block is not None and sub_block < block:
+        c0 = sub_block_start(work, sub_block)
+        work &= (idx[None] >= c0[:, None]) & (idx[None] < c0[:, None] + sub_block)
+    candidates = torch.where(work, mask_token_id, -1)  # only the slots to decode are masked
+    tokens, committed = confidence_unmask(scores, candidates, mask_token_id, threshold)
+    return torch.where(committed, tokens, canvas), committed
+
+
+def sub_block_start(work: torch.Tensor, sub_block: int) -> torch.Tensor:  # [n] int64
+    """First slot of each row's current sub-block: the sub-block (of ``sub_block`` slots,
+    aligned to the block) holding the row's first slot with work (``work``: [n, block]
+    bool); 0 for a row without work."""
+    first = torch.where(work.any(1), work.int().argmax(1), 0)  # [n] first slot with work
+    return first // sub_block * sub_block

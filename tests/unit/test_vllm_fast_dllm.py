@@ -33,6 +33,7 @@ pytest.importorskip("vllm")
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_NLD_DIR
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
 from diffspec.core.kv import rollback_kv
+from diffspec.core.unmask import unmask_block
 from diffspec.model_executors.reference.dllm import DiffusionLM, load_dllm
 from diffspec.model_executors.vllm.dllm import llada_to_vllm_name
 from diffspec.plugin.vllm import dllm as hook
@@ -52,7 +53,6 @@ from diffspec.spec_workers.vllm.fast_dllm import (
     denoise_step,
     request_stops,
     seed_token,
-    unmask_block,
 )
 
 M = 9  # mask token id of the hand-built cases

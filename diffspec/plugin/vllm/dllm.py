@@ -63,8 +63,9 @@ V2_RUNNER_UNAVAILABLE = (
     "V1 runner and refuse the model ('Model Runner V1 does not support: diffusion models').")
 
 DUAL_CACHE_UNSUPPORTED = (
-    "set \"cache\": \"prefix\" (or leave it out) in {flag}, or run cache {cache!r} on the "
-    "reference decoder (diffspec generate --method fast_dllm --cache {cache}): vLLM's "
+    "set \"cache\": \"prefix\" (or leave it out) in {flag}, or serve cache {cache!r} with "
+    "SGLang (--dllm-algorithm FastDLLM, cache: dual in --dllm-algorithm-config) or run it on "
+    "the reference decoder (diffspec generate --method fast_dllm --cache {cache}): vLLM's "
     "diffusion scheduler schedules a request's whole block (its canvas) on every step, at "
     "the positions after its committed tokens, so every forward recomputes the block over "
     "the paged KV of the prompt and the earlier blocks (the prefix cache); no forward runs "

@@ -9,8 +9,9 @@ reference's ``FastDLLMConfig(attention="block_causal")``, see
 
 1. the sub-block: per request, the first ``sub_block_size`` slots that still hold work
    (masked, generated, before the request's ``max_new_tokens`` limit);
-2. unmask: :func:`diffspec.core.unmask.confidence_unmask` on the sub-block's logits
-   (shifted families read slot ``j`` at ``j - 1``), the mask token never predicted;
+2. unmask: :func:`diffspec.core.unmask.unmask_block` (the rows' sub-blocks at once:
+   :func:`~diffspec.core.unmask.confidence_unmask` on their logits, shifted families
+   reading slot ``j`` at ``j - 1``, the mask token never predicted);
 3. commit in place into ``forward_batch.input_ids`` (SGLang's block buffer);
 4. finish: a request is done when a stop token is committed with nothing masked before it,
    or when its last slot before the limit is committed (slots past the limit stay
@@ -61,7 +62,7 @@ from sglang.srt.dllm.algorithm.base import DllmAlgorithm
 from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from diffspec.core.unmask import confidence_unmask, shift_logits
+from diffspec.core.unmask import sub_block_start, unmask_block
 from diffspec.plugin.sglang.dllm import sampling_error
 
 __all__ = ["FastDLLM", "RowState", "batch_requests", "request_stop_ids"]
@@ -170,26 +171,28 @@ class FastDLLM(DllmAlgorithm):
         tokens = forward_batch.input_ids.view(bs, size)
         masked = tokens == self.mask_id  # [bs, size]
         slots = torch.arange(size, device=tokens.device)
+        decode = []  # rows with slots to decode
         for row, state in enumerate(states):
             if state.done:
                 continue
             work = masked[row] & (slots >= state.gen) & (slots < state.limit)  # [size]
-            if not bool(work.any()):
-                # this forward saw the block complete: its KV is final
-                if not state.ends_here and not self._stopped(tokens[row], state):
-                    self._record_seed(forward_batch, logits, row)
-                state.done = True
+            if bool(work.any()):
+                decode.append(row)
                 continue
-            c0 = int(work.nonzero()[0, 0]) // self.sub_block_size * self.sub_block_size
-            c1 = c0 + self.sub_block_size
-            row_logits = logits[row : row + 1].clone()
-            row_logits[..., self.mask_id] = float("-inf")  # the mask is never a prediction
-            if self.logits_shift:
-                row_logits = shift_logits(row_logits)
-            candidates = torch.where(work[c0:c1], self.mask_id, -1)[None]  # [1, sub]
-            new, _ = confidence_unmask(row_logits[:, c0:c1], candidates, self.mask_id,
-                                       self.threshold)
-            tokens[row, c0:c1] = torch.where(new[0] == -1, tokens[row, c0:c1], new[0])
+            # this forward saw the block complete: its KV is final
+            if not state.ends_here and not self._stopped(tokens[row], state):
+                self._record_seed(forward_batch, logits, row)
+            state.done = True
+        if not decode:
+            return [s.done for s in states]
+        rows = torch.tensor(decode, device=tokens.device)
+        bounds = torch.tensor([(states[r].gen, states[r].limit) for r in decode],
+                              device=tokens.device)  # [n, 2]
+        tokens[rows] = unmask_block(logits[rows], tokens[rows], bounds[:, 1], self.mask_id,
+                                    self.threshold, sub_block=self.sub_block_size,
+                                    shifted=self.logits_shift, start=bounds[:, 0])[0]
+        for row in decode:
+            state = states[row]
             finished = self._stopped(tokens[row], state) or (
                 state.ends_here and not bool((tokens[row, state.gen : state.limit]
                                               == self.mask_id).any()))
@@ -217,7 +220,7 @@ class FastDLLM(DllmAlgorithm):
                 work = ((tokens[row] == self.mask_id) & (slots >= state.gen)
                         & (slots < state.limit))
                 if bool(work.any()):
-                    c0 = int(work.nonzero()[0, 0]) // self.sub_block_size * self.sub_block_size
+                    c0 = int(sub_block_start(work[None], self.sub_block_size)[0])
                     first_masked = self.logits_shift and int(tokens[row, c0]) == self.mask_id
                     if state.window == c0 and not first_masked:
                         window = c0

@@ -87,12 +87,11 @@ from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-from diffspec.core.unmask import confidence_unmask, shift_logits
+from diffspec.core.unmask import unmask_block
 from diffspec.plugin.vllm.dllm import THRESHOLD_ARG
 
 __all__ = ["BlockState", "FastDLLMModelState", "FastDLLMSampler", "begin_blocks",
-           "block_outcome", "complete_block", "denoise_step", "request_stops", "seed_token",
-           "unmask_block"]
+           "block_outcome", "complete_block", "denoise_step", "request_stops", "seed_token"]
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
@@ -101,35 +100,6 @@ DEFAULT_THRESHOLD = 0.9
 
 
 # ---------------------------------------------------------------------------- rules
-
-
-def unmask_block(
-    logits: torch.Tensor,  # [n, block, vocab] as the head computes them (row j at slot j)
-    canvas: torch.Tensor,  # [n, block] int64, mask_token_id where masked
-    limit: torch.Tensor,  # [n] int64: slots from here are past max_tokens, never decoded
-    mask_token_id: int,
-    threshold: float,
-    *,
-    sub_block: int | None = None,  # decode only the first sub-block with masked slots
-    shifted: bool = False,  # slot j reads row j - 1 (Dream, Fast-dLLM v2)
-) -> tuple[torch.Tensor, torch.Tensor]:  # (canvas [n, block], committed [n, block] bool)
-    """One Fast-dLLM step on a batch of blocks: among the masked slots before ``limit`` in
-    each row's current sub-block, commit every one whose confidence exceeds ``threshold``,
-    and at least the most confident one."""
-    scores = logits.float().clone()
-    scores[..., mask_token_id] = float("-inf")  # the mask token is never a prediction
-    if shifted:
-        scores = shift_logits(scores)
-    block = canvas.shape[1]
-    idx = torch.arange(block, device=canvas.device)
-    work = (canvas == mask_token_id) & (idx[None] < limit[:, None])
-    if sub_block is not None and sub_block < block:
-        first = torch.where(work.any(1), work.int().argmax(1), 0)  # first slot with work
-        c0 = first // sub_block * sub_block
-        work &= (idx[None] >= c0[:, None]) & (idx[None] < c0[:, None] + sub_block)
-    candidates = torch.where(work, mask_token_id, -1)  # only the slots to decode are masked
-    tokens, committed = confidence_unmask(scores, candidates, mask_token_id, threshold)
-    return torch.where(committed, tokens, canvas), committed
 
 
 def seed_token(logits: torch.Tensor, mask_token_id: int) -> int:
