@@ -206,3 +206,34 @@ def test_shift_logits_with_previous_logit() -> None:
     assert torch.equal(shifted[:, :1], prev)
     assert torch.equal(shifted[:, 1:], logits[:, :-1])
     assert torch.equal(shift_logits(logits[:, :1], prev), prev)  # block of one
+
+
+def test_sub_block_start_is_the_sub_block_of_the_first_slot_with_work() -> None:
+    from diffspec.core.unmask import sub_block_start
+
+    work = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 0],
+                         [0, 0, 0, 0, 0, 0, 0, 0],
+                         [0, 0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert sub_block_start(work, 4).tolist() == [0, 0, 4]
+    assert sub_block_start(work, 2).tolist() == [2, 0, 4]
+
+
+def test_unmask_block_keeps_each_row_in_its_sub_block_between_start_and_limit() -> None:
+    """The engines' per-row step: a row decodes only masked slots in ``[start, limit)`` of
+    its own current sub-block; prompt slots (before ``start``) and slots past ``limit`` stay
+    masks, whatever their confidence; the mask token is never predicted."""
+    from diffspec.core.unmask import unmask_block
+
+    mask = VOCAB - 1
+    logits = logits_for([[(1, 0.95), (2, 0.95), (3, 0.95), (4, 0.95)],
+                         [(1, 0.95), (2, 0.95), (mask, 0.95), (5, 0.95)]])
+    canvas = torch.tensor([[mask, mask, mask, mask], [3, 4, mask, mask]])
+    new, committed = unmask_block(logits, canvas, torch.tensor([4, 3]), mask, 0.9,
+                                  sub_block=2, start=torch.tensor([1, 0]))
+    # row 0: work is slots 1..3, its sub-block is [0, 2): only slot 1 (slot 0 is prompt)
+    # row 1: work is slot 2 (slot 3 is past the limit): its mask-token prediction is
+    # replaced by the best real token
+    assert committed.tolist() == [[False, True, False, False], [False, False, True, False]]
+    assert new[0].tolist() == [mask, 2, mask, mask]
+    assert new[1, :2].tolist() == [3, 4] and int(new[1, 2]) != mask
+    assert int(new[1, 3]) == mask
