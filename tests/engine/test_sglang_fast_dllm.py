@@ -186,6 +186,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     job = {"runs": runs, "config_errors": {
         "no_cache": {"model": llada, "server_args": {
             **fast, "dllm_algorithm_config": _yaml(tmp, "none", "cache: none\n")}},
+        "dual_paged_backend": {"model": llada, "server_args": {
+            **fast, "attention_backend": "triton",
+            "dllm_algorithm_config": _yaml(tmp, "dual_triton", "cache: dual\n")}},
         "unknown_key": {"model": llada, "server_args": {
             **fast, "dllm_algorithm_config": _yaml(tmp, "unknown", "steps: 4\n")}},
         "v2_block_too_large": {"model": str(ckpts["fast_dllm_v2"]), "server_args": {
@@ -270,6 +273,7 @@ def test_radix_cache_reuse_equals_reference(engine, ckpts, run: str) -> None:
 
 ERRORS = {
     "no_cache": "set cache: prefix or dual",
+    "dual_paged_backend": "set --attention-backend torch_native for cache: dual",
     "unknown_key": "remove steps from",
     "v2_block_too_large": "fix ",
     "other_algorithm": "use --dllm-algorithm FastDLLM",

@@ -17,7 +17,9 @@ runs only the current sub-block, over the KV the block's other slots got from th
 full-block forward: Fast-dLLM v2's block cache, the reference's ``cache="dual"`` on the
 block-causal layout; :meth:`diffspec.spec_workers.sglang.fast_dllm.FastDLLM.dual_forward`).
 v1's dual cache of a masked suffix has no counterpart: SGLang's layout is block-causal, a
-block never sees the slots after it.
+block never sees the slots after it. The dual cache needs ``--attention-backend
+torch_native``, which reads K/V token by token through ``req_to_token``: paged backends read
+a block as one page (SGLang's dLLM mode makes the page size the block size), in slot order.
 
 This module imports neither torch nor SGLang at import time.
 """
@@ -37,6 +39,7 @@ __all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "register_dllm", "s
 ALGORITHM = "FastDLLM"
 _OPTIONS = ("threshold", "block_size", "sub_block_size", "cache")
 SGLANG_CACHES = ("prefix", "dual")  # cache strategies FastDLLM runs in SGLang
+DUAL_CACHE_BACKEND = "torch_native"  # the attention backend the dual cache runs on
 _TARGET = "sglang.srt.dllm.config.DllmConfig.from_server_args"
 _registered = False
 
@@ -134,6 +137,16 @@ def dllm_config(cfg: Any, info=None):
     except ValueError as exc:
         raise CheckpointError(f"fix {cfg.dllm_algorithm_config or 'the dLLM settings'}: "
                               f"{exc}") from None
+    backend = getattr(cfg, "attention_backend", None)
+    if cache == "dual" and backend != DUAL_CACHE_BACKEND:
+        raise CheckpointError(
+            f"set --attention-backend {DUAL_CACHE_BACKEND} for cache: dual (now: "
+            f"{backend or 'SGLang picks one'}), or set cache: prefix in "
+            f"{cfg.dllm_algorithm_config}: a window-only step reorders the request's "
+            f"req_to_token row so that the window is the forward's tail, which "
+            f"{DUAL_CACHE_BACKEND} reads token by token; backends that read the KV in pages "
+            f"(SGLang's dLLM mode makes a page one block) cannot see that order, and the "
+            f"dual cache is not verified on them")
     if cache == "dual" and sub == block:
         logger.warning(
             "diffspec FastDLLM: cache: dual with sub_block_size == block_size (%d) computes "
