@@ -5,7 +5,9 @@ SGLang's dLLM scheduler hands the algorithm one block of ``block_size`` slots pe
 blocks; every forward recomputes the block and rewrites its KV. That is Fast-dLLM's
 *prefix cache* on the block-causal layout (Fast-dLLM v2's; for LLaDA / Dream the
 reference's ``FastDLLMConfig(attention="block_causal")``, see
-:mod:`diffspec.spec_workers.reference.fast_dllm`). One :meth:`FastDLLM.step` per forward:
+:mod:`diffspec.spec_workers.reference.fast_dllm`). Under ``cache: dual`` a forward may run
+only a row's current sub-block over the block's cached KV (:meth:`FastDLLM.dual_forward`,
+the reference's ``cache="dual"`` on that layout). One :meth:`FastDLLM.step` per forward:
 
 1. the sub-block: per request, the first ``sub_block_size`` slots that still hold work
    (masked, generated, before the request's ``max_new_tokens`` limit);
