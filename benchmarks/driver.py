@@ -39,6 +39,7 @@ from benchmarks.datasets import DATASETS, DEFAULT_PATHS, SPEED_BENCH_SUBSETS, Pr
 from benchmarks.metrics import RunResult, category_table, markdown_table, summarize
 from diffspec.methods import METHODS as REGISTRY
 from diffspec.methods import reference_methods_for
+from diffspec.plugin.sglang.dllm import fast_dllm_options
 
 ENGINES = ("reference", "vllm", "sglang", "openai")
 REFERENCE_METHODS = baseline_specs.engine_methods("reference")
@@ -200,23 +201,6 @@ ENGINE_METHODS = {"reference": REFERENCE_METHODS, "vllm": vllm_offline.METHODS,
                   "sglang": SGLANG_METHODS}
 
 
-FAST_DLLM_KEYS = ("threshold", "block_size", "sub_block_size", "cache")
-
-
-def fast_dllm_settings(path: str | None) -> dict[str, Any]:
-    """The ``--fast-dllm-config`` YAML as reference-decoder options (``{}`` without one);
-    ``ValueError`` naming the keys for anything else."""
-    if path is None:
-        return {}
-    import yaml
-
-    with open(path) as f:
-        settings = yaml.safe_load(f) or {}
-    if not isinstance(settings, dict) or set(settings) - set(FAST_DLLM_KEYS):
-        raise ValueError(f"make {path} a YAML mapping of {', '.join(FAST_DLLM_KEYS)}")
-    return settings
-
-
 def skipped(engines: list[str], baselines: list[Baseline]) -> list[str]:
     """``engine/baseline`` pairs not run because the engine has no such method."""
     return [f"{e}/{b.label}" for e in engines if e in ENGINE_METHODS
@@ -235,7 +219,7 @@ def run_engines(args: argparse.Namespace, model: str, ids: list[list[int]],
                 if b.method in REFERENCE_METHODS:
                     print(f"[reference] {b.label} ...", file=sys.stderr, flush=True)
                     options = ({"attention": args.fast_dllm_attention,
-                                **fast_dllm_settings(args.fast_dllm_config)}
+                                **args.fast_dllm_options}
                                if b.method == "fast_dllm" else None)
                     results.append(reference.run(b, model, ids, args.max_tokens,
                                                  args.ignore_eos, args.threads, options))
@@ -401,8 +385,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   if d and not any(s.partition(":")[0] == m
                                                    for s in args.baselines)]
         baselines = baseline_specs.parse(specs, args.num_draft_tokens, drafters)
+        # read (and checked) before any engine starts
+        args.fast_dllm_options = fast_dllm_options(args.fast_dllm_config)
         if args.fast_dllm_config:
-            fast_dllm_settings(args.fast_dllm_config)  # checked before any engine starts
             baselines = [replace(b, dllm_config=args.fast_dllm_config)
                          if b.method == "fast_dllm" else b for b in baselines]
     except ValueError as e:

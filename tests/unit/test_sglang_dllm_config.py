@@ -10,7 +10,7 @@ import pytest
 
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.methods import FAMILIES, get_method
-from diffspec.plugin.sglang.dllm import _yaml_options, dllm_architectures, sampling_error
+from diffspec.plugin.sglang.dllm import dllm_architectures, fast_dllm_options, sampling_error
 
 
 def test_served_architectures_are_the_fast_dllm_families_with_an_sglang_model() -> None:
@@ -37,8 +37,8 @@ def test_yaml_options_are_read(tmp_path: Path, case: str) -> None:
     text, want = YAML_CASES[case]
     path = tmp_path / "cfg.yaml"
     path.write_text(text)
-    assert _yaml_options(str(path)) == want
-    assert _yaml_options(None) == {}
+    assert fast_dllm_options(str(path)) == want
+    assert fast_dllm_options(None) == {}
 
 
 @pytest.mark.parametrize(("text", "first_words"), [
@@ -49,7 +49,7 @@ def test_bad_yaml_says_what_to_do(tmp_path: Path, text: str, first_words: str) -
     path = tmp_path / "cfg.yaml"
     path.write_text(text)
     with pytest.raises(CheckpointError) as info:
-        _yaml_options(str(path))
+        fast_dllm_options(str(path))
     assert str(info.value).startswith(first_words)
 
 

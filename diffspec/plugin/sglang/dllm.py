@@ -34,7 +34,8 @@ from diffspec.methods import FAMILIES, get_method
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "register_dllm", "sampling_error"]
+__all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "fast_dllm_options", "register_dllm",
+           "sampling_error"]
 
 ALGORITHM = "FastDLLM"
 _OPTIONS = ("threshold", "block_size", "sub_block_size", "cache")
@@ -118,7 +119,7 @@ def dllm_config(cfg: Any, info=None):
             f"serve checkpoint {cfg.model_path} with the reference decoder: architecture "
             f"{info.architecture!r} has no SGLang model in diffspec yet (FastDLLM in SGLang "
             f"serves {', '.join(dllm_architectures())})")
-    options = _yaml_options(cfg.dllm_algorithm_config)
+    options = fast_dllm_options(cfg.dllm_algorithm_config)
     cache = options.get("cache", "prefix")
     if cache not in SGLANG_CACHES:
         raise CheckpointError(
@@ -221,7 +222,10 @@ def yaml_mapping(path: str | None, keys: tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
-def _yaml_options(path: str | None) -> dict[str, Any]:
+def fast_dllm_options(path: str | None) -> dict[str, Any]:
+    """The FastDLLM settings in the ``--dllm-algorithm-config`` YAML ``path`` (``{}``
+    without one; also what the benchmark driver's ``--fast-dllm-config`` gives the
+    reference decoder); a :class:`CheckpointError` for an unknown key."""
     options = yaml_mapping(path, _OPTIONS)
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:

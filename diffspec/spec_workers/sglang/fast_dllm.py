@@ -171,14 +171,13 @@ class FastDLLM(DllmAlgorithm):
         bs, size = forward_batch.batch_size, self.block_size
         logits = full_logits.view(bs, size, -1)
         tokens = forward_batch.input_ids.view(bs, size)
-        masked = tokens == self.mask_id  # [bs, size]
-        slots = torch.arange(size, device=tokens.device)
+        bounds = _bounds(states, tokens.device)  # [bs, 2]
+        has_work = self._work(tokens, bounds).any(1).tolist()  # [bs]
         decode = []  # rows with slots to decode
         for row, state in enumerate(states):
             if state.done:
                 continue
-            work = masked[row] & (slots >= state.gen) & (slots < state.limit)  # [size]
-            if bool(work.any()):
+            if has_work[row]:
                 decode.append(row)
                 continue
             # this forward saw the block complete: its KV is final
@@ -188,11 +187,9 @@ class FastDLLM(DllmAlgorithm):
         if not decode:
             return [s.done for s in states]
         rows = torch.tensor(decode, device=tokens.device)
-        bounds = torch.tensor([(states[r].gen, states[r].limit) for r in decode],
-                              device=tokens.device)  # [n, 2]
-        tokens[rows] = unmask_block(logits[rows], tokens[rows], bounds[:, 1], self.mask_id,
+        tokens[rows] = unmask_block(logits[rows], tokens[rows], bounds[rows, 1], self.mask_id,
                                     self.threshold, sub_block=self.sub_block_size,
-                                    shifted=self.logits_shift, start=bounds[:, 0])[0]
+                                    shifted=self.logits_shift, start=bounds[rows, 0])[0]
         for row in decode:
             state = states[row]
             finished = self._stopped(tokens[row], state) or (
@@ -214,19 +211,17 @@ class FastDLLM(DllmAlgorithm):
         it), or the row has no work left (the completing forward writes the block's final
         KV). ``None``: the whole block."""
         tokens = forward_batch.input_ids.view(-1, self.block_size)
-        slots = torch.arange(self.block_size, device=tokens.device)
+        work = self._work(tokens, _bounds(states, tokens.device))  # [bs, size]
+        c0 = sub_block_start(work, self.sub_block_size)  # [bs]
+        first_masked = tokens.gather(1, c0[:, None])[:, 0] == self.mask_id  # [bs]
+        plan = torch.stack([work.any(1).long(), c0, first_masked.long()], 1).tolist()
         self._windows = []
-        for row, state in enumerate(states):
+        for state, (has_work, start, masked) in zip(states, plan):
             window = None
-            if not state.done:
-                work = ((tokens[row] == self.mask_id) & (slots >= state.gen)
-                        & (slots < state.limit))
-                if bool(work.any()):
-                    c0 = int(sub_block_start(work[None], self.sub_block_size)[0])
-                    first_masked = self.logits_shift and int(tokens[row, c0]) == self.mask_id
-                    if state.window == c0 and not first_masked:
-                        window = c0
-                    state.window = c0
+            if not state.done and has_work:
+                if state.window == start and not (self.logits_shift and masked):
+                    window = start
+                state.window = start
             self._windows.append(window)
 
     def dual_forward(self, model_runner, forward_batch: ForwardBatch):
@@ -287,6 +282,13 @@ class FastDLLM(DllmAlgorithm):
 
     # ------------------------------------------------------------------ helpers
 
+    def _work(self, tokens: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+        """[bs, size] bool: the masked slots each row still decodes, those in ``[gen,
+        limit)`` (``bounds``: :func:`_bounds`)."""
+        slots = torch.arange(self.block_size, device=tokens.device)
+        return ((tokens == self.mask_id) & (slots[None] >= bounds[:, :1])
+                & (slots[None] < bounds[:, 1:]))
+
     def _stopped(self, tokens: torch.Tensor, state: RowState) -> bool:
         """A stop token committed in the generated slots with nothing masked before it."""
         gen = tokens[state.gen : state.limit]  # [n]
@@ -313,6 +315,11 @@ class FastDLLM(DllmAlgorithm):
         self._seeds.move_to_end(key)
         if len(self._seeds) > _MAX_SEEDS:
             self._seeds.popitem(last=False)
+
+
+def _bounds(states: list[RowState], device: torch.device) -> torch.Tensor:  # [bs, 2] int64
+    """Each row's ``(gen, limit)``: its generated slots before ``max_new_tokens``."""
+    return torch.tensor([(s.gen, s.limit) for s in states], dtype=torch.long, device=device)
 
 
 class _DualCacheRunner:
