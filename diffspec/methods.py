@@ -216,17 +216,17 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
     Method("orthrus", "Orthrus: diffusion-view drafts verified by the AR view (two "
            "forwards per step)", lossless=True, origin="diffspec", families=("orthrus",),
            reference=f"{_SPEC}.reference.orthrus:decoder",
-           vllm=EngineEntry(_SPEC_FLAG, "orthrus", f"{_SPEC}.vllm.self_spec:SelfSpecProposer"),
-           sglang=EngineEntry(_ALGO_FLAG, "ORTHRUS", f"{_SPEC}.sglang.self_spec:SelfSpecWorker"),
+           vllm=EngineEntry(_SPEC_FLAG, "orthrus", f"{_SPEC}.vllm.two_pass:TwoPassProposer"),
+           sglang=EngineEntry(_ALGO_FLAG, "ORTHRUS", f"{_SPEC}.sglang.two_pass:TwoPassWorker"),
            defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
            bundled="synth-orthrus", trained_block=True),
     Method("linear_self_spec", "NLD linear self-speculation: bidirectional (LoRA) drafts, "
            "causal verify (two forwards per step)", lossless=True, origin="diffspec",
            families=("nld",), reference=f"{_SPEC}.reference.linear_self_spec:decoder",
            vllm=EngineEntry(_SPEC_FLAG, "linear_self_spec",
-                            f"{_SPEC}.vllm.self_spec:SelfSpecProposer"),
+                            f"{_SPEC}.vllm.two_pass:TwoPassProposer"),
            sglang=EngineEntry(_ALGO_FLAG, "LINEAR_SELF_SPEC",
-                              f"{_SPEC}.sglang.self_spec:SelfSpecWorker"),
+                              f"{_SPEC}.sglang.two_pass:TwoPassWorker"),
            defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
            bundled="synth-nld", trained_block=True),
     Method("tidar", "TiDAR / NLD quadratic: draft and verify in one forward (structured "

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.engine.conftest import require_engine
-from tests.engine.test_vllm_self_spec import _run_script
+from tests.engine.test_vllm_two_pass import _run_script
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

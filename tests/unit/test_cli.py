@@ -118,8 +118,10 @@ def test_refusion_defaults_are_the_published_settings_in_one_block():
     from diffspec.spec_workers.reference.refusion import ReFusionConfig
 
     published = ReFusionConfig()
+    assert (published.slot_size, published.num_blocks) == (32, 1)
+    assert (published.slot_threshold, published.token_threshold) == (0.9, 0.4)
     assert dict(METHODS["refusion"].defaults) == {
-        "slot_size": published.slot_size, "num_blocks": 1,
+        "slot_size": published.slot_size, "num_blocks": published.num_blocks,
         "slot_threshold": published.slot_threshold,
         "token_threshold": published.token_threshold}
     for max_tokens in (1, 31, 64, 100):

@@ -10,7 +10,8 @@ import pytest
 
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.methods import FAMILIES, get_method
-from diffspec.plugin.sglang.dllm import dllm_architectures, fast_dllm_options, sampling_error
+from diffspec.plugin.sglang.dllm import dllm_architectures, fast_dllm_options
+from diffspec.spec_workers.sglang.requests import fast_dllm_request_error
 
 
 def test_served_architectures_are_the_fast_dllm_families_with_an_sglang_model() -> None:
@@ -102,7 +103,7 @@ SAMPLING_CASES = {
 def test_sampling_fastdllm_would_ignore_is_refused(case: str) -> None:
     """FastDLLM decodes greedily: a request asking for more is refused, what to do first."""
     params, first_words = SAMPLING_CASES[case]
-    message = sampling_error(params)
+    message = fast_dllm_request_error(params)
     if first_words is None:
         assert message is None
     else:

@@ -1,6 +1,6 @@
 """The engine-free parts of ReFusion in SGLang: its ``--dllm-algorithm-config`` settings
 (:func:`diffspec.plugin.sglang.refusion.refusion_options`) and the per-request refusal
-(:func:`diffspec.plugin.sglang.refusion.unsupported_request`). The engine itself is
+(:func:`diffspec.spec_workers.sglang.requests.refusion_request_error`). The engine itself is
 checked in tests/engine/test_sglang_refusion.py."""
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ import pytest
 
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.methods import get_method
-from diffspec.plugin.sglang.refusion import (
-    DEFAULT_BLOCK_SIZE,
-    refusion_options,
-    unsupported_request,
-)
+from diffspec.plugin.sglang.refusion import DEFAULT_BLOCK_SIZE, refusion_options
+from diffspec.spec_workers.sglang.requests import refusion_request_error
 
 
 def test_defaults_are_the_registry_s() -> None:
@@ -63,7 +60,7 @@ def _req(max_new_tokens: int, temperature: float = 1.0, top_k: int = 1):
 ])
 def test_requests_refused_with_what_to_do(req, num_blocks: int, first_words: str | None
                                           ) -> None:
-    message = unsupported_request(req, 64, 8, num_blocks)
+    message = refusion_request_error(req, 64, 8, num_blocks)
     if first_words is None:
         assert message is None
     else:

@@ -180,7 +180,7 @@ def test_wrong_architecture_is_refused(tmp_path: Path, ckpts) -> None:
 
 
 def test_plan_blocks() -> None:
-    from diffspec.spec_workers.vllm.self_spec import DraftBlock, plan_blocks
+    from diffspec.spec_workers.vllm.two_pass import DraftBlock, plan_blocks
 
     blocks = plan_blocks(
         sampled_token_ids=[[5, 6], [], [7], [8], [9]],

@@ -9,7 +9,7 @@ workers), so :func:`register` is idempotent. It refuses unsupported SGLang versi
   (:data:`diffspec.methods.FAMILIES`);
 * registers diffspec's speculative algorithms (registry methods with an SGLang entry)
   through SGLang's own plugin API, ``SpeculativeAlgorithm.register``, with the
-  ``CustomSpecAlgo`` subclass of the method (``SelfSpecAlgo``; ``TiDARAlgo`` for
+  ``CustomSpecAlgo`` subclass of the method (``TwoPassAlgo``; ``TiDARAlgo`` for
   ``TIDAR``) and validation of :mod:`diffspec.plugin.sglang.config`;
 * adds the ``FastDLLM`` and ``ReFusion`` dLLM algorithms and hooks
   ``DllmConfig.from_server_args`` for their checkpoints (:mod:`diffspec.plugin.sglang.dllm`),

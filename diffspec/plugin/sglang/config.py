@@ -10,6 +10,7 @@ This module imports neither torch nor SGLang at import time.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from diffspec.core.checkpoint import (
     CheckpointError,
@@ -117,7 +118,7 @@ _SPEC_CLASSES: dict[str, type] = {}
 
 def spec_class(method: str = "orthrus"):
     """The ``CustomSpecAlgo`` subclass for ``method`` (built lazily, once: SGLang is
-    imported only here): :class:`SelfSpecAlgo` for the linear self-speculative methods,
+    imported only here): :class:`TwoPassAlgo` for the linear self-speculative methods,
     its ``TiDARAlgo`` subclass for ``tidar``."""
     if not _SPEC_CLASSES:
         _SPEC_CLASSES["linear"], _SPEC_CLASSES["tidar"] = _build_spec_classes()
@@ -127,7 +128,7 @@ def spec_class(method: str = "orthrus"):
 def _build_spec_classes():
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-    class SelfSpecAlgo(CustomSpecAlgo):
+    class TwoPassAlgo(CustomSpecAlgo):
         """What SGLang's scheduler asks of a self-speculative algorithm."""
 
         def has_draft_kv(self) -> bool:
@@ -171,12 +172,12 @@ def _build_spec_classes():
                                  f"overlap scheduling: pass --disable-overlap-schedule")
             return self.factory(server_args)
 
-    class TiDARAlgo(SelfSpecAlgo):
+    class TiDARAlgo(TwoPassAlgo):
         """TIDAR: one quadratic forward per step, ``(n + 1)(1 + K')`` tokens per request
         (verify chain + one branch of ``K'`` masks per outcome)."""
 
         def handle_server_args(self, server_args) -> None:
-            """As :class:`SelfSpecAlgo`, but the default width is the anchor plus one
+            """As :class:`TwoPassAlgo`, but the default width is the anchor plus one
             trained branch of drafts (``block_size + shift``)."""
             if server_args.speculative_num_draft_tokens is None:
                 server_args.speculative_num_draft_tokens = 1 + quadratic_max_drafts(
@@ -197,4 +198,18 @@ def _build_spec_classes():
             return tidar_kv_window(cfg.speculative_num_draft_tokens, server_args.model_path,
                                    torch_native)
 
-    return SelfSpecAlgo, TiDARAlgo
+    return TwoPassAlgo, TiDARAlgo
+
+
+def yaml_mapping(path: str | None, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The ``--dllm-algorithm-config`` file as a mapping (``{}`` without one); a
+    :class:`CheckpointError` naming ``keys`` when it is not one."""
+    if path is None:
+        return {}
+    import yaml
+
+    with open(path) as f:
+        options = yaml.safe_load(f) or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"make {path} a YAML mapping (keys: {', '.join(keys)})")
+    return options

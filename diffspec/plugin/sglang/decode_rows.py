@@ -3,7 +3,7 @@
 On SGLang's torch-native attention backend (its CPU path), the self-speculative worker runs
 both passes of a step as DECODE rows, one per block token, all rows of a request next to
 each other with the request's ``req_pool_indices`` repeated and each row's own key length
-(:meth:`diffspec.spec_workers.sglang.self_spec.SelfSpecWorker._decode_rows_batch`): that
+(:meth:`diffspec.spec_workers.sglang.two_pass.TwoPassWorker._decode_rows_batch`): that
 backend's extend kernel attends with a query as long as the whole sequence, its decode
 kernel is linear in the context. But ``TorchNativeAttnBackend._run_sdpa_forward_decode``
 loops over rows: each row gathers its request's whole prefix K/V out of the pool

@@ -31,13 +31,14 @@ from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
 from diffspec.methods import FAMILIES, get_method
+from diffspec.plugin.sglang.config import yaml_mapping
 
 logger = logging.getLogger("diffspec")
 
 __all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "fast_dllm_options", "register_dllm",
-           "sampling_error"]
+]
 
-ALGORITHM = "FastDLLM"
+ALGORITHM = get_method("fast_dllm").sglang.name  # "FastDLLM"
 _OPTIONS = ("threshold", "block_size", "sub_block_size", "cache")
 SGLANG_CACHES = ("prefix", "dual")  # cache strategies FastDLLM runs in SGLang
 DUAL_CACHE_BACKEND = "torch_native"  # the attention backend the dual cache runs on
@@ -130,7 +131,7 @@ def dllm_config(cfg: Any, info=None):
             f"prefix cache; cache none would recompute the prompt and every earlier block "
             f"at every step, with the same result on this layout)")
     try:
-        config = FastDLLMConfig(cache=cache, threshold=options.get("threshold", 0.9),
+        config = FastDLLMConfig(cache=cache, threshold=options.get("threshold", FastDLLMConfig.threshold),
                                 block_size=options.get("block_size"),
                                 sub_block_size=options.get("sub_block_size"),
                                 attention="block_causal")
@@ -167,34 +168,6 @@ def dllm_config(cfg: Any, info=None):
     )
 
 
-# sampling fields FastDLLM would ignore: (name, value that means "not asked for")
-_IGNORED_FIELDS = (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                   ("repetition_penalty", 1.0), ("min_new_tokens", 0), ("logit_bias", None),
-                   ("json_schema", None), ("regex", None), ("ebnf", None),
-                   ("structural_tag", None))
-
-
-def sampling_error(params: Any) -> str | None:
-    """Why ``--dllm-algorithm FastDLLM`` refuses a request (first: what to do), or ``None``.
-
-    ``params``: SGLang's normalized ``SamplingParams`` (greedy is ``top_k == 1``; a request
-    that gives no temperature gets SGLang's default 1.0). FastDLLM decodes greedily, as the
-    reference decoder does, so sampling, penalties, ``min_new_tokens``, logit biases and
-    grammars would be silently ignored: the request is refused instead (SGLang aborts that
-    request alone, with this message)."""
-    asked = [] if params.top_k == 1 else [f"temperature {params.temperature:g}"]
-    ignored = [name for name, unset in _IGNORED_FIELDS
-               if getattr(params, name, unset) not in (unset, {}, "")]
-    if not asked and not ignored:
-        return None
-    todo = ([] if not asked else ["set temperature 0 (or top_k 1)"]) + (
-        [f"remove {', '.join(ignored)}"] if ignored else [])
-    return (f"{' and '.join(todo)} for --dllm-algorithm {ALGORITHM}: it decodes greedily "
-            f"(confidence-threshold unmasking of argmax tokens) and would ignore "
-            f"{', '.join(asked + ignored)}" + (" (SGLang's default temperature when a request "
-                                               "gives none is 1)" if asked else ""))
-
-
 def _turn_end_ids(info) -> list[int]:
     """The chat template's turn-end token (a stop besides the config's EOS), if any."""
     from transformers import AutoTokenizer
@@ -206,20 +179,6 @@ def _turn_end_ids(info) -> list[int]:
     except (OSError, ValueError):
         return []
     return list(turn_end_token_ids(tokenizer))
-
-
-def yaml_mapping(path: str | None, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The ``--dllm-algorithm-config`` file as a mapping (``{}`` without one); a
-    :class:`CheckpointError` naming ``keys`` when it is not one."""
-    if path is None:
-        return {}
-    import yaml
-
-    with open(path) as f:
-        options = yaml.safe_load(f) or {}
-    if not isinstance(options, dict):
-        raise CheckpointError(f"make {path} a YAML mapping (keys: {', '.join(keys)})")
-    return options
 
 
 def fast_dllm_options(path: str | None) -> dict[str, Any]:

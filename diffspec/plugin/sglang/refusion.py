@@ -16,19 +16,17 @@ This module imports neither torch nor SGLang at import time.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint, require_method
 from diffspec.methods import get_method
-from diffspec.plugin.sglang.dllm import yaml_mapping
+from diffspec.plugin.sglang.config import yaml_mapping
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "refusion_dllm_config", "refusion_options",
-           "unsupported_request"]
+__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "refusion_dllm_config", "refusion_options"]
 
-ALGORITHM = "ReFusion"
+ALGORITHM = get_method("refusion").sglang.name  # "ReFusion"
 DEFAULT_BLOCK_SIZE = 256
 _OPTIONS = ("slot_size", "slot_threshold", "token_threshold", "num_blocks", "block_size")
 
@@ -57,27 +55,6 @@ def refusion_options(options: dict[str, Any], source: str = "the dLLM settings"
     return {"slot_size": config.slot_size, "slot_threshold": float(config.slot_threshold),
             "token_threshold": float(config.token_threshold), "num_blocks": config.num_blocks,
             "block_size": block}
-
-
-def unsupported_request(req: Any, block_size: int, slot_size: int, num_blocks: int
-                        ) -> str | None:
-    """Why ReFusion cannot serve ``req`` (first words: what to do), or ``None``."""
-    params = req.sampling_params
-    if params.temperature > 0 and params.top_k != 1:
-        return ("set temperature 0: ReFusion in SGLang decodes greedily (its plan and "
-                f"verify rules are greedy), got temperature {params.temperature}")
-    gen_len = math.ceil(params.max_new_tokens / slot_size) * slot_size
-    if gen_len > block_size:
-        return (f"set max_new_tokens <= {block_size} or raise block_size in "
-                f"--dllm-algorithm-config: a request's generation must fit the KV block "
-                f"SGLang gives it; max_new_tokens {params.max_new_tokens} rounds up to "
-                f"{gen_len} (whole slots of {slot_size})")
-    if gen_len % num_blocks or (gen_len // num_blocks) % slot_size:
-        return (f"set max_new_tokens to a multiple of {slot_size * num_blocks} (or change "
-                f"num_blocks / slot_size): {gen_len} tokens ({params.max_new_tokens} rounded "
-                f"up to whole slots of {slot_size}) do not split into {num_blocks} serial "
-                f"blocks of whole slots")
-    return None
 
 
 def refusion_dllm_config(cfg: Any, info=None):

@@ -42,6 +42,7 @@ import logging
 from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
+from diffspec.methods import get_method
 
 logger = logging.getLogger("vllm.diffspec")
 
@@ -115,7 +116,7 @@ def fast_dllm_options(additional_config: Any) -> dict[str, Any]:
                               f"vLLM's diffusion path runs Fast-dLLM's prefix cache only "
                               f"(cache {cache!r} runs on the reference decoder, if it is one of "
                               f"none, prefix, dual)")
-    threshold = options.get("threshold", 0.9)
+    threshold = options.get("threshold", get_method("fast_dllm").defaults["threshold"])
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
             or not 0.0 <= threshold <= 1.0:
         raise CheckpointError(f"set diffspec.fast_dllm.threshold to a number in [0, 1] "

@@ -91,6 +91,7 @@ from diffspec.core.checkpoint import CheckpointError, CheckpointInfo, validate_b
 from diffspec.core.kv import restore_rows, rollback_kv, save_rows
 from diffspec.core.masks import block_causal_mask, block_diffusion_mask
 from diffspec.core.unmask import confidence_unmask, shift_logits
+from diffspec.methods import get_method
 from diffspec.model_executors.reference.dllm import DiffusionLM
 from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
@@ -107,7 +108,8 @@ class FastDLLMConfig:
     """One Fast-dLLM decoding configuration, validated here."""
 
     cache: CacheMode = "prefix"
-    threshold: float = 0.9  # commit every masked slot with confidence > threshold (+ the top-1)
+    # commit every masked slot with confidence > threshold (+ the top-1); default: the registry
+    threshold: float = get_method("fast_dllm").defaults["threshold"]
     block_size: int | None = None  # None: the checkpoint's bd_size (Fast-dLLM v2), else 32
     sub_block_size: int | None = None  # None: 8 for Fast-dLLM v2 (if it divides), else block
     gen_length: int | None = None  # LLaDA/Dream: mask slots after the prompt (None: max_tokens);

@@ -66,19 +66,22 @@ from diffspec.core.slots import (
     select_slots,
     verify_slot_drafts,
 )
+from diffspec.methods import get_method
 from diffspec.spec_workers.reference.decoder import Request, RequestOutput
+
+_DEFAULTS = get_method("refusion").defaults  # the one source of the defaults
 
 __all__ = ["ReFusionConfig", "ReFusionOutput", "decoder", "refusion_generate"]
 
 
 @dataclass(frozen=True)
 class ReFusionConfig:
-    """Decoding knobs of ReFusion (defaults: the published GSM8K settings)."""
+    """Decoding knobs of ReFusion (defaults: the registry's, :mod:`diffspec.methods`)."""
 
-    slot_size: int = 32  # trained on 4 / 8 / 16 / 32
-    num_blocks: int = 4  # serial blocks (generate.py's serial_num_blocks)
-    slot_threshold: float = 0.9  # plan: choose slots whose first-token prob is > this
-    token_threshold: float = 0.4  # infill: accept drafts whose causal prob is > this
+    slot_size: int = _DEFAULTS["slot_size"]  # trained on 4 / 8 / 16 / 32
+    num_blocks: int = _DEFAULTS["num_blocks"]  # serial blocks (generate.py's serial_num_blocks)
+    slot_threshold: float = _DEFAULTS["slot_threshold"]  # plan: slots whose first-token prob > this
+    token_threshold: float = _DEFAULTS["token_threshold"]  # infill: drafts whose causal prob > this
 
     def __post_init__(self) -> None:
         for name in ("slot_size", "num_blocks"):

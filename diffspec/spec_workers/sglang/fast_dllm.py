@@ -41,7 +41,7 @@ Decoding is greedy, as the reference's: of a request's sampling parameters only
 ``max_new_tokens``, stop tokens / strings and ``ignore_eos`` apply. A request that asks for
 more (temperature > 0, which is SGLang's default when none is given, penalties, grammars)
 is refused alone at admission (:meth:`FastDLLM.validate_request`,
-:func:`diffspec.plugin.sglang.dllm.sampling_error`) rather than silently decoded greedily,
+:func:`diffspec.spec_workers.sglang.requests.fast_dllm_request_error`) rather than silently decoded greedily,
 as SGLang's own ``LowConfidence`` does.
 
 Per-request limits and stop tokens are read from the scheduler's requests through the
@@ -65,7 +65,7 @@ from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from diffspec.core.unmask import sub_block_start, unmask_block
-from diffspec.plugin.sglang.dllm import sampling_error
+from diffspec.spec_workers.sglang.requests import fast_dllm_request_error
 
 __all__ = ["FastDLLM", "RowState", "batch_requests", "request_stop_ids"]
 
@@ -105,7 +105,7 @@ class FastDLLM(DllmAlgorithm):
     @classmethod
     def validate_request(cls, req: Any) -> str | None:
         """Refuse a request whose sampling FastDLLM would ignore (SGLang aborts it alone)."""
-        return sampling_error(req.sampling_params)
+        return fast_dllm_request_error(req.sampling_params)
 
     def max_steps(self, block_size: int) -> int:
         """Forwards after a block's first one (synchronous mode): one token per step, then

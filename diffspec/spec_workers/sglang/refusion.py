@@ -61,8 +61,8 @@ from diffspec.core.slots import (
     select_slots,
     verify_slot_drafts,
 )
-from diffspec.plugin.sglang.refusion import unsupported_request
 from diffspec.spec_workers.sglang.fast_dllm import batch_requests, request_stop_ids
+from diffspec.spec_workers.sglang.requests import refusion_request_error
 
 __all__ = ["ReFusion"]
 
@@ -125,7 +125,7 @@ class ReFusion(DllmAlgorithm):
     @classmethod
     def validate_request(cls, req) -> str | None:
         cfg = req.dllm_config
-        return unsupported_request(req, cfg.block_size, int(cfg.algorithm_config["slot_size"]),
+        return refusion_request_error(req, cfg.block_size, int(cfg.algorithm_config["slot_size"]),
                                    int(cfg.algorithm_config["num_blocks"]))
 
     def run(self, model_runner, forward_batch: ForwardBatch, algo_states=None):

@@ -38,7 +38,7 @@ holds ``K' = n + 1 - shift`` masks (``shift``: the checkpoint's draft logits are
   2. *accept*: :func:`diffspec.core.accept.greedy_accept` for greedy batches (the longest
      draft prefix equal to the AR argmax, plus the AR token after it); sampled requests
      (temperature / top-k / top-p / min-p) by rejection sampling with point-mass drafts
-     (:func:`diffspec.spec_workers.sglang.self_spec._accept`);
+     (:func:`diffspec.spec_workers.sglang.target_worker.accept`);
   3. *commit*: ``new_seq_len = C + a + 1``: only ``t_0 .. t_a`` (AR K/V, on their own
      positions) become committed. Rejected drafts and every branch sit past the committed
      length, which SGLang frees at the end of the request and never inserts into the radix
@@ -86,7 +86,7 @@ prefix-wise and the scheduler cuts at ``max_new_tokens``), only the last step's
 accepted-draft count may be larger. Near the end of the model's positions the reference
 shrinks the branches; here their positions are clamped to the last one (the drafts there
 may differ; the output does not). Sampling options are the linear worker's
-(:mod:`diffspec.spec_workers.sglang.self_spec`: penalties, ``min_new_tokens`` and logit
+(:mod:`diffspec.spec_workers.sglang.target_worker`: penalties, ``min_new_tokens`` and logit
 bias on the verify rows, min-p, seeds under deterministic inference; logprobs, grammars
 and custom logit processors refused per request). Not supported: sliding-window
 attention.
@@ -118,11 +118,10 @@ from diffspec.model_executors.sglang.quadratic import (
     verify_step_layout,
 )
 from diffspec.profiling import DraftTimings
-from diffspec.spec_workers.sglang.self_spec import (
-    SelfSpecDraftInput,
-    SelfSpecWorker,
+from diffspec.spec_workers.sglang.target_worker import (
+    SpecDraftInput,
     TargetModelSpecWorker,
-    _accept,
+    accept,
     adaptive_policy,
     choice_metrics,
 )
@@ -133,7 +132,7 @@ logger = logging.getLogger("diffspec")
 
 
 @dataclass
-class TiDARDraftInput(SelfSpecDraftInput):
+class TiDARDraftInput(SpecDraftInput):
     """The linear worker's carried state (anchor, committed length) plus the anchor's
     drafts, pre-drafted by the last step's accepted branch."""
 
@@ -188,15 +187,6 @@ class TiDARWorker(TargetModelSpecWorker):
         logger.info("diffspec TIDAR: %d drafts per step, branches of %d masks (%s logits), "
                     "%d tokens per request and step", self.num_drafts, self.num_masks,
                     "shifted" if self.logits_shift else "unshifted", self.tokens_per_req)
-
-    @property
-    def _torch_native(self) -> bool:
-        """SGLang's torch-native attention backend (the CPU path; no custom-mask path):
-        decode steps then run :class:`MaskedAttention` (SGLang builds the backend after
-        the worker, so this is asked per step)."""
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-        return isinstance(self.model_runner.attn_backend, TorchNativeAttnBackend)
 
     # ---------------------------------------------------------------------------- prefill
 
@@ -314,7 +304,7 @@ class TiDARWorker(TargetModelSpecWorker):
         start = self.timings.start() if t > 1 else None  # a quadratic step: timed
         if t == 1:  # nothing to verify, nothing to pre-draft: a plain AR step
             slots = self._step_slots(batch, committed, n, t)  # [bs, 1]
-            logits = SelfSpecWorker._decode_forward(self, batch, anchors, slots[:, 0])
+            logits = self._decode_forward(batch, anchors, slots[:, 0])
         else:  # [anchor, d_1 .. d_n, branch 0 .. branch n of K' masks]
             masks = torch.full((bs, t - n - 1), self.mask_token_id, dtype=torch.int64,
                                device=self.device)
@@ -325,7 +315,7 @@ class TiDARWorker(TargetModelSpecWorker):
                                         layout.new_mask)  # [bs, T, vocab]
 
         # accept on the verify rows (the AR logits of [anchor, d_1 .. d_n])
-        accepted = _accept(drafts, logits[:, : n + 1], batch, committed)
+        accepted = accept(drafts, logits[:, : n + 1], batch, committed)
         accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
         out = accepted.output_token_ids  # [bs, n + 1]: emitted tokens, then -1
         new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)

@@ -88,6 +88,7 @@ from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
 from diffspec.core.unmask import unmask_block
+from diffspec.methods import get_method
 from diffspec.plugin.vllm.dllm import THRESHOLD_ARG
 
 __all__ = ["BlockState", "FastDLLMModelState", "FastDLLMSampler", "begin_blocks",
@@ -96,7 +97,7 @@ __all__ = ["BlockState", "FastDLLMModelState", "FastDLLMSampler", "begin_blocks"
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 PREFILL, DENOISE, COMPLETE, DONE = 0, 1, 2, 3  # a request's phase: what its next forward is
-DEFAULT_THRESHOLD = 0.9
+DEFAULT_THRESHOLD = get_method("fast_dllm").defaults["threshold"]  # the registry's
 
 
 # ---------------------------------------------------------------------------- rules

@@ -77,12 +77,12 @@ from torch import nn
 
 from diffspec.core.adaptive import StepCost
 from diffspec.profiling import DraftTimings
-from diffspec.spec_workers.vllm.self_spec import (
+from diffspec.spec_workers.vllm.proposer import (
     NonCausalBlocks,
-    _adaptive_policy,
-    _on,
+    adaptive_policy,
     logger,
     non_causal_blocks,
+    on_device,
 )
 
 __all__ = ["BranchPlan", "TiDARProposer", "next_draft_count", "plan_branches"]
@@ -168,7 +168,7 @@ class TiDARProposer:
         self.num_forwards = 0  # forwards run by forward_with_runner (one per step)
         self._branches: _Branches | None = None
         self._branch_hidden: torch.Tensor | None = None  # [B, hidden]
-        self.adaptive = _adaptive_policy(
+        self.adaptive = adaptive_policy(
             vllm_config, self.num_speculative_tokens,
             StepCost("quadratic", skip=0 if self.logits_shift else 1))
         self._verified: list[int] = []  # [num_reqs] drafts each row verifies this step
@@ -293,7 +293,7 @@ class TiDARProposer:
             positions=torch.cat(pos),
             steps=steps[::-1],
             offsets=offsets,
-            restore_index=_on(runner, restore.astype(np.int64)) if len(restore) else None,
+            restore_index=on_device(runner, restore.astype(np.int64)) if len(restore) else None,
         )
 
     # ---------------------------------------------------------------- the drafts
@@ -341,7 +341,7 @@ class TiDARProposer:
         if not index:
             return drafts
         model = runner.get_model()
-        logits = model.compute_logits(hidden[_on(runner, np.asarray(index, dtype=np.int64))])
+        logits = model.compute_logits(hidden[on_device(runner, np.asarray(index, dtype=np.int64))])
         if logits is None:  # a TP rank that does not hold the gathered logits
             return drafts
         tokens = logits.argmax(dim=-1).tolist()  # [sum k]

@@ -1,9 +1,9 @@
-"""vLLM drafter for linear self-speculation (Orthrus, NLD): one diffusion-view forward per
-step, on the target model's own layers and paged KV cache.
+"""vLLM drafter for the two-pass self-speculative step (Orthrus, NLD linear): one
+diffusion-view forward per step, on the target model's own layers and paged KV cache.
 
 A vLLM step verifies ``[anchor, d_1 .. d_n]`` with the AR view, vLLM's
 ``RejectionSampler`` accepts a prefix and emits the recovered / bonus token, and then (same
-step, after bookkeeping) :meth:`SelfSpecProposer.propose_with_runner` drafts the next block
+step, after bookkeeping) :meth:`TwoPassProposer.propose_with_runner` drafts the next block
 for every request that produced a token:
 
 1. **plan**: the new anchor is the request's last committed token, at position ``p`` (not
@@ -29,18 +29,20 @@ Verify, accept and commit are vLLM's own (scheduler, ``RejectionSampler``, KV ro
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from diffspec.profiling import DraftTimings
+from diffspec.spec_workers.vllm.proposer import (
+    adaptive_policy,
+    logger,
+    non_causal_blocks,
+    on_device,
+)
 
-logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
-
-__all__ = ["DraftBlock", "NonCausalBlocks", "SelfSpecProposer", "non_causal_blocks",
-           "plan_blocks"]
+__all__ = ["DraftBlock", "TwoPassProposer", "plan_blocks"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def plan_blocks(
     return blocks
 
 
-class SelfSpecProposer:
+class TwoPassProposer:
     """The drafter vLLM's ``custom_class`` hook instantiates (``Proposer(vllm_config)``) for
     every diffspec self-speculative method (Orthrus, NLD linear self-speculation): the served
     model's class supplies the diffusion view, so the step is the same for both."""
@@ -96,7 +98,7 @@ class SelfSpecProposer:
         self.max_model_len: int = vllm_config.model_config.max_model_len
         self.max_forward_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
                                       self.num_speculative_tokens + 1)
-        self.adaptive = _adaptive_policy(vllm_config, self.num_speculative_tokens, "two_pass")
+        self.adaptive = adaptive_policy(vllm_config, self.num_speculative_tokens, "two_pass")
         self.timings = DraftTimings(vllm_config.device_config.device)
 
     def load_model(self, model) -> None:
@@ -151,105 +153,13 @@ class SelfSpecProposer:
         layer_slots = dict.fromkeys(batch.attn_metadata, batch.slot_mapping)
         with set_forward_context(batch.attn_metadata, runner.vllm_config,
                                  num_tokens=batch.num_tokens, slot_mapping=layer_slots):
-            hidden = model.diffusion_hidden_states(_on(runner, input_ids), batch.positions)
-        logits = model.compute_logits(hidden[_on(runner, predict)])  # [sum n, vocab]
+            hidden = model.diffusion_hidden_states(on_device(runner, input_ids), batch.positions)
+        logits = model.compute_logits(hidden[on_device(runner, predict)])  # [sum n, vocab]
         if logits is None:  # a TP rank that does not hold the gathered logits
             return [[] for _ in blocks]
         tokens = logits.argmax(dim=-1).tolist()
         ends = np.cumsum([b.num_drafts for b in blocks])
         return [tokens[end - b.num_drafts:end] for b, end in zip(blocks, ends)]
-
-
-@dataclass
-class NonCausalBlocks:
-    """Query blocks that attend non-causally to their request's paged K/V and to
-    themselves: per-layer attention metadata built by the target's own backend."""
-
-    attn_metadata: dict[str, object]  # layer name -> the backend's metadata
-    slot_mapping: torch.Tensor  # [T] the slots the blocks' K/V are written to
-    positions: torch.Tensor  # [T] on the device
-    query_start: np.ndarray  # [B + 1]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start[-1])
-
-
-def non_causal_blocks(
-    runner,
-    rows: list[int],  # [B] each block's request row in the runner's input batch
-    starts: list[int],  # [B] position of each block's first token
-    lengths: np.ndarray,  # [B] tokens per block
-    method: str,
-) -> NonCausalBlocks:
-    """Attention metadata for blocks ``starts[i] .. starts[i] + lengths[i] - 1`` of request
-    ``rows[i]``: each block sees the request's K/V of positions ``0 .. starts[i] - 1`` (its
-    paged cache, through the block table) and itself, non-causally; its K/V go to the slots
-    of its own positions. Refuses a backend that stays causal."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    groups = runner.attn_groups
-    if len(groups) != 1:
-        raise RuntimeError(f"method {method!r} supports models with one KV cache group (full "
-                           f"attention in every layer); this one has {len(groups)}")
-    table = runner.input_batch.block_table[0]
-    page = table.block_size
-    query_start = np.zeros(len(rows) + 1, dtype=np.int32)  # [B + 1]
-    np.cumsum(lengths, out=query_start[1:])
-    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
-    token_rows = np.repeat(rows, lengths)  # [T]
-    pages = table.block_table.np[token_rows, positions // page].astype(np.int64)  # [T]
-    slots = pages * page + positions % page  # [T]
-    seq_lens = (np.asarray(starts) + lengths).astype(np.int32)  # [B]
-    slot_mapping = _on(runner, slots)
-    common = CommonAttentionMetadata(
-        query_start_loc=_on(runner, query_start),
-        query_start_loc_cpu=torch.from_numpy(query_start),
-        seq_lens=_on(runner, seq_lens),
-        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-        num_reqs=len(rows),
-        num_actual_tokens=int(query_start[-1]),
-        max_query_len=int(lengths.max()),
-        max_seq_len=int(seq_lens.max()),
-        block_table_tensor=table.get_device_tensor(runner.input_batch.num_reqs)[
-            _on(runner, np.asarray(rows, dtype=np.int64))],
-        slot_mapping=slot_mapping,
-        causal=False,
-        positions=_on(runner, positions),
-    )
-    per_layer = {}
-    for group in groups[0]:
-        metadata = group.build_metadata_for_drafting(common, draft_index=0)
-        if getattr(metadata, "causal", None) is not False:
-            raise RuntimeError(
-                f"attention backend {group.backend.get_name()} cannot attend non-causally "
-                f"over the paged KV cache, which method {method!r} drafts with; pick one "
-                f"that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
-        per_layer.update(dict.fromkeys(group.layer_names, metadata))
-    return NonCausalBlocks(per_layer, slot_mapping, common.positions, query_start)
-
-
-def _on(runner, array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array).to(runner.device, non_blocking=True)
-
-
-def _adaptive_policy(vllm_config, max_drafts: int, cost):
-    """The adaptive draft-count policy of ``speculative_config["adaptive"]`` (moved to
-    ``additional_config["diffspec"]`` by the config translation), or ``None``. ``cost``:
-    a :class:`~diffspec.core.adaptive.StepCost` or its kind."""
-    import json
-    from pathlib import Path
-
-    from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
-
-    options = (getattr(vllm_config, "additional_config", None) or {}).get("diffspec") or {}
-    if not options.get("adaptive"):
-        return None
-    profile = load_latency_profile(json.loads(Path(options["latency_profile"]).read_text()))
-    logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
-                "profile %s", max_drafts, options["latency_profile"])
-    return AdaptiveDrafts(max_drafts, profile,
-                          StepCost(cost) if isinstance(cost, str) else cost)
 
 
 def _adapt(policy, req_ids: list[str], sampled_token_ids: list[list[int]],

@@ -1,0 +1,116 @@
+"""Per-request checks of diffspec's SGLang workers: what a request asks that a method cannot
+honour, as a message whose first words say what to do. A worker refuses such a request alone
+(SGLang aborts it with the message; the rest of the batch runs on). No torch or SGLang import
+at import time, so the unit tier checks the messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from diffspec.methods import get_method
+
+__all__ = ["FAST_DLLM", "REFUSION", "fast_dllm_request_error", "refuse_unsupported_requests",
+           "refusion_request_error", "unsupported_request_option"]
+
+logger = logging.getLogger("diffspec")
+
+FAST_DLLM = get_method("fast_dllm").sglang.name  # --dllm-algorithm FastDLLM
+REFUSION = get_method("refusion").sglang.name  # --dllm-algorithm ReFusion
+
+
+def unsupported_request_option(req) -> str | None:
+    """What of ``req`` (an SGLang ``Req``) the self-speculative workers cannot honour, as
+    the start of an error message, or ``None``."""
+    params = req.sampling_params
+    if req.return_logprob:
+        return "drop return_logprob (or serve without --speculative-algorithm)"
+    if getattr(req, "grammar", None) is not None or any(
+            getattr(params, name, None) is not None
+            for name in ("json_schema", "regex", "ebnf", "structural_tag")):
+        return "drop json_schema / regex / ebnf / structural_tag (or serve without " \
+               "--speculative-algorithm)"
+    if getattr(req, "custom_logit_processor", None):
+        return "drop custom_logit_processor (or serve without --speculative-algorithm)"
+    return None
+
+
+def refuse_unsupported_requests(batch, method: str) -> list:
+    """Abort, one by one, the requests of ``batch`` with an option the worker cannot honour
+    (SGLang's ``Req.to_finish``: the request finishes after this step with an ``abort``
+    finish reason, HTTP 400, and this message; the other requests of the batch run on).
+    As SGLang's ``Req.set_finish_with_abort`` does, a refused request computes no
+    logprobs. Returns the requests refused now."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    refused = []
+    for req in batch.reqs:
+        if req.finished() or req.to_finish is not None:
+            continue
+        what = unsupported_request_option(req)
+        if what is None:
+            continue
+        message = (f"{what[0].upper()}{what[1:]}: --speculative-algorithm {method.upper()} "
+                   f"does not support it")
+        logger.warning("diffspec: refusing request %s: %s", req.rid, message)
+        req.to_finish = FINISH_ABORT(message, status_code=HTTPStatus.BAD_REQUEST,
+                                     err_type="BadRequestError")
+        req.return_logprob = False
+        req.logprob_start_len = -1
+        refused.append(req)
+    if refused and batch.return_logprob:
+        batch.return_logprob = any(req.return_logprob for req in batch.reqs)
+    return refused
+
+
+# sampling fields FastDLLM would ignore: (name, value that means "not asked for")
+_IGNORED_FIELDS = (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                   ("repetition_penalty", 1.0), ("min_new_tokens", 0), ("logit_bias", None),
+                   ("json_schema", None), ("regex", None), ("ebnf", None),
+                   ("structural_tag", None))
+
+
+def fast_dllm_request_error(params: Any) -> str | None:
+    """Why ``--dllm-algorithm FastDLLM`` refuses a request (first: what to do), or ``None``.
+
+    ``params``: SGLang's normalized ``SamplingParams`` (greedy is ``top_k == 1``; a request
+    that gives no temperature gets SGLang's default 1.0). FastDLLM decodes greedily, as the
+    reference decoder does, so sampling, penalties, ``min_new_tokens``, logit biases and
+    grammars would be silently ignored: the request is refused instead (SGLang aborts that
+    request alone, with this message)."""
+    asked = [] if params.top_k == 1 else [f"temperature {params.temperature:g}"]
+    ignored = [name for name, unset in _IGNORED_FIELDS
+               if getattr(params, name, unset) not in (unset, {}, "")]
+    if not asked and not ignored:
+        return None
+    todo = ([] if not asked else ["set temperature 0 (or top_k 1)"]) + (
+        [f"remove {', '.join(ignored)}"] if ignored else [])
+    return (f"{' and '.join(todo)} for --dllm-algorithm {FAST_DLLM}: it decodes greedily "
+            f"(confidence-threshold unmasking of argmax tokens) and would ignore "
+            f"{', '.join(asked + ignored)}" + (" (SGLang's default temperature when a request "
+                                               "gives none is 1)" if asked else ""))
+
+
+def refusion_request_error(req: Any, block_size: int, slot_size: int, num_blocks: int
+                        ) -> str | None:
+    """Why ReFusion cannot serve ``req`` (first words: what to do), or ``None``."""
+    params = req.sampling_params
+    if params.temperature > 0 and params.top_k != 1:
+        return ("set temperature 0: ReFusion in SGLang decodes greedily (its plan and "
+                f"verify rules are greedy), got temperature {params.temperature}")
+    gen_len = math.ceil(params.max_new_tokens / slot_size) * slot_size
+    if gen_len > block_size:
+        return (f"set max_new_tokens <= {block_size} or raise block_size in "
+                f"--dllm-algorithm-config: a request's generation must fit the KV block "
+                f"SGLang gives it; max_new_tokens {params.max_new_tokens} rounds up to "
+                f"{gen_len} (whole slots of {slot_size})")
+    if gen_len % num_blocks or (gen_len // num_blocks) % slot_size:
+        return (f"set max_new_tokens to a multiple of {slot_size * num_blocks} (or change "
+                f"num_blocks / slot_size): {gen_len} tokens ({params.max_new_tokens} rounded "
+                f"up to whole slots of {slot_size}) do not split into {num_blocks} serial "
+                f"blocks of whole slots")
+    return None

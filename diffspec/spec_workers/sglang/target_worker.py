@@ -1,0 +1,346 @@
+"""What diffspec's SGLang speculative workers share (the two-pass step of
+:mod:`~diffspec.spec_workers.sglang.two_pass` and TiDAR's one-forward step of
+:mod:`~diffspec.spec_workers.sglang.tidar`): both draft with the served model itself on its
+KV pool, so a worker is :class:`TargetModelSpecWorker` with its prefill and decode; the state
+carried between steps (:class:`SpecDraftInput`); SGLang's own decode forward for a step that
+drafts nothing; the accept rules on SGLang's sampling parameters (:func:`accept`); the
+adaptive policy and its Prometheus counters; and the per-request refusals.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+from diffspec.core.accept import AcceptOutput, greedy_accept, rejection_sample_accept
+from diffspec.core.sampling import process_logits
+from diffspec.spec_workers.sglang.requests import refuse_unsupported_requests
+
+__all__ = ["SpecDraftInput", "TargetModelSpecWorker", "accept", "adaptive_policy",
+           "choice_metrics", "remaining", "request_penalties"]
+
+logger = logging.getLogger("diffspec")
+
+
+@dataclass
+class SpecDraftInput(SpecInput):
+    """Per-request state carried from one step to the next (filtered / merged with the
+    batch by the scheduler)."""
+
+    bonus_tokens: torch.Tensor  # [bs] the anchor: last emitted token, no K/V yet
+    new_seq_lens: torch.Tensor  # [bs] committed K/V length C
+
+    # read by SGLang's generic relay code; this algorithm carries no hidden state
+    topk_p: ClassVar[torch.Tensor | None] = None
+    topk_index: ClassVar[torch.Tensor | None] = None
+    hidden_states: ClassVar[torch.Tensor | None] = None
+    future_indices: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # neither a draft nor a verify input: state between steps (as UNO's carried state)
+        super().__init__(SpecInputType.UNO_STATE)
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu=None) -> None:
+        self.bonus_tokens = self.bonus_tokens[new_indices]
+        self.new_seq_lens = self.new_seq_lens[new_indices]
+
+    def merge_batch(self, other: SpecDraftInput) -> None:
+        if not isinstance(other, SpecDraftInput):
+            raise TypeError(f"cannot merge SpecDraftInput with {type(other).__name__}")
+        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
+        self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
+
+
+class TargetModelSpecWorker(BaseSpecWorker):
+    """What every diffspec SGLang worker shares: it drafts with the served (target) model
+    itself, on the target's KV pool, so it has no draft worker and no private state; it
+    answers the scheduler's other questions through the target worker; it refuses, per
+    batch, the request options it cannot honour. Subclasses implement ``_prefill`` and
+    ``_decode``."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__()
+        from sglang.srt.runtime_context import get_spec
+
+        self.method = str(server_args.speculative_algorithm).lower()  # orthrus, tidar, ...
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = self.model_runner.device
+        self.width = int(get_spec().speculative_num_draft_tokens)  # W = anchor + drafts
+        self.speculative_num_draft_tokens = self.width
+        self.speculative_num_steps = 1
+        self.topk = 1
+
+    @property
+    def draft_worker(self):
+        return None  # every pass runs the target model on the target KV pool
+
+    def clear_cache_pool(self) -> None:
+        pass  # no private state outside SGLang's pools
+
+    def __getattr__(self, name: str):
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    # ---------------------------------------------------------------------- scheduler API
+
+    def forward_batch_generation(
+        self, batch, on_publish=None, **_: object
+    ) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify():
+            refuse_unsupported_requests(batch, self.method)
+            return self._prefill(batch, on_publish)
+        if batch.forward_mode.is_decode():
+            refuse_unsupported_requests(batch, self.method)  # (all were, at their prefill)
+            return self._decode(batch, on_publish)
+        raise RuntimeError(f"{self.method}: unexpected batch mode {batch.forward_mode} "
+                           f"(idle and mixed batches are not supported)")
+
+    def _prefill(self, batch, on_publish) -> GenerationBatchResult:
+        raise NotImplementedError
+
+    def _decode(self, batch, on_publish) -> GenerationBatchResult:
+        raise NotImplementedError
+
+    def _run_model(self, forward_batch: ForwardBatch, call=None):
+        """``call()`` (default: the served model's own forward on ``forward_batch``) with
+        the attention metadata planned by SGLang's backend, inside SGLang's forward
+        context, as its model runner runs a forward (without its static input buffers,
+        which hold at most one row per running request)."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        backend = self.model_runner.attn_backend
+        backend.init_forward_metadata(forward_batch)
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
+            if call is not None:
+                return call()
+            return self.model_runner.model(forward_batch.input_ids, forward_batch.positions,
+                                           forward_batch)
+
+    @property
+    def _torch_native(self) -> bool:
+        """SGLang's torch-native attention backend (the CPU path: no custom-mask path, and an
+        extend kernel quadratic in the context), asked per step (SGLang builds the backend
+        after the worker)."""
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        return isinstance(self.model_runner.attn_backend, TorchNativeAttnBackend)
+
+    def _decode_forward(
+        self,
+        batch,
+        anchors: torch.Tensor,  # [bs] the token each request decodes from
+        slots: torch.Tensor,  # [bs] KV-pool slots of position C
+    ) -> torch.Tensor:  # [bs, 1, vocab] fp32 logits
+        """SGLang's own DECODE forward (what plain AR runs: its decode attention kernels,
+        and CUDA graphs where captured) for a step that drafts nothing, rather than a
+        one-token TARGET_VERIFY: the torch-native backend runs a verify as an extend over
+        the whole sequence, which costs far more than a decode. The batch's lengths count
+        the new token for the forward (positions C = seq_lens - 1) and are restored."""
+        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info)
+        bs = len(anchors)
+        batch.forward_mode = ForwardMode.DECODE
+        batch.input_ids = anchors
+        batch.out_cache_loc = slots
+        batch.spec_info = None  # a decode with spec_info reads as a draft decode
+        batch.seq_lens = saved[0] + 1
+        if saved[1] is not None:
+            batch.seq_lens_cpu = saved[1] + 1
+        if saved[2] is not None:
+            batch.seq_lens_sum = saved[2] + bs
+        try:
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner,
+                                                  return_hidden_states_before_norm=False)
+            result = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)  # no sampling
+        finally:
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info = saved
+        logits = result.logits_output.next_token_logits  # [bs, padded vocab]
+        vocab = self.model_runner.model.config.vocab_size
+        return logits[:, :vocab].float().view(bs, 1, vocab)
+
+
+def remaining(req) -> int:
+    """Tokens ``req`` may still emit (``max_new_tokens``, which SGLang caps at the context
+    end, minus its output so far)."""
+    return int(req.sampling_params.max_new_tokens) - len(req.output_ids)
+
+
+def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthrus"):
+    """The adaptive draft-count policy, when the model config carries ``diffspec:
+    {"adaptive": true, "latency_profile": PATH}`` (SGLang's ``--json-model-override-args``;
+    SGLang has no flag of ours), else ``None``."""
+    import json
+    from pathlib import Path
+
+    from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
+
+    options = getattr(hf_config, "diffspec", None) or {}
+    if not isinstance(options, dict) or not options.get("adaptive"):
+        return None
+    path = options.get("latency_profile")
+    if not path:
+        raise ValueError("add \"latency_profile\": PATH next to \"adaptive\": true in "
+                         "--json-model-override-args '{\"diffspec\": {...}}': the adaptive "
+                         "policy needs a latency profile (python -m benchmarks.adaptive_sweep "
+                         f"--profile-only --engines sglang --model CKPT --method {method} "
+                         "--out DIR measures one through SGLang: "
+                         "DIR/sglang-latency-profile.json)")
+    try:
+        profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"latency_profile {path!r} cannot be read as a forward-latency "
+                         f"profile: {exc}") from exc
+    logger.info("diffspec: adaptive draft counts (at most %d per step) from the latency "
+                "profile %s", max_drafts, path)
+    return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
+
+
+class ChoiceMetrics:
+    """The adaptive policy's choices as Prometheus counters (``prometheus_client``, which
+    SGLang uses): ``diffspec:adaptive_steps_total{drafts="k"}``, decode steps by the draft
+    count chosen for the step, and ``diffspec:adaptive_draft_tokens_total``, draft tokens
+    chosen (k times the batch). With ``--enable-metrics`` SGLang puts prometheus_client in
+    multiprocess mode before its scheduler starts, so they show in its ``/metrics`` next to
+    its own. (SGLang's own ``spec_num_proposed_drafts`` counts ``W - 1`` per verify step,
+    the server's width, whatever a step drafted.)"""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+
+        self.steps = Counter("diffspec:adaptive_steps", "Decode steps of diffspec's adaptive "
+                             "self-speculation, by the draft count chosen for the step",
+                             ["drafts"])
+        self.draft_tokens = Counter("diffspec:adaptive_draft_tokens", "Draft tokens "
+                                    "diffspec's adaptive policy chose (over requests and steps)")
+
+    def record(self, drafts: int, batch_size: int) -> None:
+        self.steps.labels(drafts=str(drafts)).inc()
+        self.draft_tokens.inc(drafts * batch_size)
+
+
+_CHOICE_METRICS: list[ChoiceMetrics] = []
+
+
+def choice_metrics() -> ChoiceMetrics:
+    """The process's one :class:`ChoiceMetrics` (Prometheus refuses a metric registered
+    twice)."""
+    if not _CHOICE_METRICS:
+        _CHOICE_METRICS.append(ChoiceMetrics())
+    return _CHOICE_METRICS[0]
+
+
+def request_penalties(req, vocab_size: int):
+    """SGLang request ``req``'s penalties, ``min_new_tokens`` (with SGLang's stop-token set:
+    the request's stop ids, its EOS ids, the tokenizer's EOS and extra stop ids) and logit
+    bias, as :class:`~diffspec.core.penalties.RequestPenalties`."""
+    from diffspec.core.penalties import RequestPenalties
+
+    params = req.sampling_params
+    stop: set[int] = set()
+    if params.min_new_tokens > 0:
+        tokenizer = getattr(req, "tokenizer", None)
+        stop |= set(params.stop_token_ids or ()) | set(req.eos_token_ids or ())
+        stop |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            stop.add(tokenizer.eos_token_id)
+    bias = None
+    if params.logit_bias:
+        bias = {int(k): float(v) for k, v in params.logit_bias.items()
+                if 0 <= int(k) < vocab_size}
+    return RequestPenalties(
+        repetition=float(params.repetition_penalty), frequency=float(params.frequency_penalty),
+        presence=float(params.presence_penalty), min_new_tokens=int(params.min_new_tokens),
+        stop_token_ids=frozenset(t for t in stop if t is not None), logit_bias=bias)
+
+
+def accept(
+    drafts: torch.Tensor,  # [bs, W - 1] draft token ids
+    logits: torch.Tensor,  # [bs, W, vocab] AR logits of [anchor, drafts] (modified in place)
+    batch,  # SGLang's ScheduleBatch (its reqs and sampling_info)
+    committed: torch.Tensor,  # [bs] C: the anchor's position
+    padding: torch.Tensor | None = None,  # [bs, W - 1] True: a block's padding, no draft
+) -> AcceptOutput:
+    """The reference decoder's accept rules on SGLang's per-request sampling parameters,
+    after the request's penalties and logit bias (:func:`apply_penalties_per_row`, row
+    ``j`` with the drafts before it in its history): exact-match acceptance when every
+    request is greedy; under ``--enable-deterministic-inference`` (per-request seeds) the
+    longest draft prefix equal to what SGLang's seeded sampler draws at each row's position
+    (:func:`seeded_targets`); otherwise speculative rejection sampling with point-mass
+    drafts (``q = one-hot(d)``), which accepts ``d`` with probability ``p(d)`` and
+    resamples from ``p`` without ``d`` at a rejection, so each emitted token follows the
+    request's temperature / top-k / top-p / min-p distribution (a greedy row's ``p`` is
+    one-hot, so it stays exact match)."""
+    from diffspec.core.penalties import apply_penalties_per_row, needs_penalties
+
+    sampling_info = batch.sampling_info
+    vocab = logits.shape[-1]
+    penalties = [request_penalties(req, vocab) for req in batch.reqs]
+    if needs_penalties(penalties):
+        apply_penalties_per_row(logits, drafts, [list(req.output_ids) for req in batch.reqs],
+                                penalties)
+    if padding is not None:  # the accept rules' placeholder past each request's drafts
+        drafts = drafts.masked_fill(padding, -1)
+    if sampling_info is None or sampling_info.is_all_greedy:
+        return greedy_accept(drafts, logits)
+    if getattr(sampling_info, "sampling_seed", None) is not None:
+        targets = seeded_targets(logits, sampling_info, committed)  # [bs, W]
+        one_hot = torch.full_like(logits, float("-inf")).scatter_(-1, targets[..., None], 0.0)
+        return greedy_accept(drafts, one_hot)
+    greedy = sampling_info.top_ks <= 1  # [bs] SGLang marks greedy requests with top_k = 1
+    temperature = torch.where(greedy, 0.0, sampling_info.temperatures.reshape(-1).float())
+    min_p = sampling_info.min_ps.float() if sampling_info.need_min_p_sampling else None
+    probs = torch.softmax(process_logits(logits, temperature, sampling_info.top_ks,
+                                         sampling_info.top_ps.float(), min_p),
+                          dim=-1)  # [bs, W, V]
+    return rejection_sample_accept(drafts, None, probs)
+
+
+def seeded_targets(
+    logits: torch.Tensor,  # [bs, W, vocab] penalised verify logits
+    sampling_info,  # SGLang's SamplingBatchInfo, with sampling_seed (deterministic mode)
+    committed: torch.Tensor,  # [bs] C: row j's input token is at position C + j
+) -> torch.Tensor:  # [bs, W] int64: the token SGLang's AR sampler draws at each row
+    """SGLang's deterministic sampler (``Sampler`` on its pytorch backend, which
+    deterministic inference forces) on every verify row: ``softmax(logits / T)``, then
+    ``top_k_top_p_min_p_sampling_from_probs_torch`` (or ``sampling_from_probs_torch``
+    without top-k / top-p / min-p) with the request's seed and the row's input position,
+    exactly as an AR decode step at that position draws; greedy requests take the
+    argmax."""
+    from sglang.srt.layers.sampler import (
+        sampling_from_probs_torch,
+        top_k_top_p_min_p_sampling_from_probs_torch,
+    )
+
+    bs, w, vocab = logits.shape
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [bs] or [bs, 1] -> [bs * W]
+        return t.reshape(bs).repeat_interleave(w)
+
+    flat = logits.reshape(bs * w, vocab)
+    greedy_ids = flat.argmax(dim=-1)
+    positions = (committed.to(torch.int64)[:, None]
+                 + torch.arange(w, device=logits.device)[None]).reshape(-1)
+    probs = torch.softmax(flat / rows(sampling_info.temperatures.float())[:, None], dim=-1)
+    seeds = rows(sampling_info.sampling_seed)
+    if (sampling_info.need_top_p_sampling or sampling_info.need_top_k_sampling
+            or sampling_info.need_min_p_sampling):
+        sampled = top_k_top_p_min_p_sampling_from_probs_torch(
+            probs, rows(sampling_info.top_ks), rows(sampling_info.top_ps),
+            rows(sampling_info.min_ps), sampling_info.need_min_p_sampling, seeds, positions)
+    else:
+        sampled = sampling_from_probs_torch(probs, sampling_seed=seeds, positions=positions)
+    greedy = rows(sampling_info.top_ks) <= 1
+    return torch.where(greedy, greedy_ids, sampled.reshape(-1).to(torch.int64)).view(bs, w)

@@ -1,0 +1,311 @@
+"""SGLang worker for the two-pass self-speculative step (Orthrus, NLD linear): the
+served model drafts with its own diffusion view and verifies with its AR view, on SGLang's
+scheduler and KV pool.
+
+SGLang builds it as ``Worker(server_args=, gpu_id=, nccl_port=, target_worker=)`` for
+``--speculative-algorithm ORTHRUS`` / ``LINEAR_SELF_SPEC`` (registered by
+:mod:`diffspec.plugin.sglang`) and calls :meth:`TwoPassWorker.forward_batch_generation`
+once per scheduler step, synchronously (overlap scheduling is off for these algorithms).
+
+KV convention (SGLang's): a request's ``seq_len`` ``C`` counts the tokens whose K/V are in
+the pool; its last emitted token, the **anchor**, is at position ``C`` and has no K/V yet.
+
+* **prefill** (EXTEND): SGLang's own forward and sampler; the sampled token becomes the
+  anchor carried to the next step in :class:`SpecDraftInput`.
+* **decode** (one step, ``W = --speculative-num-draft-tokens``, at most the checkpoint's
+  ``block_size``): request ``b`` drafts ``n_b = min(W - 1, remaining_b - 1, last position
+  - C_b)`` tokens, the reference decoder's rule (never past its ``max_new_tokens``, which
+  SGLang caps at the context end, or the model's positions); the step's width is
+  ``1 + max n_b`` (SGLang's verify has one width per step) and a narrower block is padded:
+
+  1. *draft*: one diffusion-view forward over each block ``[anchor, <mask> x n_b]`` at
+     positions ``C .. C + n_b``, through SGLang's attention backend with each layer's
+     non-causal twin (:mod:`diffspec.model_executors.sglang.views`): a forward batch laid
+     out as the verify's, so the block attends to the committed prefix's AR K/V in the
+     pool and to itself (not to its padding), and its draft K/V land in the slots the
+     verify overwrites next; the drafts are the argmax of the ``n_b`` logits that predict
+     positions ``C + 1 .. C + n_b``. On SGLang's torch-native backend (the CPU path), whose
+     extend kernel attends with a query as long as the whole sequence, both passes run as
+     DECODE rows instead, one per block token (:meth:`TwoPassWorker._decode_rows_batch`):
+     the same attention, linear in the context;
+  2. *verify*: one causal AR forward of ``[anchor, d_1 .. d_{W-1}]`` by SGLang's model
+     runner (TARGET_VERIFY), writing its K/V into the slots ``req_to_token`` maps
+     ``C .. C + W - 1`` to: the draft slots the scheduler reserved for this step
+     (``alloc_for_spec_decode``);
+  3. *accept*: :func:`diffspec.core.accept.greedy_accept` (the reference decoder's rule):
+     the longest prefix of the ``n_b`` drafts equal to the AR argmax, plus the AR token
+     after it;
+  4. *commit*: SGLang's: ``new_seq_len = C + accepted + 1`` (the anchor and the accepted
+     drafts now hold AR K/V; the rest of the slots hold rejected K/V past the committed
+     length, which SGLang frees and never inserts into the radix cache), the scheduler
+     appends the emitted tokens and cuts them at EOS / ``max_new_tokens``, and counts
+     ``spec_verify_ct`` / ``spec_num_correct_drafts`` (``avg_spec_accept_length``).
+
+**Adaptive draft counts** (``--json-model-override-args '{"diffspec": {"adaptive": true,
+"latency_profile": PATH}}'``, SGLang's channel for model-level settings): each step the
+policy of :mod:`diffspec.core.adaptive` picks one draft count ``k`` for the whole batch
+(SGLang's verify has one width per step) from the latency profile, the batch size and the
+acceptance it has observed; the step then runs at width ``k + 1`` (``k = 0``: no draft
+forward, SGLang's own decode forward, i.e. a plain AR step). The choices are logged every
+100 steps and counted in Prometheus counters (:class:`ChoiceMetrics`). Greedy output is
+AR's whatever it picks.
+
+Drafts are argmaxes of the diffusion view (point masses). Per request, the verify rows
+first get the request's repetition / presence / frequency penalties, ``min_new_tokens``
+and logit bias with the history AR would have at each row (its output plus the drafts
+before the row: :mod:`diffspec.core.penalties`). Greedy requests are then accepted by
+exact match, so their output is SGLang's AR output token for token; sampled requests
+(temperature / top-k / top-p / min-p) by speculative rejection sampling, so their output
+follows the AR distribution (not SGLang's sampler's random stream); with
+``--enable-deterministic-inference`` (SGLang's only mode that honours per-request
+``sampling_seed``) each row's token is drawn by SGLang's own seeded sampler at the row's
+position, so seeded output is SGLang's AR output token for token (GPU attention backends
+only: SGLang refuses deterministic inference on torch-native; not run here). Refused per
+request (aborted with a message, the rest of the batch runs on): ``return_logprob``,
+grammars (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``) and custom logit
+processors.
+Stop strings, stop tokens and ``max_new_tokens`` are the scheduler's own checks.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from diffspec.model_executors.sglang.views import DraftBlocks
+from diffspec.profiling import DraftTimings
+from diffspec.spec_workers.sglang.target_worker import (
+    SpecDraftInput,
+    TargetModelSpecWorker,
+    accept,
+    adaptive_policy,
+    choice_metrics,
+    logger,
+    remaining,
+)
+
+__all__ = ["TwoPassWorker"]
+
+
+class TwoPassWorker(TargetModelSpecWorker):
+    """Draft with the served model's diffusion view, verify with its AR view."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        model = self.model_runner.model
+        if not hasattr(model, "diffusion_draft_logits"):
+            raise TypeError(
+                f"--speculative-algorithm {self.method.upper()} needs a model with a diffusion "
+                f"view; {type(model).__name__} has none (check config.json architectures)")
+        self.mask_token_id = int(model.config.mask_token_id)
+        max_len = getattr(model.config, "max_position_embeddings", None)
+        self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
+        self._offsets = torch.arange(self.width, device=self.device)  # [W]
+        self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
+                                        self.width - 1, "two_pass", self.method)
+        self.timings = DraftTimings(self.device)
+
+    def _prefill(self, batch, on_publish) -> GenerationBatchResult:
+        result = self._target_worker.forward_batch_generation(batch)
+        result.next_draft_input = SpecDraftInput(
+            bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
+            new_seq_lens=batch.seq_lens)
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    @torch.inference_mode()
+    def _decode(self, batch, on_publish) -> GenerationBatchResult:
+        state: SpecDraftInput = batch.spec_info
+        bs = len(batch.reqs)
+        rids = [req.rid for req in batch.reqs]
+        committed = batch.seq_lens.to(torch.int64)  # [bs] C
+        # drafts per request, as the reference decoder: never past the request's budget
+        # (accepted + 1 <= remaining; SGLang caps max_new_tokens at the context end) or
+        # the model's positions (the anchor is at C)
+        caps = [max(0, min(self.width - 1, remaining(req) - 1, self._max_position - c))
+                for req, c in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True)]
+        if self.adaptive is not None:  # one width per step: W = the policy's k + 1
+            self.adaptive.forget(set(rids))
+            k = self.adaptive.choose_shared(rids, caps)
+            choice_metrics().record(k, bs)
+            if self.adaptive.steps % self.adaptive.log_every == 1:
+                logger.info("diffspec: %s", self.adaptive.summary())
+            caps = [min(k, cap) for cap in caps]
+        w = 1 + max(caps)  # one width per step (SGLang's verify); narrower blocks padded
+        num_drafts = torch.tensor(caps, dtype=torch.int64, device=self.device)  # [bs]
+        anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
+        columns = committed[:, None] + self._offsets[None, :w]  # [bs, W]
+        rows = batch.req_pool_indices.to(torch.int64)  # [bs]
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
+        slots = req_to_token[rows[:, None], columns].to(torch.int64)  # [bs, W]
+        # a padded row may sit past the model's last position (never committed); RoPE
+        # needs positions it has
+        positions = columns.clamp(max=self._max_position)  # [bs, W]
+
+        # draft: the diffusion view over each request's [anchor, <mask> x n] (n = its
+        # draft count; the block's padding rows are invisible to it) (W = 1: nothing is
+        # drafted this step, a plain AR step)
+        if w > 1:
+            drafts = self.timings.time(bs * w, lambda: self._draft(
+                batch, anchors, positions, slots, num_drafts))  # [bs, W - 1]
+        else:
+            drafts = anchors.new_zeros((bs, 0))
+        padding = self._offsets[None, : w - 1] >= num_drafts[:, None]  # [bs, W - 1]
+
+        # verify: SGLang's causal forward of [anchor, drafts] into the reserved slots
+        verify_ids = torch.cat([anchors[:, None], drafts], dim=1)  # [bs, W]
+        logits = (self._verify(batch, verify_ids, positions, slots) if w == 1  # [bs, W, vocab]
+                  else self.timings.time(bs * w, lambda: self._verify(
+                      batch, verify_ids, positions, slots), kind="verify"))
+
+        # accept: greedy rows take the longest prefix equal to the AR argmax, then the AR
+        # token after it; sampled rows rejection-sample the point-mass drafts
+        accepted = accept(drafts, logits, batch, committed, padding)
+        accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
+        out = accepted.output_token_ids  # [bs, W]: emitted tokens, then -1
+        new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
+        bonus = out.gather(1, accepted.num_accepted[:, None]).reshape(-1)  # [bs] next anchor
+        if self.adaptive is not None:
+            for rid, emitted in zip(rids, accept_lens.tolist(), strict=True):
+                self.adaptive.observe(rid, emitted)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=out.clamp(min=0).reshape(-1),
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=SpecDraftInput(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=w,
+            speculative_output_stride=w,
+            num_non_draft_tokens_per_req=1,
+        )
+
+    def _draft(
+        self,
+        batch,
+        anchors: torch.Tensor,  # [bs] the committed tokens the blocks start from
+        positions: torch.Tensor,  # [bs, W]
+        slots: torch.Tensor,  # [bs, W] KV-pool slots of positions C .. C + W - 1
+        num_drafts: torch.Tensor,  # [bs] n: block b is [anchor, <mask> x n], then padding
+    ) -> torch.Tensor:  # [bs, W - 1] greedy drafts (padding rows: not drafts)
+        """The diffusion view over ``[anchor, <mask> x (W - 1)]`` through SGLang's attention
+        backend: a forward batch laid out as this step's verify (same positions, same
+        slots: the verify overwrites the draft K/V the backend writes there), its metadata
+        planned by the backend, the layers' non-causal attention twins reading the pool."""
+        bs, w = positions.shape
+        block = torch.full((bs, w), self.mask_token_id, dtype=torch.int64, device=self.device)
+        block[:, 0] = anchors
+        forward_batch = self._step_batch(batch, block, positions, slots, causal=False,
+                                         block_lens=num_drafts + 1)
+        draft_logits = self._run_model(forward_batch, lambda: (
+            self.model_runner.model.diffusion_draft_logits(DraftBlocks(
+                block.reshape(-1), positions.reshape(-1), w, forward_batch))))  # [bs, W-1, V]
+        return draft_logits.argmax(dim=-1)
+
+    def _step_batch(
+        self,
+        batch,
+        ids: torch.Tensor,  # [bs, W]
+        positions: torch.Tensor,  # [bs, W]
+        slots: torch.Tensor,  # [bs, W]
+        causal: bool = True,
+        block_lens: torch.Tensor | None = None,  # [bs] non-causal: block tokens seen
+    ) -> ForwardBatch:
+        """SGLang's TARGET_VERIFY forward batch of ``ids`` at ``positions`` (``W`` tokens per
+        request on its committed prefix), K/V going to ``slots``, with SGLang's own verify
+        input (``NgramVerifyInput``, what its GPU backends plan target-verify batches
+        from): a chain, causal within the block (the verify), or the whole block visible to
+        every block token (``causal=False``, the draft); the GPU backends read the mask. On
+        the torch-native backend the same attention runs as decode rows
+        (:meth:`_decode_rows_batch`)."""
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        w = ids.shape[1]
+        if block_lens is None:
+            block_lens = torch.full((ids.shape[0],), w, dtype=torch.int64, device=self.device)
+        if self._torch_native:
+            return self._decode_rows_batch(batch, ids, positions, slots, causal, block_lens)
+        # per request [W, C + W] (prefix, then the block: a chain, or its first block_len
+        # tokens for every row), flat
+        chain = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
+        seen = self._offsets[None, :w] < block_lens[:, None]  # [bs, W] block columns seen
+        mask = torch.cat([torch.cat([torch.ones(w, c, dtype=torch.bool, device=self.device),
+                                     chain if causal else seen[b][None, :].expand(w, w)],
+                                    dim=1).reshape(-1)
+                          for b, c in enumerate(batch.seq_lens_cpu.tolist())])
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = ids.reshape(-1)
+        batch.out_cache_loc = slots.reshape(-1)
+        batch.spec_info = NgramVerifyInput(custom_mask=mask, positions=positions.reshape(-1),
+                                           draft_token_num=w, new_seq_lens=batch.seq_lens)
+        try:
+            return ForwardBatch.init_new(batch, self.model_runner,
+                                         return_hidden_states_before_norm=False)
+        finally:
+            batch.forward_mode = ForwardMode.DECODE
+
+    def _decode_rows_batch(
+        self,
+        batch,
+        ids: torch.Tensor,  # [bs, W]
+        positions: torch.Tensor,  # [bs, W]
+        slots: torch.Tensor,  # [bs, W]
+        causal: bool,
+        block_lens: torch.Tensor,  # [bs] non-causal: the block tokens every row sees
+    ) -> ForwardBatch:
+        """The step's ``bs * W`` block tokens as SGLang DECODE rows, for the torch-native
+        backend: its extend kernel (what a TARGET_VERIFY runs) attends with a query as long
+        as the whole sequence per request, quadratic in the context, while its decode
+        kernel attends from one query over ``seq_len`` keys of ``req_to_token``. Row
+        ``(b, j)`` is request ``b``'s block token ``j`` at its position, writing its K/V to
+        its slot (every row's K/V is written before any row attends), over the request's
+        first ``C + j + 1`` keys (``causal``: the verify's chain) or ``C + block_len``
+        (the draft's block, without its padding rows). Same attention as the TARGET_VERIFY layout, linear in the
+        context; the batch's own fields are restored."""
+        w = ids.shape[1]
+        committed = batch.seq_lens.to(torch.int64)  # [bs] C
+        reach = (self._offsets[None, :w] + 1 if causal
+                 else block_lens[:, None].expand(-1, w))  # [bs, W] block tokens seen
+        row_lens = (committed[:, None] + reach).reshape(-1)  # [bs * W]
+        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info,
+                 batch.req_pool_indices, batch.input_ids, batch.out_cache_loc)
+        batch.forward_mode = ForwardMode.DECODE
+        batch.spec_info = None  # a decode with spec_info reads as a draft decode
+        batch.input_ids = ids.reshape(-1)
+        batch.out_cache_loc = slots.reshape(-1)
+        batch.req_pool_indices = saved[4].repeat_interleave(w)
+        batch.seq_lens = row_lens.to(saved[0].dtype)
+        batch.seq_lens_cpu = batch.seq_lens.cpu()
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        try:
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner,
+                                                  return_hidden_states_before_norm=False)
+        finally:
+            (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info,
+             batch.req_pool_indices, batch.input_ids, batch.out_cache_loc) = saved
+        forward_batch.positions = positions.reshape(-1).to(forward_batch.positions.dtype)
+        return forward_batch
+
+    def _verify(
+        self,
+        batch,
+        verify_ids: torch.Tensor,  # [bs, W]
+        positions: torch.Tensor,  # [bs, W]
+        slots: torch.Tensor,  # [bs, W] KV-pool slots of positions C .. C + W - 1
+    ) -> torch.Tensor:  # [bs, W, vocab] fp32 logits
+        bs, w = verify_ids.shape
+        if w == 1:  # nothing drafted this step (adaptive k = 0): a plain decode step
+            return self._decode_forward(batch, verify_ids[:, 0], slots[:, 0])
+        forward_batch = self._step_batch(batch, verify_ids, positions, slots)
+        if self._torch_native:  # decode rows: more rows than the runner's decode buffers
+            logits = self._run_model(forward_batch).next_token_logits  # [bs * W, vocab']
+        else:
+            result = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)
+            logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
+        vocab = self.model_runner.model.config.vocab_size
+        return logits[:, :vocab].float().view(bs, w, vocab)

@@ -1,0 +1,111 @@
+"""What diffspec's vLLM proposers share (the two-pass drafter of
+:mod:`~diffspec.spec_workers.vllm.two_pass` and TiDAR's one-forward step of
+:mod:`~diffspec.spec_workers.vllm.tidar`): attention metadata for query blocks that attend
+non-causally to their request's paged K/V (built by the target's own attention backend), the
+adaptive draft-count policy from the speculative config, and host-to-device copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
+
+__all__ = ["NonCausalBlocks", "adaptive_policy", "logger", "non_causal_blocks", "on_device"]
+
+
+@dataclass
+class NonCausalBlocks:
+    """Query blocks that attend non-causally to their request's paged K/V and to
+    themselves: per-layer attention metadata built by the target's own backend."""
+
+    attn_metadata: dict[str, object]  # layer name -> the backend's metadata
+    slot_mapping: torch.Tensor  # [T] the slots the blocks' K/V are written to
+    positions: torch.Tensor  # [T] on the device
+    query_start: np.ndarray  # [B + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start[-1])
+
+
+def non_causal_blocks(
+    runner,
+    rows: list[int],  # [B] each block's request row in the runner's input batch
+    starts: list[int],  # [B] position of each block's first token
+    lengths: np.ndarray,  # [B] tokens per block
+    method: str,
+) -> NonCausalBlocks:
+    """Attention metadata for blocks ``starts[i] .. starts[i] + lengths[i] - 1`` of request
+    ``rows[i]``: each block sees the request's K/V of positions ``0 .. starts[i] - 1`` (its
+    paged cache, through the block table) and itself, non-causally; its K/V go to the slots
+    of its own positions. Refuses a backend that stays causal."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    groups = runner.attn_groups
+    if len(groups) != 1:
+        raise RuntimeError(f"method {method!r} supports models with one KV cache group (full "
+                           f"attention in every layer); this one has {len(groups)}")
+    table = runner.input_batch.block_table[0]
+    page = table.block_size
+    query_start = np.zeros(len(rows) + 1, dtype=np.int32)  # [B + 1]
+    np.cumsum(lengths, out=query_start[1:])
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
+    token_rows = np.repeat(rows, lengths)  # [T]
+    pages = table.block_table.np[token_rows, positions // page].astype(np.int64)  # [T]
+    slots = pages * page + positions % page  # [T]
+    seq_lens = (np.asarray(starts) + lengths).astype(np.int32)  # [B]
+    slot_mapping = on_device(runner, slots)
+    common = CommonAttentionMetadata(
+        query_start_loc=on_device(runner, query_start),
+        query_start_loc_cpu=torch.from_numpy(query_start),
+        seq_lens=on_device(runner, seq_lens),
+        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        num_reqs=len(rows),
+        num_actual_tokens=int(query_start[-1]),
+        max_query_len=int(lengths.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table.get_device_tensor(runner.input_batch.num_reqs)[
+            on_device(runner, np.asarray(rows, dtype=np.int64))],
+        slot_mapping=slot_mapping,
+        causal=False,
+        positions=on_device(runner, positions),
+    )
+    per_layer = {}
+    for group in groups[0]:
+        metadata = group.build_metadata_for_drafting(common, draft_index=0)
+        if getattr(metadata, "causal", None) is not False:
+            raise RuntimeError(
+                f"attention backend {group.backend.get_name()} cannot attend non-causally "
+                f"over the paged KV cache, which method {method!r} drafts with; pick one "
+                f"that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
+        per_layer.update(dict.fromkeys(group.layer_names, metadata))
+    return NonCausalBlocks(per_layer, slot_mapping, common.positions, query_start)
+
+
+def on_device(runner, array: np.ndarray) -> torch.Tensor:
+    """``array`` as a tensor on the runner's device (a non-blocking copy)."""
+    return torch.from_numpy(array).to(runner.device, non_blocking=True)
+
+
+def adaptive_policy(vllm_config, max_drafts: int, cost):
+    """The adaptive draft-count policy of ``speculative_config["adaptive"]`` (moved to
+    ``additional_config["diffspec"]`` by the config translation), or ``None``. ``cost``:
+    a :class:`~diffspec.core.adaptive.StepCost` or its kind."""
+    import json
+    from pathlib import Path
+
+    from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
+
+    options = (getattr(vllm_config, "additional_config", None) or {}).get("diffspec") or {}
+    if not options.get("adaptive"):
+        return None
+    profile = load_latency_profile(json.loads(Path(options["latency_profile"]).read_text()))
+    logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
+                "profile %s", max_drafts, options["latency_profile"])
+    return AdaptiveDrafts(max_drafts, profile,
+                          StepCost(cost) if isinstance(cost, str) else cost)
