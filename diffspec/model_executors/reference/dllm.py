@@ -1,43 +1,6 @@
 """Reference executors for the diffusion LMs Fast-dLLM decodes: LLaDA, Dream, Fast-dLLM v2.
 
-Each loads a checkpoint in its published layout and runs one forward of any token layout
-under any boolean attention mask, on top of an optional KV cache (a transformers
-``DynamicCache``, rolled back by moving its length): :meth:`DiffusionLM.forward`, which
-is :func:`diffspec.model_executors.reference.views.block_view_logits`, the call every method uses.
-
-===============  ======================================  =========  =====================
-family           weights                                 logits     trained attention
-===============  ======================================  =========  =====================
-``llada``        :class:`LLaDAModelLM` (below, OLMo      unshifted  bidirectional
-                 names ``model.transformer.*``)
-``dream``        transformers ``Qwen2ForCausalLM``       shifted    bidirectional
-``fast_dllm_v2`` transformers ``Qwen2ForCausalLM``       shifted    block-causal (bd_size),
-                                                                    blocks from position 0
-``nld``          :func:`~diffspec.model_executors.reference.nld.    unshifted  causal prompt, then
-                 load_nld` without the draft LoRA                   block-causal blocks
-                 (diffusion mode)                                   (block_size)
-===============  ======================================  =========  =====================
-
-*Shifted* logits: position j's head predicts token j+1 (Dream, Fast-dLLM v2), so the
-decoder reads the logits for position j at j-1 (:func:`diffspec.core.unmask.shift_logits`).
-*Unshifted*: position j predicts token j (LLaDA). The trained attention is what a decoder
-must reproduce: Dream and LLaDA see the whole sequence, Fast-dLLM v2 sees its own block
-and every earlier block (:func:`diffspec.core.masks.block_causal_mask`).
-
-LLaDA has no transformers class; :class:`LLaDAModelLM` is the Llama-type block of
-``ML-GSAI/LLaDA``'s ``modeling_llada.py`` (``block_type: llama``): RMSNorm computed in
-fp32, RoPE on ``d_model // n_heads`` dims with the half-split rotation and
-``rope_theta``, SwiGLU ``ff_out(silu(ff_proj(x)) * up_proj(x))``, no biases, logits from
-``transformer.ff_out`` (or ``wte`` under ``weight_tying``). Unlike that file it applies
-the attention mask it is given (theirs ignores it), which batching with padding needs;
-with an all-True mask the two are the same computation.
-
-NLD's diffusion mode is the Ministral3 backbone of :func:`diffspec.model_executors.reference.nld.
-load_nld` with ``lora=False`` (the LoRA belongs to linear self-speculation's draft pass):
-the prompt runs causally, then blocks of ``block_size`` masks start right after it, each
-seeing the prompt, the earlier blocks and itself (:func:`diffspec.core.masks.
-block_causal_mask` with ``prefix_len`` = the prompt); logits unshifted unless
-``dlm_type == "dream"``.
+Design notes: docs/design/reference.md (section ``diffspec/model_executors/reference/dllm.py``).
 """
 
 from __future__ import annotations

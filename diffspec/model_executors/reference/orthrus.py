@@ -1,29 +1,6 @@
 """Orthrus: a frozen AR model (the AR view) plus per-layer diffusion attention projections.
 
-The model is a stock transformers ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` (the
-*base*). Each decoder layer's ``self_attn`` additionally holds a ``*_diff`` twin of every
-attention module the base has: ``q/k/v/o_proj_diff`` and, on Qwen3, ``q/k_norm_diff``,
-registered under exactly those names, so ``lm.state_dict()`` uses the published tensor
-names (``model.layers.N.self_attn.q_proj_diff.weight``). The AR view is the plain model
-(the ``*_diff`` modules are never called); the diffusion view swaps the attention modules
-of every layer for their ``*_diff`` twins for the duration of a call
-(:meth:`OrthrusModel.diffusion_view`); embeddings, MLPs, layer norms, rotary and the LM
-head are shared. Because the attention appends the block's K/V to the cache before
-attending, a diffusion-view block reads the AR KV of the committed prefix (written by the
-AR projections) and its own diffusion K/V, exactly as the reference
-(``chiennv2000/orthrus`` ``src/model.py``, ``OrthrusAttention``: AR cache keys
-concatenated with the ``*_diff`` keys of the block, ``is_causal=False``).
-
-**Low-rank heads** (``rank=r``): each ``*_diff`` projection is the frozen AR weight plus a
-trainable delta, ``W + B @ A`` (:class:`LowRankDelta`; ``B`` starts at zero, so training
-starts from the AR projections, the Orthrus warm start). It runs in LoRA form, ``x W^T +
-(x A^T) B^T``: the frozen projection plus the low-rank path, never a merged weight. Only
-the factors (and the Qwen3 diff norms) are saved, in a *heads folder*
-(``heads.safetensors`` + ``heads.json``, see :func:`save_orthrus_heads`); the merge happens
-at export: :func:`materialize_orthrus` / :func:`save_orthrus` write base + heads as a full
-checkpoint in the published layout (``*_diff`` weights = :func:`merge_low_rank`).
-
-Drafts are read from **shifted** logits: block position ``j`` predicts token ``j + 1``.
+Design notes: docs/design/reference.md (section ``diffspec/model_executors/reference/orthrus.py``).
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
 """The diffusion LMs Fast-dLLM decodes, in SGLang's dLLM mode: SGLang's own Llama / Qwen2
 with block attention (the SGLang side of :mod:`diffspec.model_executors.reference.dllm`).
 
-SGLang's dLLM scheduler runs one block of ``block_size`` slots per request over the KV of
-the request's earlier blocks; the ``FastDLLM`` algorithm
-(:mod:`diffspec.spec_workers.sglang.fast_dllm`) reads every slot's logits. So each model
-is an SGLang causal LM with two changes (:func:`block_attention`): every attention is
-``AttentionType.ENCODER_ONLY`` (the block sees all of itself and its prefix) and the logits
-processor returns the whole block's logits (``return_full_logits``).
-
-=================================  ===================  ========================================
-architecture                       SGLang model         checkpoint tensors
-=================================  ===================  ========================================
-``LLaDAModelLM``                   ``LlamaForCausalLM``  ``model.transformer.{wte, blocks.N.*,
-                                                         ln_f, ff_out}``, renamed
-                                                         (:func:`llada_to_llama_name`)
-``DreamModel``                     ``Qwen2ForCausalLM``  Qwen2.5's own names
-``Fast_dLLM_QwenForCausalLM``      ``Qwen2ForCausalLM``  Qwen2.5's own names
-``NemotronLabsDiffusionModel``     ``Ministral3ForCau-  ``encoder.*``, ``diffusion_head``
-                                   salLM``              (:mod:`~diffspec.model_executors.
-                                                        sglang.nld`, in dLLM mode)
-=================================  ===================  ========================================
-
-LLaDA's ``block_type: llama`` layer is a Llama layer (RMSNorm, half-split RoPE with
-``rope_theta``, SwiGLU ``ff_out(silu(ff_proj(x)) * up_proj(x))``, no biases); its config
-(:class:`diffspec.plugin.hf_configs.LLaDAConfig`) reads the OLMo names as the Llama ones.
-Which logits are shifted (Dream, Fast-dLLM v2) is the algorithm's business: the models
-return what their head computes.
-
-NLD has one SGLang class for both of its modes (one set of weights, the attention
-switches): :class:`~diffspec.model_executors.sglang.nld.NemotronLabsDiffusionForCausalLM`
-is the causal model of linear self-speculation, and under SGLang's dLLM mode
-(:func:`dllm_mode`) the diffusion-mode model, block attention and no draft LoRA (the LoRA
-belongs to self-speculation's draft pass; the reference's diffusion mode runs without it).
+Design notes: docs/design/sglang.md (section ``diffspec/model_executors/sglang/dllm.py``).
 """
 
 from __future__ import annotations

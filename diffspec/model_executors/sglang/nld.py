@@ -1,28 +1,7 @@
 """Nemotron-Labs-Diffusion (NLD) in SGLang: SGLang's own Ministral3 as the AR view, plus
 the drafter LoRA used only by the diffusion view.
 
-The checkpoint (``NemotronLabsDiffusionModel``) is a Ministral3 decoder under
-``encoder.*`` with its LM head as ``diffusion_head.weight``; :meth:`load_weights` renames
-those prefixes to SGLang's (``model.*``, ``lm_head``). The drafter LoRA (PEFT,
-``linear_spec_lora/``, ``target_modules=["o_proj"]``) becomes two SGLang layers per
-attention, ``o_proj_lora_a`` (``RowParallelLinear``: the same head-sharded input as
-``o_proj``, and like it built with ``reduce_results=False``, which SGLang requires inside
-a layer with stage boundaries) and ``o_proj_lora_b`` (``ReplicatedLinear``), which the AR
-view (plain requests, every verify pass) never calls. Under tensor parallelism the draft
-output ``o_proj(x) + scaling * lora_b(lora_a(x))`` is summed over the ranks once: each
-rank's share of ``o_proj`` plus ``lora_b`` of its share of ``lora_a`` (``lora_b`` is
-linear, so the shares add up to the whole). The adapter's tensors load through those
-layers' own weight loaders, so each rank keeps the input columns of ``lora_A`` that match
-its heads, as ``o_proj`` does. The diffusion view
-(:class:`~diffspec.model_executors.sglang.views.DiffusionViewMixin`) runs the same
-projections, rotary and llama-4 query scaling with ``o_proj(x) + scaling *
-lora_b(lora_a(x))``, bidirectional over the prefix's AR K/V and the block. Draft logits
-are unshifted (block position ``j`` predicts its own token) unless ``dlm_type ==
-"dream"``.
-
-In SGLang's dLLM mode (``--dllm-algorithm FastDLLM``; :func:`~diffspec.model_executors.
-sglang.dllm.dllm_mode`) the same class is NLD's diffusion mode: block attention
-(:func:`~diffspec.model_executors.sglang.dllm.block_attention`) and no LoRA.
+Design notes: docs/design/sglang.md (section ``diffspec/model_executors/sglang/nld.py``).
 """
 
 from __future__ import annotations

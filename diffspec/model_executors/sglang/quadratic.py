@@ -1,29 +1,7 @@
 """The quadratic (TiDAR / NLD) view in SGLang: one forward whose tokens attend under a
 structured mask, over SGLang's own layers and KV pool.
 
-The decoding step is :mod:`diffspec.spec_workers.sglang.tidar`; this module holds what it
-asks of the model side, as pure functions of sizes plus one attention class:
-
-* :func:`verify_step_layout` / :func:`prefill_branch_layout`: the token layout, position
-  ids and boolean mask of a decode step (:func:`diffspec.core.masks.quadratic_mask`: verify
-  chain ``[anchor, d_1 .. d_n]`` then one branch of ``K'`` masks per acceptance outcome) and
-  of the fused bootstrap prefill (the prompt, causal, then branch 0 of ``K'`` masks that see
-  the whole prompt and each other);
-* :func:`draft_rows`: which rows of a step hold the next drafts of each outcome;
-* :class:`MaskedAttention`: the attention that runs those masks on SGLang's CPU path. The
-  torch-native backend (``--attention-backend torch_native``) has no custom-mask path, so
-  for a quadratic forward the worker publishes this class as the forward's attention
-  backend (SGLang's own ``ForwardContext`` mechanism): it writes each token's K/V into
-  the slots ``out_cache_loc`` names, exactly as the torch-native backend does, then
-  attends per request over the K/V already in the pool (``req_to_token`` up to the
-  request's prefix) and this forward's own K/V, under the request's mask. Every other
-  attribute is the wrapped backend's.
-
-Mask convention (:mod:`diffspec.core.masks`): ``True`` = the query row may attend to the key
-column; keys are ``[prefix K/V in the pool, this forward's tokens of the request]``.
-
-This module imports neither SGLang nor the model at import time (its helpers are unit
-tested without an engine).
+Design notes: docs/design/sglang.md (section ``diffspec/model_executors/sglang/quadratic.py``).
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
 """The diffusion view shared by diffspec's SGLang model classes (Orthrus, NLD).
 
-A self-speculative model in SGLang *is* SGLang's own causal model (the AR view: its
-layers, its radix attention, its KV pool); plain requests and every verify pass run it
-unchanged. The diffusion view runs the same embeddings, layer norms, MLPs, final norm and
-LM head, and swaps only each layer's attention for the method's draft attention (Orthrus:
-the ``*_diff`` projections and q/k norms; NLD: the same projections plus the draft LoRA).
-
-Draft attention runs through SGLang's own attention backend, as every other attention
-of the engine does: each layer gets a twin of its ``RadixAttention`` (same layer id, so the
-same KV buffers; ``AttentionType.ENCODER_ONLY``, so non-causal) that the diffusion view calls
-with the draft's q / k / v under a forward batch laid out like the step's verify (the block
-at positions ``C .. C + W - 1`` on the committed prefix, ``req_to_token`` mapping the
-positions to slots). The backend writes the block's draft K/V into the slots the verify
-writes next (the verify overwrites them with AR K/V before anything is committed, so no
-draft state reaches the radix cache) and attends from the block to the committed prefix's
-AR K/V and to the whole block, non-causally, reading the pool through its own kernels:
-no per-request copy of the prefix, no host loop over requests.
-
-Under tensor parallelism each rank runs the view on its own heads and shards, as SGLang's
-forward does. SGLang's decoder layers build ``o_proj`` and ``mlp.down_proj`` with
-``reduce_results=False`` and sum the shards at the layer's stage boundaries, which the
-view does not run, so the view all-reduces those outputs itself (:func:`full_output`);
-the draft logits are the LM head's vocabulary shards, all-gathered.
+Design notes: docs/design/sglang.md (section ``diffspec/model_executors/sglang/views.py``).
 """
 
 from __future__ import annotations

@@ -1,39 +1,8 @@
 """The diffusion LMs Fast-dLLM decodes, on vLLM's diffusion path (``--diffusion-config``,
-the diffusion scheduler, the V2 model runner): vLLM's own Llama / Qwen2 / Ministral3
-layers, each model naming its model state the way ``DiffusionGemmaForConditionalGeneration``
-does (``get_model_state_cls()``: :class:`diffspec.spec_workers.vllm.fast_dllm.
-FastDLLMModelState`, which runs the prompt causally and every block non-causally over the
-paged KV of the prompt and the earlier blocks). The vLLM side of
-:mod:`diffspec.model_executors.sglang.dllm`.
+the V2 model runner): vLLM's own Llama / Qwen2 / Ministral3 layers, each naming its model
+state (:class:`diffspec.spec_workers.vllm.fast_dllm.FastDLLMModelState`).
 
-=================================  ====================  =====================================
-architecture                       vLLM layers            checkpoint tensors
-=================================  ====================  =====================================
-``LLaDAModelLM``                   ``LlamaForCausalLM``   ``model.transformer.{wte, blocks.N.*,
-                                                          ln_f, ff_out}``, renamed
-                                                          (:func:`llada_to_vllm_name`)
-``DreamModel``                     ``Qwen2ForCausalLM``   Qwen2.5's own names (q/k/v biases)
-``Fast_dLLM_QwenForCausalLM``      ``Qwen2ForCausalLM``   Qwen2.5's own names
-``NemotronLabsDiffusionModel``     ``MistralForCausal-    ``encoder.*``, ``diffusion_head``
-                                   LM`` (Ministral3)      (:mod:`~diffspec.model_executors.
-                                                          vllm.nld`; diffusion mode only under
-                                                          ``--diffusion-config``)
-=================================  ====================  =====================================
-
-LLaDA's ``block_type: llama`` layer is a Llama layer (RMSNorm, half-split RoPE with
-``rope_theta``, SwiGLU ``ff_out(silu(ff_proj(x)) * up_proj(x))``, no biases); its config
-(:class:`diffspec.plugin.hf_configs.LLaDAConfig`) reads the OLMo key names as the Llama
-ones. Attention causality is the model state's business (per request: causal prefill,
-non-causal blocks), so the layers are vLLM's unchanged; which logits are shifted (Dream,
-Fast-dLLM v2; NLD with ``dlm_type: "dream"``) is the sampler's. NLD's class is also its
-causal model (AR and linear self-speculation): it names a model state only when vLLM was
-started with ``--diffusion-config``.
-
-Shifted families need the logit of the prompt's last token (the first generated slot's
-prediction), which vLLM's diffusion prefill does not compute (it samples nothing).
-:class:`FastDLLMModel` therefore keeps the last forward's hidden states in a buffer of the
-model (``fast_dllm_hidden``, written inside ``forward`` so a captured CUDA graph writes it
-too) and the sampler computes that one logit row from it.
+Design notes: docs/design/vllm.md (section ``diffspec/model_executors/vllm/dllm.py``).
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
 """The reference decoder: engine-free, one request at a time, clarity first.
 
-This is the oracle every engine path is checked against. It runs a transformers causal LM
-with its ``DynamicCache`` and the core rules (:mod:`diffspec.core.sampling`,
-:mod:`diffspec.core.accept`):
-
-* :func:`ar_generate`: plain autoregressive decoding, one token per forward;
-* :func:`speculative_generate`: draft -> verify -> accept -> commit, with any
-  :class:`Drafter` (here :class:`NgramDrafter`, prompt lookup; the self-speculative
-  drafters live in :mod:`diffspec.spec_workers`).
-
-Drafters get what self-drafting needs: the request's KV cache (committed tokens except the
-anchor: a drafter may run a block on top of it but must leave it at that length), its
-:class:`~diffspec.core.sampling.SamplingParams` and, when the step verifies by rejection
-sampling, its ``torch.Generator``. :func:`sample_drafts` is the one rule that turns draft
-logits into draft tokens (and draft probabilities) for every neural drafter.
-
-KV convention (see :mod:`diffspec.core`): the **anchor** is the last committed token and is
-*not* in the KV cache. The cache holds the KV of ``token_ids[:-1]``; a step feeds
-``[anchor, d_1 .. d_n]``, and the commit rolls the cache back to the new committed length
-minus one with ``DynamicCache.crop`` (moving the length, never copying).
-
-Sampling: greedy requests take the argmax. Seeded sampled requests use coupled sampling: the
-token at absolute sequence index ``i`` (prompt tokens are ``0 .. len(prompt) - 1``) is
-``coupled_sample(processed_logits, position_gumbel_noise(seed, [i]))``, so AR and
-speculative runs agree token for token. Unseeded sampled requests draw from a
-``torch.Generator`` (not reproducible; rejection sampling in speculative decoding).
-
-Counting forwards (``RequestOutput.num_forwards``): the prefill of the prompt is **not**
-counted; every model call after it counts one. An AR step is one forward; a speculative
-step is one verify forward plus ``drafter.forwards_per_propose`` (1 for a neural drafter,
-so a draft + verify cycle counts two; 0 for an n-gram lookup, which is not a forward).
+Design notes: docs/design/reference.md (section ``diffspec/spec_workers/reference/decoder.py``).
 """
 
 from __future__ import annotations

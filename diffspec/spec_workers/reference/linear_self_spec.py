@@ -1,29 +1,6 @@
 """NLD linear self-speculation: a bidirectional draft pass (LoRA on), a causal verify pass.
 
-One set of weights does both passes (:mod:`diffspec.model_executors.reference.nld`). The step is the
-reference decoder's (:func:`diffspec.spec_workers.reference.decoder.speculative_generate`); the draft is:
-
-1. the block ``[anchor, <mask> x n]`` runs at positions ``cache_len .. cache_len + n``,
-   bidirectional over the prefix KV cache and the block, with the draft LoRA enabled and
-   no KV written (:meth:`NLDModel.draft_logits`);
-2. the logits are unshifted (block position ``j`` predicts its own token: the drafts are
-   block positions ``1 .. n``), or shifted for ``dlm_type == "dream"`` checkpoints;
-3. :func:`~diffspec.spec_workers.reference.decoder.sample_drafts` turns them into draft tokens.
-
-The verify pass is the plain causal model (LoRA off) over ``[anchor, d_1 .. d_n]``.
-
-Accept rules (``accept_rule``):
-
-* ``"lossless"`` (default): greedy drafts are argmaxes; seeded sampled drafts use the
-  verifier's coupled noise (most acceptance, output exactly seeded AR); unseeded drafts are
-  ``d ~ q`` and ``q`` is returned, so rejection sampling accepts with ``min(1, p/q)``.
-* ``"sample_and_match"``: NLD's own T > 0 rule: draw ``d ~ q`` independently, accept while
-  the AR *sample* at that position equals the draft, and emit the AR sample at the first
-  mismatch. That is coupled acceptance with point-mass drafts (for a seeded request the AR
-  sample is ``argmax(logits + noise)``) and, in distribution, rejection sampling with
-  point-mass drafts (accept with probability ``p(d)``, else draw from ``p`` without ``d``).
-  So it is lossless as well; it just accepts less than ``min(1, p/q)`` does when ``q`` is
-  informative.
+Design notes: docs/design/reference.md (section ``diffspec/spec_workers/reference/linear_self_spec.py``).
 """
 
 from __future__ import annotations

@@ -1,53 +1,6 @@
 """ReFusion: slot-level plan-and-infill decoding with one causal model (reference decoder).
 
-A ReFusion checkpoint (``GSAI-ML/ReFusion``) is a stock causal Qwen3 fine-tune whose
-vocabulary has a ``<|mask|>`` token (``config.mask_token_id``). The response is cut into
-serial **blocks**, each block into **slots** of ``slot_size`` tokens, all masked at first.
-Within a block, every round does (the rules are :mod:`diffspec.core.slots`):
-
-1. **plan**: one forward over the block's still-masked slots (original order, true
-   positions) on top of the KV cache; each slot is scored by its first token's
-   probability and every slot over ``slot_threshold`` is chosen, else the top-1. The
-   plan's argmax at every position of a chosen slot is that slot's draft.
-2. **global verify**: one causal forward over the chosen drafts laid one after the other.
-   Each slot keeps its first token and the run of drafts with probability over
-   ``token_threshold``. If the leading chosen slots are complete (all accepted, or up to
-   an accepted stop token) they are committed with the KV this pass wrote, and the round
-   ends (the other chosen slots go back to masked).
-3. **parallel completion** otherwise: the chosen slots become batch rows over copies of
-   the prefix KV; each iteration drafts the open positions (masked, unshifted
-   prediction), verifies them causally, keeps the first open token of every row and the
-   run over the threshold, until every row is complete. The rows' KV is then appended
-   to the cache one slot after another.
-
-Committed slots enter the cache in commit order, each token with its **true** position
-id, so later rounds reuse their KV with causal attention over non-contiguous positions
-(the cache order is :func:`diffspec.core.slots.reorder_for_kv_reuse` of the rounds);
-the output is read back in original order and cut after the first stop token.
-
-Followed from ``ML-GSAI/ReFusion`` ``generate.py`` (``generate_refusion``): everything
-above, including the strict thresholds, the forced first token, the min-over-rows window
-of the completion loop and the KV of parallel rows computed against the prefix only.
-Where this differs, on purpose:
-
-* ``max_tokens`` is rounded up to whole slots (as there), but the block split must be
-  exact: ``generate.py`` floors ``gen_length // serial_num_blocks`` and fails on a block
-  that is not whole slots; here both raise a clear ``ValueError``. Output is cut to
-  ``max_tokens``.
-* A stop token found during completion removes the masked slots *after the stop slot*.
-  ``generate.py`` removes ``range(row, num_masked)`` there, the chosen *row* used as an
-  index into the masked slots (its global-verify branch uses the slot index): that can
-  drop masked slots lying before the stop and leave holes in its output; read as a bug.
-* Any of ``Request.stop_token_ids`` stops, not only ``tokenizer.eos_token_id``, and the
-  output is cut after the first stop token in original order (``generate.py`` returns
-  every decoded slot sorted by position and leaves the cut to its caller).
-* Greedy only (``generate.py`` can add Gumbel noise to the plan's drafts); no stop strings.
-* TPF is generated tokens / every model call after the prompt prefill (the reference
-  decoder's count); ``generate.py`` averages a per-round ratio instead.
-* Requests run one at a time (the batch dimension holds a request's parallel slots).
-* The completion window starts at the first open position of the slowest row;
-  ``generate.py`` starts one earlier, feeding the last accepted token again, which only
-  recomputes KV the cache already holds (same tokens, one position fewer per pass).
+Design notes: docs/design/reference.md (section ``diffspec/spec_workers/reference/refusion.py``).
 """
 
 from __future__ import annotations

@@ -1,65 +1,6 @@
 """TiDAR and NLD quadratic self-speculation: draft and verify in one forward per step.
 
-One backbone, one forward per step over three parts (:func:`diffspec.core.masks.quadratic_mask`):
-
-* the **prefix**: every committed token but the anchor, already in the KV cache;
-* the **verify tokens** ``[anchor, d_1 .. d_n]``: last step's drafts, causal, so their logits
-  are the AR verify logits (positions ``P .. P+n``, ``P`` = cache length);
-* one **branch** per acceptance outcome ``a = 0 .. n``: ``K`` mask tokens at positions
-  ``P+a+1 .. P+a+K`` that see the prefix, ``t_0 .. t_a`` and their own branch. Branch ``a``
-  pre-drafts the next step in case exactly ``a`` drafts are accepted.
-
-A step then reads top to bottom: **draft + verify** (:func:`quadratic_forward`), **accept**
-(greedy, coupled or rejection sampling on the verify logits, the rules of
-:mod:`diffspec.core.accept`), **commit** (:func:`commit_kv`: the accepted verify tokens come
-first in the layout, so keeping their KV and evicting every branch is moving the cache
-length), and the **next drafts** come from branch ``a``'s logits under the request's
-sampling (:func:`~diffspec.spec_workers.reference.decoder.sample_drafts`: argmax, the verifier's own
-position-keyed Gumbel noise at the positions the drafts will occupy, or ``d ~ q`` with ``q``
-kept for rejection sampling). The recovered / bonus token lands on the branch's first
-position; its token comes from the verify logit of ``t_a``, never from the branch.
-
-Draft logits. ``logits_shift=False`` (NLD, LLaDA style): a mask predicts its own token, so
-the branch's first mask (on the bonus position) is unused and the other ``K - 1`` are the
-drafts; NLD's ``self_spec_generate`` does the same (it overwrites that logit with ``t_a``'s
-causal one). ``logits_shift=True`` (the TiDAR model of
-:mod:`diffspec.testing.synthetic_tidar`): the mask at position ``p`` predicts ``p + 1``, so
-all ``K`` masks draft. Drafts per step: ``K - 1 + shift`` (:attr:`QuadraticModel.max_draft_tokens`).
-
-Bootstrap. The prompt but its last token is prefilled (not counted, as in
-:mod:`diffspec.spec_workers.reference.decoder`); the first step is a step with no drafts: the anchor (the
-last prompt token) and its single branch. Its verify logit gives the first token, as the
-first AR forward would, and its branch pre-drafts the second step. An engine fuses the two
-(a prefill chunk ending with ``K`` masks under the same rule); the counts are the same.
-
-Counting. Every step is one forward (``RequestOutput.num_forwards``), the bootstrap included,
-so TPF = generated tokens / steps and plain AR is 1.0.
-
-Limits. A branch holds ``K = num_draft_tokens + 1 - shift`` masks (the trained block size
-by default). ``max_tokens``: a step verifies at most ``remaining - 1`` drafts, so it never
-emits past the limit. Context: the branches shrink so that no position reaches
-``max_position_embeddings`` (``K' = min(K, max_len - 1 - (P + n))``, always >= 1 because
-:meth:`~diffspec.spec_workers.reference.decoder.Request.check_fits` holds). EOS inside the accepted block
-cuts the output there (:func:`diffspec.core.accept.truncate_at_stop`). A batch runs one
-request at a time (lockstep per request), as the reference decoder does.
-
-Checkpoints (:func:`~diffspec.model_executors.reference.tidar.load_quadratic`):
-
-* **TiDAR** on a stock transformers causal LM (Qwen3, Qwen2.5 ...) trained with the TiDAR
-  recipe: ``config.json`` holds ``block_size`` (K) and ``mask_token_id``; ``dlm_type:
-  "dream"`` marks shifted draft logits (the key NLD uses for the same choice).
-* **NLD** (``nemotron_labs_diffusion``) through :func:`~diffspec.model_executors.reference.nld.load_nld`
-  without its LoRA: NLD's quadratic mode (``sbd_inference_diffusion_quadratic``) runs the
-  plain backbone. Our layout is a permutation of NLD's interleaved ``[t_i, <mask> x B]``
-  sub-blocks with the same mask and position ids; ``K = B`` masks, ``B - 1`` drafts.
-
-Lossless: output equals :func:`~diffspec.spec_workers.reference.decoder.ar_generate` token for token in fp32
-for greedy and seeded requests; rejection sampling equals it in distribution.
-
-Usage::
-
-    model = load_quadratic("/path/to/checkpoint")
-    outputs = tidar_generate(model, requests)
+Design notes: docs/design/reference.md (section ``diffspec/spec_workers/reference/tidar.py``).
 """
 
 from __future__ import annotations

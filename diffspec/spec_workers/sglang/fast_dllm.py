@@ -1,55 +1,6 @@
 """Fast-dLLM in SGLang's dLLM mode: ``--dllm-algorithm FastDLLM`` (a ``DllmAlgorithm``).
 
-SGLang's dLLM scheduler hands the algorithm one block of ``block_size`` slots per request
-(prompt tail or mask tokens), aligned at position 0, over the KV of the request's earlier
-blocks; every forward recomputes the block and rewrites its KV. That is Fast-dLLM's
-*prefix cache* on the block-causal layout (Fast-dLLM v2's; for LLaDA / Dream the
-reference's ``FastDLLMConfig(attention="block_causal")``, see
-:mod:`diffspec.spec_workers.reference.fast_dllm`). Under ``cache: dual`` a forward may run
-only a row's current sub-block over the block's cached KV (:meth:`FastDLLM.dual_forward`,
-the reference's ``cache="dual"`` on that layout). One :meth:`FastDLLM.step` per forward:
-
-1. the sub-block: per request, the first ``sub_block_size`` slots that still hold work
-   (masked, generated, before the request's ``max_new_tokens`` limit);
-2. unmask: :func:`diffspec.core.unmask.unmask_block` (the rows' sub-blocks at once:
-   :func:`~diffspec.core.unmask.confidence_unmask` on their logits, shifted families
-   reading slot ``j`` at ``j - 1``, the mask token never predicted);
-3. commit in place into ``forward_batch.input_ids`` (SGLang's block buffer);
-4. finish: a request is done when a stop token is committed with nothing masked before it,
-   or when its last slot before the limit is committed (slots past the limit stay
-   masks, as in the reference; SGLang trims them with ``max_new_tokens``); a request that
-   goes on is done after one more forward over its complete block (the *completing*
-   forward, which writes the block's final KV; a shifted family's next block-first token
-   is the argmax of its last logit, written into the next block before its first forward).
-
-A shifted family's seed is kept by the token prefix it follows, not by request: when a
-later prompt ends on a block boundary inside KV the radix cache already holds, SGLang
-runs no forward over its last prompt block, and the seed recorded for that prefix (by
-the request that computed it, in this process) is the one the reference would compute.
-If none is kept (evicted after ``_MAX_SEEDS`` others), the slot is decoded like any
-other, from the block's own first logit (``shift_logits``' fallback): output then differs
-from the reference's.
-
-A finishing request whose block has no mask left also gets that completing forward:
-otherwise SGLang's radix cache would keep the block's KV from before its last tokens
-were committed. The reference skips it (nothing reads that KV), so such a request runs
-one forward more than the reference. So does a shifted family's request whose last token
-is the seed of a new block: SGLang runs every block's first forward before the
-algorithm's first step, where the reference finishes at the seed.
-
-Decoding is greedy, as the reference's: of a request's sampling parameters only
-``max_new_tokens``, stop tokens / strings and ``ignore_eos`` apply. A request that asks for
-more (temperature > 0, which is SGLang's default when none is given, penalties, grammars)
-is refused alone at admission (:meth:`FastDLLM.validate_request`,
-:func:`diffspec.spec_workers.sglang.requests.fast_dllm_request_error`) rather than silently decoded greedily,
-as SGLang's own ``LowConfidence`` does.
-
-Per-request limits and stop tokens are read from the scheduler's requests through the
-batch's sampling info (``penalizer_orchestrator.batch.reqs``, the same objects the
-scheduler checks finishing on). The chat template's turn-end token (LLaDA's
-``<|eot_id|>``, Dream's ``<|im_end|>``; :func:`~diffspec.spec_workers.reference.fast_dllm.
-turn_end_token_ids`) is added to each request's ``eos_token_ids`` at its first block, so
-SGLang's own finish check stops an instruct answer where the model cards' code does.
+Design notes: docs/design/sglang.md (section ``diffspec/spec_workers/sglang/fast_dllm.py``).
 """
 
 from __future__ import annotations

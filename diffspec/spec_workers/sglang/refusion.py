@@ -1,44 +1,6 @@
 """ReFusion in SGLang's dLLM mode: ``--dllm-algorithm ReFusion`` (a ``DllmAlgorithm``).
 
-The same rounds as the reference decoder (:mod:`diffspec.spec_workers.reference.refusion`,
-rules in :mod:`diffspec.core.slots`), on SGLang's scheduler, KV pool and attention backend:
-
-* SGLang's *separate context encoding* dLLM mode: the prompt is prefilled causally
-  (``EXTEND``, SGLang's own forward), then the request gets one block of ``block_size``
-  KV slots right after its prompt (``DLLM_EXTEND``), which :meth:`ReFusion.run` fills
-  with ReFusion rounds: plan, global verify, parallel completion, every forward an
-  SGLang ``DLLM_EXTEND`` forward on the stock Qwen3 (causal attention); the stock
-  model's logits processor is switched to full logits (it only matters in that mode).
-* Batching: each request of the dLLM batch is decoded by its own generator
-  (:meth:`ReFusion._decode`, the reference's loop read top to bottom) that yields the rows
-  of its next forward and receives their logits. :meth:`ReFusion._drive` runs one engine
-  forward per step holding the rows of every request that has one (a plan of one request
-  next to the completion of another: every row is a causal extend over its own
-  ``req_to_token`` row, with its own prefix and query length), so a request's forwards
-  and the tokens they process are the reference's; only their grouping into engine
-  forwards changes. A finished request drops out of later forwards.
-* KV layout: the block's slots hold the committed tokens **in commit order** (the
-  reference's cache order), each written with its **true** position (``positions`` of
-  the forward); later forwards read them through ``req_to_token`` as their prefix, so a
-  committed slot's KV is written once and reused, never recomputed. Scratch passes
-  (plan, rejected drafts) write behind the committed ones and are overwritten: rolling
-  back is moving the committed length.
-* Parallel completion: each chosen slot is one batch row over the same prefix. Row 0
-  is the request's own ``req_to_token`` row; the others get scratch rows of SGLang's
-  ``ReqToTokenPool`` whose prefix entries are the request's (indices copied, not KV),
-  followed by their slot's KV slots, laid one after another behind the committed ones:
-  the rows' KV is already in commit order when the round ends. The config keeps
-  ``block_size / slot_size - 1`` pool rows free for them; when the completions due in one
-  step need more, a request whose rows are not free sits the step out (its forwards
-  run one step later, unchanged) until another request's completion gives rows back.
-* Serial blocks (``num_blocks``, the model card's 4 on GSM8K) are decoded one after
-  another inside that one SGLang block, each over the committed KV of those before it, as
-  the reference decoder does. A request's whole generation must fit the SGLang block
-  (``max_new_tokens`` rounded up to whole slots at most ``block_size``, refused
-  otherwise): SGLang discards a dLLM block's KV after it (its separate-context mode
-  re-encodes committed blocks), so a second SGLang block would recompute it.
-
-Decoding is greedy (a request with temperature > 0 is refused).
+Design notes: docs/design/sglang.md (section ``diffspec/spec_workers/sglang/refusion.py``).
 """
 
 from __future__ import annotations

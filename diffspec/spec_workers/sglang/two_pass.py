@@ -2,69 +2,7 @@
 served model drafts with its own diffusion view and verifies with its AR view, on SGLang's
 scheduler and KV pool.
 
-SGLang builds it as ``Worker(server_args=, gpu_id=, nccl_port=, target_worker=)`` for
-``--speculative-algorithm ORTHRUS`` / ``LINEAR_SELF_SPEC`` (registered by
-:mod:`diffspec.plugin.sglang`) and calls :meth:`TwoPassWorker.forward_batch_generation`
-once per scheduler step, synchronously (overlap scheduling is off for these algorithms).
-
-KV convention (SGLang's): a request's ``seq_len`` ``C`` counts the tokens whose K/V are in
-the pool; its last emitted token, the **anchor**, is at position ``C`` and has no K/V yet.
-
-* **prefill** (EXTEND): SGLang's own forward and sampler; the sampled token becomes the
-  anchor carried to the next step in :class:`SpecDraftInput`.
-* **decode** (one step, ``W = --speculative-num-draft-tokens``, at most the checkpoint's
-  ``block_size``): request ``b`` drafts ``n_b = min(W - 1, remaining_b - 1, last position
-  - C_b)`` tokens, the reference decoder's rule (never past its ``max_new_tokens``, which
-  SGLang caps at the context end, or the model's positions); the step's width is
-  ``1 + max n_b`` (SGLang's verify has one width per step) and a narrower block is padded:
-
-  1. *draft*: one diffusion-view forward over each block ``[anchor, <mask> x n_b]`` at
-     positions ``C .. C + n_b``, through SGLang's attention backend with each layer's
-     non-causal twin (:mod:`diffspec.model_executors.sglang.views`): a forward batch laid
-     out as the verify's, so the block attends to the committed prefix's AR K/V in the
-     pool and to itself (not to its padding), and its draft K/V land in the slots the
-     verify overwrites next; the drafts are the argmax of the ``n_b`` logits that predict
-     positions ``C + 1 .. C + n_b``. On SGLang's torch-native backend (the CPU path), whose
-     extend kernel attends with a query as long as the whole sequence, both passes run as
-     DECODE rows instead, one per block token (:meth:`TwoPassWorker._decode_rows_batch`):
-     the same attention, linear in the context;
-  2. *verify*: one causal AR forward of ``[anchor, d_1 .. d_{W-1}]`` by SGLang's model
-     runner (TARGET_VERIFY), writing its K/V into the slots ``req_to_token`` maps
-     ``C .. C + W - 1`` to: the draft slots the scheduler reserved for this step
-     (``alloc_for_spec_decode``);
-  3. *accept*: :func:`diffspec.core.accept.greedy_accept` (the reference decoder's rule):
-     the longest prefix of the ``n_b`` drafts equal to the AR argmax, plus the AR token
-     after it;
-  4. *commit*: SGLang's: ``new_seq_len = C + accepted + 1`` (the anchor and the accepted
-     drafts now hold AR K/V; the rest of the slots hold rejected K/V past the committed
-     length, which SGLang frees and never inserts into the radix cache), the scheduler
-     appends the emitted tokens and cuts them at EOS / ``max_new_tokens``, and counts
-     ``spec_verify_ct`` / ``spec_num_correct_drafts`` (``avg_spec_accept_length``).
-
-**Adaptive draft counts** (``--json-model-override-args '{"diffspec": {"adaptive": true,
-"latency_profile": PATH}}'``, SGLang's channel for model-level settings): each step the
-policy of :mod:`diffspec.core.adaptive` picks one draft count ``k`` for the whole batch
-(SGLang's verify has one width per step) from the latency profile, the batch size and the
-acceptance it has observed; the step then runs at width ``k + 1`` (``k = 0``: no draft
-forward, SGLang's own decode forward, i.e. a plain AR step). The choices are logged every
-100 steps and counted in Prometheus counters (:class:`ChoiceMetrics`). Greedy output is
-AR's whatever it picks.
-
-Drafts are argmaxes of the diffusion view (point masses). Per request, the verify rows
-first get the request's repetition / presence / frequency penalties, ``min_new_tokens``
-and logit bias with the history AR would have at each row (its output plus the drafts
-before the row: :mod:`diffspec.core.penalties`). Greedy requests are then accepted by
-exact match, so their output is SGLang's AR output token for token; sampled requests
-(temperature / top-k / top-p / min-p) by speculative rejection sampling, so their output
-follows the AR distribution (not SGLang's sampler's random stream); with
-``--enable-deterministic-inference`` (SGLang's only mode that honours per-request
-``sampling_seed``) each row's token is drawn by SGLang's own seeded sampler at the row's
-position, so seeded output is SGLang's AR output token for token (GPU attention backends
-only: SGLang refuses deterministic inference on torch-native; not run here). Refused per
-request (aborted with a message, the rest of the batch runs on): ``return_logprob``,
-grammars (``json_schema`` / ``regex`` / ``ebnf`` / ``structural_tag``) and custom logit
-processors.
-Stop strings, stop tokens and ``max_new_tokens`` are the scheduler's own checks.
+Design notes: docs/design/sglang.md (section ``diffspec/spec_workers/sglang/two_pass.py``).
 """
 
 from __future__ import annotations

@@ -1,67 +1,7 @@
 """vLLM drafter for TiDAR and NLD quadratic self-speculation: draft and verify in **one
 forward per step**, on the target model's own layers, paged KV cache and attention backend.
 
-A step's forward is vLLM's verify forward of ``[t_0 = anchor, d_1 .. d_n]`` (positions
-``P .. P + n``, causal, the runner's own attention metadata) extended by one **branch** per
-acceptance outcome ``a = 0 .. n``: ``K`` mask tokens at positions ``P + a + 1 .. P + a + K``
-that see the prefix, ``t_0 .. t_a`` and their own branch (the layout of
-:mod:`diffspec.spec_workers.reference.tidar`). The runner calls
-:meth:`TiDARProposer.forward_with_runner` in place of the model's forward (patch
-``runner_forward``); it runs the model's decoder layers eagerly over the verify tokens and
-the branch tokens together (same embeddings, norms, projections, rotary, MLPs), and only the
-attention call of each layer is split (:class:`_QuadraticAttention`):
-
-1. the verify tokens go through the layer's own ``Attention`` under the runner's metadata:
-   their K/V land in the slots of ``P .. P + n``, as in any speculative verify;
-2. branch ``a`` (for every request at once, ``a = n .. 0``) goes through the same
-   ``Attention`` under **non-causal** metadata built by the target's backend: a query block
-   at positions ``P + a + 1 ..`` over the request's paged K/V of ``0 .. P + a`` and itself.
-   Its K/V are written to the slots of its own positions, which hold the verify K/V of
-   ``d_{a+1} ..`` (already used by step 1) or nothing yet (the lookahead slots the
-   scheduler reserves, patch ``lookahead_slots``). Going from the last branch to the first,
-   no branch overwrites K/V a later one reads;
-3. the verify K/V of ``d_1 .. d_n`` are written back to their slots, so after the forward
-   the cache holds exactly what a plain verify leaves (committed K/V untouched, never a
-   branch's K/V below the committed length, nothing prefix-cached past it).
-
-The runner then verifies with vLLM's ``RejectionSampler`` (point-mass drafts: lossless at
-any temperature) and commits by ``num_computed_tokens``; :meth:`propose_with_runner` takes
-the next drafts from branch ``a`` = the number of drafts accepted: the argmax of its logits
-(``logits_shift``: a mask at ``p`` predicts ``p + 1``; otherwise its own token, so the first
-mask, on the bonus token's position, is not a draft). A prefill's last chunk gets branch 0
-after the prompt, as the reference's bootstrap step does, so the engine drafts the blocks the
-reference drafts and counts the same forwards.
-
-Rules shared with the reference: ``K = min(num_speculative_tokens + (1 - shift),
-max_model_len - 1 - (P + n))`` masks per branch (and never past the slots the request holds);
-the drafts of the next step are ``min(num_speculative_tokens, max_tokens left - 1, K - (1 -
-shift))``. Cost: ``n + 1`` extra attention calls per layer (one per branch index, batched over
-requests), each over the request's context, which is TiDAR's quadratic draft work.
-
-**Adaptive draft counts** (``"adaptive": true, "latency_profile": PATH`` in the
-speculative config, as for self-speculation): each step the policy of
-:mod:`diffspec.core.adaptive` (``StepCost("quadratic", skip)``) picks one draft count ``k``
-for the step (each request that samples a token pre-drafts ``min(k, its cap)``): ``k``
-drafts are ``n + 1`` branches of ``k + (1 - shift)`` masks, and ``k = 0`` is no branch at
-all, so the next step is a plain AR step, the runner's own forward. One count per step
-because a step where any request has branches runs the whole batch through the quadratic
-forward. The estimate learns from each verify: the ``n`` drafts scheduled
-and the tokens the rejection sampler emitted. vLLM's own ``vllm:spec_decode_num_drafts`` /
-``..._num_draft_tokens`` count the choices (a request with no drafts is no verify step);
-the policy's state is logged every 100 steps. ``$DIFFSPEC_DRAFT_TIMINGS`` times each
-quadratic step twice: the forward, vLLM's sampler and the next drafts (kind ``verify``, by
-its query tokens: ``verify_points``), and the whole engine step, from this step's forward
-to the next one's, for steps in which every request verifies and pre-drafts the same
-``k`` (kind ``step``, by requests and ``k``: the ``step_grid`` the policy prices TiDAR steps
-from; ``benchmarks/adaptive_sweep.py --method tidar``).
-
-Why this split and not another of vLLM's attention paths: ``TREE_ATTN`` verifies a draft
-*tree* with its own Triton kernel (GPU only, a fixed tree per server) and cannot give a
-branch the bidirectional block TiDAR trains; ``FLEX_ATTENTION`` could take the structured
-mask as a ``mask_mod`` but is one backend among many and compiles a block mask per batch
-shape. The split needs only what every backend diffspec already relies on for Orthrus
-(non-causal query blocks over the paged cache: ``CPU_ATTN``, ``FLASH_ATTN``), so the CPU
-path tested here is the GPU path.
+Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/tidar.py``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """vLLM drafter for the two-pass self-speculative step (Orthrus, NLD linear): one
 diffusion-view forward per step, on the target model's own layers and paged KV cache.
 
-A vLLM step verifies ``[anchor, d_1 .. d_n]`` with the AR view, vLLM's
-``RejectionSampler`` accepts a prefix and emits the recovered / bonus token, and then (same
-step, after bookkeeping) :meth:`TwoPassProposer.propose_with_runner` drafts the next block
-for every request that produced a token:
-
-1. **plan**: the new anchor is the request's last committed token, at position ``p`` (not
-   yet in the KV cache); the block ``[anchor, <mask> x n]`` takes positions ``p .. p + n``,
-   with ``n = min(num_speculative_tokens, max_tokens left - 1, max_model_len - p - 1)``
-   (the reference decoder's rule, so both draft the same blocks), and never past the KV
-   slots the request holds;
-2. **draft**: one eager forward of the model's diffusion view
-   (``model.diffusion_hidden_states``) over all blocks, with **non-causal** attention
-   metadata built by the target's own attention backend: each block attends to the AR K/V
-   of its prefix (the target's paged cache, through the request's block table) and to
-   itself. The block's K/V are written to the slots of positions ``p .. p + n``, exactly
-   the slots the next verify pass writes its AR K/V into before attending, so no private
-   cache and no copy exist; the scheduler reserves those slots one step early (patch
-   ``lookahead_slots``) and never prefix-caches a block past the committed tokens;
-3. **drafts**: the argmax of the logits that predict ``p + 1 .. p + n`` (shifted for
-   Orthrus, unshifted for NLD: ``model.draft_logits_shift``). They are point-mass drafts,
-   so vLLM's rejection sampler verifies them losslessly at any temperature.
-
-Verify, accept and commit are vLLM's own (scheduler, ``RejectionSampler``, KV rollback by
-``num_computed_tokens``), and so are its spec-decode metrics.
+Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/two_pass.py``).
 """
 
 from __future__ import annotations
