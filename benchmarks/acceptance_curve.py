@@ -5,7 +5,7 @@
 
 ``RUN_DIR`` is an ``orthrus --answers-only --snapshot-every N`` output: the heads in
 ``RUN_DIR/snapshots/step-*`` and the final heads in ``RUN_DIR``; ``HELDOUT_DIR`` holds the
-model's greedy answers to held-out prompts (``python -m diffspec.train.sharegpt generate
+model's greedy answers to held-out prompts (``python -m training.sharegpt generate
 --split held-out``), rows no trainer read. For each heads folder (and the untrained heads,
 ``B = 0``), :func:`diffspec.train.orthrus.measure_answer_acceptance` gives the acceptance
 length of a full block and the acceptance per draft position, teacher-forced on those

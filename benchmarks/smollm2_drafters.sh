@@ -26,14 +26,14 @@ stage() {
       $PY -m diffspec.default_model --base-only
       # the run behind the published figures used the first 15 shards (3,840 prompts);
       # --max-prompts 3840 reproduces exactly those
-      $PY -m diffspec.train.sharegpt generate --out "$DATA" --max-new-tokens 256 \
+      $PY -m training.sharegpt generate --out "$DATA" --max-new-tokens 256 \
           --shard-size 256 --batch-size 64 --max-prompts "${MAX_PROMPTS:-3840}" ;;
     heldout)  # held-out prompts (benchmark) and the model's answers to 48 of them (curve)
-      $PY -m diffspec.train.sharegpt held-out --out "$RUNS/heldout.jsonl"
-      $PY -m diffspec.train.sharegpt generate --split held-out --max-prompts 48 \
+      $PY -m training.sharegpt held-out --out "$RUNS/heldout.jsonl"
+      $PY -m training.sharegpt generate --split held-out --max-prompts 48 \
           --out "$RUNS/heldout-smollm2-256" --max-new-tokens 256 --shard-size 48 --batch-size 48 ;;
     train-eagle3)  # the baseline: vLLM's eagle3 layout, 16k draft vocabulary
-      OMP_NUM_THREADS=1 $PY -m diffspec.train eagle3 --base "$BASE" --data "$DATA" \
+      OMP_NUM_THREADS=1 $PY -m training.eagle3 --base "$BASE" --data "$DATA" \
           --out "$RUNS/eagle3-smollm2" --seq-len 512 --batch-size 4 --lr 1e-3 \
           --warmup-steps 20 --steps 600 --draft-vocab 16384 --autocast-bf16 \
           --max-cpu-minutes "$CPU_MINUTES" --save-every 25 --log-every 5 ${RESUME:+--resume} ;;

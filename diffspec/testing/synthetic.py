@@ -510,6 +510,45 @@ Full record: `training.json`.
 """
 
 
+# ------------------------------------------------------------ measurement (reference decoder)
+
+
+def synthetic_eval_prompts(
+    tokenizer,
+    *,
+    num: int = 16,
+    seed: int = 1234,
+    doc_seed: int = 4321,
+    prefix_tokens: int = 24,
+    text: Callable[[str], str] = lambda s: s,
+) -> dict[str, list[list[int]]]:
+    """Two prompt sets of the synthetic language: ``sample_prompts(num, seed)`` and the first
+    ``prefix_tokens`` tokens of held-out documents (``sample_documents(.., doc_seed)``, a
+    stream the trainers never draw from). ``text`` maps the text into a tokenizer's terms."""
+    def ids(s: str) -> list[int]:
+        return list(tokenizer(text(s), add_special_tokens=False)["input_ids"])
+
+    docs = [d for d in map(ids, sample_documents(8 * num, doc_seed)) if len(d) > prefix_tokens + 16]
+    return {
+        f"sample_prompts({num}, seed={seed})": [ids(p) for p in sample_prompts(num, seed)],
+        f"heldout_documents(seed={doc_seed})[:{prefix_tokens}]":
+            [d[:prefix_tokens] for d in docs[:num]],
+    }
+
+
+def measure_on_synthetic(
+    lm, drafter, num_draft_tokens: int, tokenizer=None, **prompt_kwargs: Any
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure_speculation` on both :func:`synthetic_eval_prompts` sets (default
+    tokenizer: the synthetic language's)."""
+    from diffspec.train import measure_speculation
+
+    if tokenizer is None:
+        tokenizer = build_tokenizer()
+    return {name: measure_speculation(lm, drafter, prompts, num_draft_tokens)
+            for name, prompts in synthetic_eval_prompts(tokenizer, **prompt_kwargs).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     module = "diffspec.testing.synthetic"
     parser, sub, _ = trainer_cli(module, "train the synthetic Qwen3 and save it", TrainConfig,

@@ -145,7 +145,8 @@ def measure(model_dir: str | Path, *, num: int = 16, seed: int = 1234,
 
     from diffspec.model_executors.reference.nld import load_nld
     from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
-    from diffspec.train import measure_speculation, synthetic_eval_prompts
+    from diffspec.testing.synthetic import synthetic_eval_prompts
+    from diffspec.train import measure_speculation
     from diffspec.train.data import load_tokenizer
 
     threads = torch.get_num_threads()

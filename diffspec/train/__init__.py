@@ -11,9 +11,12 @@ frozen, the teacher is the model itself):
 Shared pieces: :mod:`diffspec.train.data` (rows, anchors), :mod:`diffspec.train.losses`
 (pure loss functions) and, here, :class:`TrainConfig` and :func:`fit`, the optimization
 loop (AdamW, warmup + cosine schedule, gradient clipping, seeded), which runs as a plain
-single process or under ``accelerate launch`` (DDP / FSDP) unchanged. The synthetic
-checkpoints' trainers (:mod:`diffspec.testing.synthetic` and its siblings) run through
-:func:`fit` too, with their own loss callables and LR schedules. CLI:
+single process or under ``accelerate launch`` (DDP / FSDP) unchanged. Every trainer runs
+through :func:`fit`: the Orthrus answer-row trainer and the EAGLE-3 baseline
+(``training.eagle3``) with their own step functions (gradients accumulated over rows) and
+checkpoint hooks, the synthetic checkpoints' trainers (:mod:`diffspec.testing.synthetic`
+and its siblings) with their own loss callables and LR schedules. This package imports
+nothing from :mod:`diffspec.testing` (the synthetic language's measurements live there). CLI:
 ``python -m diffspec.train {orthrus,nld-lora} --help``; see ``diffspec/train/README.md``.
 
 Importing this package does not import torch.
@@ -33,13 +36,13 @@ __all__ = [
     "FitResult",
     "LRSchedule",
     "LossFn",
+    "OnStep",
+    "StepFn",
     "TrainConfig",
     "TrainResult",
     "cosine_lr_scale",
     "fit",
-    "measure_on_synthetic",
     "measure_speculation",
-    "synthetic_eval_prompts",
 ]
 
 
@@ -124,6 +127,10 @@ class TrainResult:
 
 LossFn = Callable[[Any, Any], Any]  # (module, batch) -> {"loss": tensor, ...} or a loss tensor
 LRSchedule = Callable[[int], float]  # step -> learning rate (absolute, not a multiplier)
+# (module, batch, backward) -> the step's metrics as floats ("loss" among them); the step
+# calls backward(loss) once per micro-batch (gradients add up), fit clips and steps after it
+StepFn = Callable[[Any, Any, Callable[[Any], None]], dict[str, float]]
+OnStep = Callable[[int, dict[str, float]], bool]  # (step, record) -> stop now?
 
 
 def fit(
@@ -132,35 +139,68 @@ def fit(
     cfg: TrainConfig,
     *,
     loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
     lr_schedule: LRSchedule | None = None,
     use_accelerate: bool | None = None,
     log: Callable[[str], None] | None = None,
+    optimizer=None,
+    start_step: int = 0,
+    reseed: bool = True,
+    on_step: OnStep | None = None,
+    format_step: Callable[[int, dict[str, float]], str] | None = None,
 ) -> FitResult:
-    """Train the parameters of ``module`` that require grad for ``cfg.steps`` steps.
+    """Train the parameters of ``module`` that require grad, steps ``start_step ..
+    cfg.steps - 1``.
 
-    AdamW over the trainable parameters only, gradient clipping at ``cfg.max_grad_norm``.
-    Each step's loss terms come from ``module(batch)``, or from ``loss_fn(module, batch)``
-    when given (a dict of scalar tensors with ``"loss"``, or the loss tensor alone); the
-    step's learning rate is ``lr_schedule(step)`` when given, else
-    ``cfg.lr * cosine_lr_scale(step, cfg)``. With ``accelerate`` installed (default when
-    it is importable) the module, optimizer and data loader go through
+    AdamW over the trainable parameters only (or ``optimizer``, e.g. one restored from a
+    checkpoint), gradient clipping at ``cfg.max_grad_norm``. Each step's loss terms come
+    from ``module(batch)``, or from ``loss_fn(module, batch)`` when given (a dict of scalar
+    tensors with ``"loss"``, or the loss tensor alone); a trainer that accumulates
+    gradients over micro-batches passes ``step_fn`` instead (see :data:`StepFn`). The
+    step's learning rate is ``lr_schedule(step)`` when given, else ``cfg.lr *
+    cosine_lr_scale(step, cfg)``. After each optimizer step ``on_step(step, record)``
+    runs (checkpoints, budgets; ``True`` stops the run after this step), then the log line
+    (``format_step``) every ``cfg.log_every`` steps. With ``accelerate`` installed
+    (default when it is importable) the module, optimizer and data loader go through
     ``Accelerator.prepare``, so the same call runs as one plain process or under
-    ``accelerate launch`` (DDP, FSDP); the seed makes a single-process run deterministic.
+    ``accelerate launch`` (DDP, FSDP); the seed (``reseed``: set here; a trainer that
+    seeded before building its model, or restored the RNG, passes ``False``) makes a
+    single-process run deterministic.
     """
     import torch
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    loss_fn = loss_fn or (lambda m, batch: m(batch))
+    if step_fn is not None and loss_fn is not None:
+        raise ValueError("pass loss_fn or step_fn, not both")
+    step_fn = step_fn or _loss_step(loss_fn or (lambda m, batch: m(batch)))
     lr_schedule = lr_schedule or (lambda step: cfg.lr * cosine_lr_scale(step, cfg))
+    format_step = format_step or _format_step
     previous_threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    torch.manual_seed(cfg.seed)
+    if reseed:
+        torch.manual_seed(cfg.seed)
     try:
-        return _fit(module, batches, cfg, _make_accelerator(use_accelerate), log, loss_fn,
-                    lr_schedule)
+        return _fit(module, batches, cfg, _make_accelerator(use_accelerate), log, step_fn,
+                    lr_schedule, optimizer, start_step, on_step, format_step)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _loss_step(loss_fn: LossFn) -> StepFn:
+    """The step of a plain loss: one forward, one backward, its terms as floats."""
+    def step(module, batch, backward) -> dict[str, float]:
+        out = loss_fn(module, batch)
+        if not isinstance(out, dict):
+            out = {"loss": out}
+        backward(out["loss"])
+        return {k: float(v.detach()) for k, v in out.items()}
+    return step
+
+
+def _format_step(step: int, record: dict[str, float]) -> str:
+    terms = "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "lr")
+    return f"step {step:5d}  {terms}  lr {record['lr']:.2e}"
 
 
 def _make_accelerator(use_accelerate: bool | None):
@@ -184,58 +224,58 @@ def _make_accelerator(use_accelerate: bool | None):
     return accelerator
 
 
-def _fit(module, batches, cfg: TrainConfig, accelerator, log, loss_fn: LossFn,
-         lr_schedule: LRSchedule) -> FitResult:
+def _fit(module, batches, cfg: TrainConfig, accelerator, log, step_fn: StepFn,
+         lr_schedule: LRSchedule, optimizer, start_step: int, on_step: OnStep | None,
+         format_step) -> FitResult:
     import torch
 
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the module has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
-                                  weight_decay=cfg.weight_decay)
+    if optimizer is None:
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the module has no trainable parameters")
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas,
+                                      weight_decay=cfg.weight_decay)
+    else:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
     if accelerator is not None:
         module, optimizer, batches = accelerator.prepare(module, optimizer, batches)
     is_main = accelerator is None or accelerator.is_main_process
     if accelerator is not None and is_main:
         log(f"accelerate: {accelerator.distributed_type.value}, "
             f"{accelerator.num_processes} process(es), device {accelerator.device}")
+
+    def backward(loss) -> None:
+        if accelerator is None:
+            loss.backward()
+        else:
+            accelerator.backward(loss)
+
     module.train()
     history: list[dict[str, float]] = []
     start, start_cpu = time.perf_counter(), time.process_time()
     batch_iter = iter(batches)
-    for step in range(cfg.steps):
+    for step in range(start_step, cfg.steps):
         for group in optimizer.param_groups:  # set per step: one step per optimizer step
             group["lr"] = lr_schedule(step)
         batch = next(batch_iter)
-        out = loss_fn(module, batch)
-        if not isinstance(out, dict):
-            out = {"loss": out}
         optimizer.zero_grad(set_to_none=True)
-        _backward(out["loss"], module, params, accelerator, cfg.max_grad_norm)
-        record = {k: float(v.detach()) for k, v in out.items()}
+        record = dict(step_fn(module, batch, backward))
+        if cfg.max_grad_norm:
+            if accelerator is None:
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            else:
+                accelerator.clip_grad_norm_(module.parameters(), cfg.max_grad_norm)
         record["lr"] = optimizer.param_groups[0]["lr"]
         optimizer.step()
         history.append(record)
-        if is_main and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-            terms = "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "lr")
-            log(f"step {step:5d}  {terms}  lr {record['lr']:.2e}")
+        stop = bool(on_step(step, record)) if on_step is not None else False
+        if is_main and (step % cfg.log_every == 0 or step == cfg.steps - 1 or stop):
+            log(format_step(step, record))
+        if stop:
+            break
     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     unwrapped = accelerator.unwrap_model(module) if accelerator is not None else module
     return FitResult(history, wall, cpu, unwrapped, accelerator, is_main, module)
-
-
-def _backward(loss, module, params: list, accelerator, max_grad_norm: float) -> None:
-    """Back-propagate ``loss`` and clip the gradient norm (0 = no clipping)."""
-    import torch
-
-    if accelerator is None:
-        loss.backward()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        return
-    accelerator.backward(loss)
-    if max_grad_norm:
-        accelerator.clip_grad_norm_(module.parameters(), max_grad_norm)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -278,41 +318,3 @@ def measure_speculation(
         "forwards": forwards,
         "equal_ar": all(a.token_ids == s.token_ids for a, s in zip(ar, spec, strict=True)),
     }
-
-
-def synthetic_eval_prompts(
-    tokenizer,
-    *,
-    num: int = 16,
-    seed: int = 1234,
-    doc_seed: int = 4321,
-    prefix_tokens: int = 24,
-    text: Callable[[str], str] = lambda s: s,
-) -> dict[str, list[list[int]]]:
-    """Two prompt sets of the synthetic language: ``sample_prompts(num, seed)`` and the first
-    ``prefix_tokens`` tokens of held-out documents (``sample_documents(.., doc_seed)``, a
-    stream the trainers never draw from). ``text`` maps the text into a tokenizer's terms."""
-    from diffspec.testing.synthetic import sample_documents, sample_prompts
-
-    def ids(s: str) -> list[int]:
-        return list(tokenizer(text(s), add_special_tokens=False)["input_ids"])
-
-    docs = [d for d in map(ids, sample_documents(8 * num, doc_seed)) if len(d) > prefix_tokens + 16]
-    return {
-        f"sample_prompts({num}, seed={seed})": [ids(p) for p in sample_prompts(num, seed)],
-        f"heldout_documents(seed={doc_seed})[:{prefix_tokens}]":
-            [d[:prefix_tokens] for d in docs[:num]],
-    }
-
-
-def measure_on_synthetic(
-    lm, drafter, num_draft_tokens: int, tokenizer=None, **prompt_kwargs: Any
-) -> dict[str, dict[str, Any]]:
-    """:func:`measure_speculation` on both :func:`synthetic_eval_prompts` sets (default
-    tokenizer: the synthetic language's)."""
-    if tokenizer is None:
-        from diffspec.testing.synthetic import build_tokenizer
-
-        tokenizer = build_tokenizer()
-    return {name: measure_speculation(lm, drafter, prompts, num_draft_tokens)
-            for name, prompts in synthetic_eval_prompts(tokenizer, **prompt_kwargs).items()}

@@ -1,4 +1,7 @@
-"""``python -m diffspec.train {orthrus,nld-lora,nld-base,eagle3} ...``: train a drafter.
+"""``python -m diffspec.train {orthrus,nld-lora,nld-base} ...``: train a drafter.
+
+The EAGLE-3 baseline trainer is not part of the package: ``python -m training.eagle3``
+from a checkout of the repository.
 
 Runs as one plain process (CPU or one GPU) or under ``accelerate launch`` (DDP / FSDP);
 see ``diffspec/train/README.md`` for real-model commands.
@@ -19,9 +22,6 @@ EXAMPLES = """examples (tiny, CPU, a few minutes):
   python -m diffspec.train nld-base --out /tmp/synth-nld --steps 600
   python -m diffspec.train nld-lora --base /tmp/synth-nld --out /tmp/synth-nld-lora \\
       --self-generate-prefix 24 --steps 400 --measure
-
-  python -m diffspec.train eagle3 --base diffspec/assets/synth-qwen3 --data rows.jsonl \
-      --out /tmp/synth-eagle3 --steps 300 --seq-len 128 --batch-size 8 --lr 3e-3
 
 real models (GPU; see diffspec/train/README.md for FSDP):
   accelerate launch --config_file fsdp.yaml -m diffspec.train orthrus --base Qwen/Qwen3-8B \\
@@ -52,7 +52,7 @@ def _add_train_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
     g.add_argument("--autocast-bf16", action="store_true",
                    help="CPU autocast to bf16 for the matmuls (about 2x faster on CPUs with "
                         "AVX512-BF16 / AMX; weights, optimizer and losses stay fp32); "
-                        "eagle3 and orthrus --answers-only")
+                        "orthrus --answers-only and training.eagle3")
 
 
 def _add_run_args(p, what: str, *, save_every: int) -> None:
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after training, measure TPF / acceptance with the reference decoder on "
                         "synthetic prompts (synthetic-language models only)")
     a = o.add_argument_group(
-        "answer rows (real models: python -m diffspec.train.sharegpt shards)",
+        "answer rows (real models: python -m training.sharegpt shards)",
         "--answers-only trains on whole conversation rows (JSONL token_ids + prompt_len), "
         "anchors in the answers only, one row per forward, resumable and CPU-budgeted; "
         "--out receives the heads (with --rank) plus checkpoint/state.pt")
@@ -165,46 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(synthetic-language NLD from `nld-base` only)")
     _add_train_args(n, TrainConfig(steps=400, lr=2e-3, batch_size=16, seq_len=192))
 
-    e = sub.add_parser(
-        "eagle3", help="train an EAGLE-3 drafter (vLLM's eagle3 layout) for a Qwen3 / Llama "
-                       "target (a baseline)",
-        description="Train a one-layer EAGLE-3 drafter on the frozen target's features "
-                    "(three layers' hidden states), forward KL to the target's "
-                    "distributions, with the training-time test (unrolled draft steps fed "
-                    "the drafter's own hidden states); loss on answer tokens (JSONL "
-                    "'prompt_len'). --out receives the vLLM-loadable drafter (config.json, "
-                    "model.safetensors, training.json), rewritten every --save-every steps "
-                    "with the resumable state in OUT/checkpoint/.",
-    )
-    e.add_argument("--base", required=True, help="the target checkpoint folder (frozen)")
-    e.add_argument("--out", required=True, help="output drafter folder")
-    _add_data_arg(e)
-    e.add_argument("--ttt-steps", type=int, default=3,
-                   help="draft steps unrolled per position (training-time test)")
-    e.add_argument("--ttt-decay", type=float, default=1.0,
-                   help="loss weight of draft step k is this ** k")
-    e.add_argument("--aux-layers", type=lambda s: [int(x) for x in s.split(",")],
-                   help="target layer ids (vLLM's: 0 = embeddings, L = last layer), comma "
-                        "separated; default vLLM's (2, L//2, L-3)")
-    e.add_argument("--draft-vocab", type=int, default=0,
-                   help="reduce the draft vocabulary to the N most frequent answer tokens "
-                        "(writes d2t/t2d); 0 = the target's vocabulary (default)")
-    e.add_argument("--freeze-lm-head", action="store_true",
-                   help="keep lm_head at the target's LM head (cheaper steps)")
-    e.add_argument("--fc-init", choices=("random", "last"), default="random",
-                   help="fc start: random, or identity on the last aux layer (the target's "
-                        "deep features read out by its own head)")
-    e.add_argument("--fc-norm", action="store_true",
-                   help="an RMSNorm per aux layer before fc (vLLM's eagle3 `fc_norm`; tames "
-                        "targets with massive activations; not in the original EAGLE-3)")
-    e.add_argument("--micro-batch", type=int, default=1,
-                   help="rows per forward (gradients accumulate over --batch-size rows); 1 "
-                        "pads nothing (best for real models on CPU), more is faster for "
-                        "tiny models")
-    _add_run_args(e, "the drafter", save_every=100)
-    _add_train_args(e, TrainConfig(steps=1000, lr=1e-3, warmup_steps=20, batch_size=4,
-                                   seq_len=512, log_every=10))
-
     b = sub.add_parser(
         "nld-base", help="train a tiny NLD base on the synthetic language (tests, demos)",
         description="A 2-layer NLD (Ministral3) trained from scratch on the synthetic "
@@ -227,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         return _orthrus(args, command)
     if args.cmd == "nld-lora":
         return _nld_lora(args, command)
-    if args.cmd == "eagle3":
-        return _eagle3(args, command)
     from diffspec.train.nld_lora import train_tiny_nld_base
 
     record = train_tiny_nld_base(args.out, steps=args.steps, seed=args.seed,
@@ -309,25 +267,6 @@ def _nld_lora(args: argparse.Namespace, command: str) -> int:
         from diffspec.train.nld_lora import measure_nld_lora
 
         print(json.dumps(measure_nld_lora(result.model), indent=2))
-    return 0
-
-
-def _eagle3(args: argparse.Namespace, command: str) -> int:
-    from diffspec.train.eagle3 import train_eagle3
-
-    result = train_eagle3(
-        args.base, args.out, _config(args), data=args.data, ttt_steps=args.ttt_steps,
-        ttt_decay=args.ttt_decay, aux_layer_ids=args.aux_layers,
-        draft_vocab_size=args.draft_vocab or None, freeze_lm_head=args.freeze_lm_head,
-        save_every=args.save_every, micro_batch=args.micro_batch, fc_init=args.fc_init,
-        fc_norm=args.fc_norm, autocast_bf16=args.autocast_bf16, resume=args.resume,
-        max_rows=args.max_rows,
-        max_cpu_s=None if args.max_cpu_minutes is None else 60 * args.max_cpu_minutes,
-        command=command,
-    )
-    keys = ("steps", "tokens_seen", "cpu_time_s", "wall_time_s", "first_loss",
-            "final_metrics_mean_last_20", "estimated_acceptance_length")
-    print(json.dumps({k: result.record[k] for k in keys}, indent=2))
     return 0
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "AnchorBlocks",
     "PackedRows",
     "Row",
+    "StepBatches",
     "anchor_blocks",
     "batch_rows",
     "collate",
@@ -232,7 +233,7 @@ class Row:
 def data_files(data: Sequence[str]) -> list[Path]:
     """The files ``data`` names (folders: their ``*.jsonl`` and text files, recursively,
     hidden temp files skipped); ``[]`` for ``["synthetic"]``. A folder whose
-    ``manifest.json`` (:mod:`diffspec.train.sharegpt`) says it answers the held-out split is
+    ``manifest.json`` (:mod:`training.sharegpt`) says it answers the held-out split is
     refused: those rows measure drafters and must never train one."""
     if list(data) == ["synthetic"]:
         return []
@@ -340,6 +341,25 @@ def batch_rows(rows: Sequence[Row], step: int, batch_size: int, seed: int,
         perm = _permutation(n, seed, epoch, salt)
         out.append(rows[perm[i]])
     return out
+
+
+class StepBatches:
+    """The batches of steps ``start, start + 1, ...`` (:func:`batch_rows`), for
+    :func:`diffspec.train.fit`; ``last`` is the batch handed out last."""
+
+    def __init__(self, rows: Sequence[Row], start: int, batch_size: int, seed: int,
+                 salt: str = "diffspec.eagle3") -> None:
+        self.rows, self.step, self.batch_size, self.seed, self.salt = (
+            rows, start, batch_size, seed, salt)
+        self.last: list[Row] = []
+
+    def __iter__(self) -> StepBatches:
+        return self
+
+    def __next__(self) -> list[Row]:
+        self.last = batch_rows(self.rows, self.step, self.batch_size, self.seed, self.salt)
+        self.step += 1
+        return self.last
 
 
 _PERM_CACHE: dict[tuple[int, int, int, str], list[int]] = {}

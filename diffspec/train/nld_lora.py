@@ -378,7 +378,7 @@ def measure_nld_lora(nld, **prompt_kwargs: Any) -> dict[str, dict[str, Any]]:
     the plain backbone (``without_lora``) and with the trained LoRA (``with_lora``). For an
     NLD trained on the synthetic language (:func:`train_tiny_nld_base`)."""
     from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
-    from diffspec.train import measure_on_synthetic
+    from diffspec.testing.synthetic import measure_on_synthetic
 
     tokenizer = load_tokenizer(nld.source) if nld.source is not None else None
     prompt_kwargs.setdefault("text", synthetic_nld_text)

@@ -271,9 +271,9 @@ def training_record(
 def measure_orthrus(model) -> dict[str, dict[str, Any]]:
     """TPF / acceptance of :class:`~diffspec.spec_workers.reference.decoder.BlockDrafter` drafting
     ``block_size - 1`` tokens, greedy, on the synthetic prompt sets (synthetic-language
-    models only; see :func:`diffspec.train.measure_on_synthetic`)."""
+    models only; see :func:`diffspec.testing.synthetic.measure_on_synthetic`)."""
     from diffspec.spec_workers.reference.decoder import BlockDrafter
-    from diffspec.train import measure_on_synthetic
+    from diffspec.testing.synthetic import measure_on_synthetic
 
     return measure_on_synthetic(model.lm, BlockDrafter(model), model.block_size - 1)
 
@@ -352,7 +352,7 @@ def answer_anchors(
 def answer_positions(anchors: Tensor, block_size: int, length: int) -> tuple[Tensor, Tensor]:
     """Teacher positions ``a + j`` (draft ``j`` predicts token ``a + j + 1``) ``[n, K-1]``,
     clamped inside the row, and which of them have a target token in the row."""
-    positions = anchors[:, None] + torch.arange(block_size - 1)  # [n, K-1]
+    positions = anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)
     valid = positions <= length - 2
     return positions.clamp(max=length - 1), valid
 
@@ -372,6 +372,7 @@ def orthrus_row_step(
     """Loss (back-propagated by the caller) and metric sums of one row: forward KL from the
     AR view to the diffusion view at every valid draft position of every anchor block."""
     length, block_size = ids.shape[1], model.block_size
+    anchors = anchors.to(ids.device)
     teacher_logits, cache = distiller._teacher(ids)  # [1, T, V]
     blocks = anchor_blocks(ids, anchors[None], block_size, model.mask_token_id)
     with model.diffusion_view():
@@ -426,11 +427,13 @@ def train_orthrus_answers(
     resume: bool = False,
     max_rows: int | None = None,
     autocast_bf16: bool = False,
+    device: str = "cpu",
+    deadline: float | None = None,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Orthrus heads distilled on whole conversation rows (JSONL ``token_ids`` +
-    ``prompt_len``, e.g. :mod:`diffspec.train.sharegpt` shards), anchors in the answers
+    ``prompt_len``, e.g. :mod:`training.sharegpt` shards), anchors in the answers
     only, ``num_anchors`` blocks per row in one dual-pass forward (every block over the
     same AR cache), one row per forward (no padding), gradients accumulated over
     ``cfg.batch_size`` rows. Resumable (``out_dir/checkpoint/state.pt`` every
@@ -438,20 +441,23 @@ def train_orthrus_answers(
     stopped at ``max_cpu_s`` of CPU, all sessions together. Every ``snapshot_every``
     steps the heads are also copied to ``out_dir/snapshots/step-NNNNN`` (the curve of
     acceptance against training tokens is measured on those). ``autocast_bf16``: matmuls
-    in bf16 (CPU autocast; about twice as fast where the CPU has AVX512-BF16 / AMX), the
-    weights, optimizer and losses in fp32."""
+    in bf16 (autocast; on CPU about twice as fast where it has AVX512-BF16 / AMX), the
+    weights, optimizer and losses in fp32. ``device``: where the model trains (``"cuda"``
+    on a GPU); checkpoints are written from CPU copies either way. ``deadline``: a
+    ``time.monotonic()`` instant where the session stops and saves, like ``max_cpu_s``. The steps run on
+    :func:`diffspec.train.fit` (one row per forward, gradients accumulated over the
+    batch)."""
     import sys
 
     from diffspec.core.checkpoint import resolve_checkpoint
     from diffspec.model_executors.reference.orthrus import save_orthrus, save_orthrus_heads
-    from diffspec.train import cosine_lr_scale
-    from diffspec.train.data import batch_rows, data_files, files_sha256, load_rows
+    from diffspec.train.data import StepBatches, data_files, files_sha256, load_rows
     from diffspec.train.runs import ResumableRun, write_json
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     given, base = str(base), resolve_checkpoint(base)
     run = ResumableRun.open(out_dir, resume=resume, max_cpu_s=max_cpu_s, command=command,
-                            total_steps=cfg.steps)
+                            total_steps=cfg.steps, deadline=deadline)
     state = run.state
     if state is not None:
         saved = state["settings"]
@@ -464,6 +470,8 @@ def train_orthrus_answers(
     try:
         torch.manual_seed(cfg.seed)
         model = _load_start(base, block_size, mask_token_id, rank, cfg.seed)
+        device = torch.device(device)
+        model.lm.to(device)
         params = model.diffusion_parameters()
         freeze_all_but(model.lm, params)
         files = [Path(f) for f in state["data"]["files"]] if state is not None \
@@ -522,59 +530,60 @@ def train_orthrus_answers(
             write_json(folder / "training.json", record())
             if state_too:
                 run.save_state({
-                    "heads": {n: p.detach().clone() for n, p in model.lm.named_parameters()
-                              if "_diff." in n},
+                    "heads": {n: p.detach().to("cpu", copy=True)
+                              for n, p in model.lm.named_parameters() if "_diff." in n},
                     "optimizer": optimizer.state_dict(), "settings": settings,
                     "anchor_rng": distiller.generator.get_state(),
                     "data": {k: data_info[k] for k in ("files", "rows_sha256")},
                     "config": cfg.as_dict()})
 
-        model.lm.train()
-        run.start()
-        for step in range(run.step, cfg.steps):
-            lr = cfg.lr * cosine_lr_scale(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = batch_rows(rows, step, cfg.batch_size, cfg.seed, salt="diffspec.orthrus")
+        def step_fn(lm, batch: list, backward) -> dict[str, float]:
+            """One optimizer step's rows: one forward + backward per row (no padding),
+            gradients accumulated; the loss is the mean over the batch's positions."""
             anchors = [answer_anchors(len(r.token_ids), r.prompt_len, model.block_size,
                                       num_anchors, distiller.generator) for r in batch]
             normalizer = sum(int(answer_positions(a, model.block_size,
                                                   len(r.token_ids))[1].sum())
                              for a, r in zip(anchors, batch, strict=True))
-            optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             loss = 0.0
             for r, a in zip(batch, anchors, strict=True):
                 if not len(a):
                     continue
-                ids = torch.tensor(r.token_ids, dtype=torch.long)[None]
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+                ids = torch.tensor(r.token_ids, dtype=torch.long, device=device)[None]
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
                     part, row_sums = orthrus_row_step(model, distiller, ids, a, normalizer)
-                part.backward()
+                backward(part)
                 loss += float(part.detach())
                 for k, v in row_sums.items():
                     sums[k] = sums.get(k, 0) + v
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            optimizer.step()
-            entry = {"loss": loss, **answer_metrics(sums, model.block_size), "lr": lr}
-            run.record_step(entry, sum(len(r.token_ids) for r in batch))
-            if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                eta = run.eta_s(cfg.steps)
-                log(f"step {step:5d}/{cfg.steps}  loss {loss:.4f}  acc "
-                    f"{entry.get('acc', float('nan')):.3f}  est. AL "
-                    f"{entry.get('est_al', float('nan')):.2f}  lr {lr:.2e}  "
-                    f"{run.session_rate():.0f} tok/s  {run.cpu_time_s / 60:.1f} CPU-min  "
-                    f"ETA {eta / 60:.0f} min")
+            return {"loss": loss, **answer_metrics(sums, model.block_size)}
+
+        def on_step(step: int, entry: dict[str, float]) -> bool:
+            run.record_step(entry, sum(len(r.token_ids) for r in batches.last))
             done = step + 1
             if out is not None and snapshot_every and done % snapshot_every == 0:
                 save(out / "snapshots" / f"step-{done:05d}", state_too=False)
             if out is not None and save_every and done % save_every == 0 and done < cfg.steps:
                 save(out, state_too=True)
             if done < cfg.steps and run.over_budget():
-                log(f"stopping after step {step}: {run.cpu_time_s:.0f} s CPU >= the budget "
-                    f"{max_cpu_s:.0f} s (continue with --resume and a larger budget)")
-                break
+                log(f"stopping after step {step}: {run.budget_note()} (continue with "
+                    f"--resume and a larger budget)")
+                return True
+            return False
+
+        def format_step(step: int, entry: dict[str, float]) -> str:
+            return (f"step {step:5d}/{cfg.steps}  loss {entry['loss']:.4f}  acc "
+                    f"{entry.get('acc', float('nan')):.3f}  est. AL "
+                    f"{entry.get('est_al', float('nan')):.2f}  lr {entry['lr']:.2e}  "
+                    f"{run.session_rate():.0f} tok/s  {run.cpu_time_s / 60:.1f} CPU-min  "
+                    f"ETA {run.eta_s(cfg.steps) / 60:.0f} min")
+
+        batches = StepBatches(rows, run.step, cfg.batch_size, cfg.seed, "diffspec.orthrus")
+        run.start()
+        fit(model.lm, batches, cfg, step_fn=step_fn, optimizer=optimizer,
+            start_step=run.step, reseed=False, use_accelerate=False, on_step=on_step,
+            format_step=format_step, log=log)
         if out is not None:
             save(out, state_too=True)
         model.lm.eval()
@@ -597,13 +606,14 @@ def measure_answer_acceptance(model, rows, *, max_anchors: int = 4096,
                                mask_token_id=model.mask_token_id, num_anchors=max_anchors,
                                draft_view=model.diffusion_view, seed=seed)
     model.lm.eval()
+    device = next(model.lm.parameters()).device
     sums: dict[str, float] = {}
     for r in rows:
         anchors = answer_anchors(len(r.token_ids), r.prompt_len, model.block_size, max_anchors,
                                  distiller.generator)
         if not len(anchors):
             continue
-        ids = torch.tensor(r.token_ids, dtype=torch.long)[None]
+        ids = torch.tensor(r.token_ids, dtype=torch.long, device=device)[None]
         _, row_sums = orthrus_row_step(model, distiller, ids, anchors, 1)
         for k, v in row_sums.items():
             sums[k] = sums.get(k, 0) + v

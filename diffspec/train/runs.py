@@ -6,9 +6,9 @@ per-step history, tokens seen, CPU and wall time of all sessions together, and o
 trainer owns the model and optimizer state; the run adds its own counters and checks the
 CPU budget after each step.
 
-Used by :func:`diffspec.train.orthrus.train_orthrus_answers`; the EAGLE-3 trainer keeps
-the same file layout and fields (``checkpoint/state.pt``; ``step``, ``history``,
-``tokens_seen``, ``cpu_time_s``, ``wall_time_s``, ``sessions``).
+Used by :func:`diffspec.train.orthrus.train_orthrus_answers` and the EAGLE-3 baseline
+(``training.eagle3``): the same file layout and fields (``checkpoint/state.pt``; ``step``,
+``history``, ``tokens_seen``, ``cpu_time_s``, ``wall_time_s``, ``sessions``).
 
 Given ``total_steps``, :meth:`ResumableRun.record_step` also prints a progress line on
 stderr (:class:`diffspec.progress.Progress`: at the first step, then every 10 s on a
@@ -56,6 +56,7 @@ class ResumableRun:
     state: dict[str, Any] | None = None
     stopped_by_budget: bool = False
     total_steps: int | None = None  # progress lines on stderr when set
+    deadline: float | None = None  # a time.monotonic() instant: this session stops there
 
     def __post_init__(self) -> None:
         self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
@@ -68,13 +69,15 @@ class ResumableRun:
 
     @classmethod
     def open(cls, out: str | Path | None, *, resume: bool, max_cpu_s: float | None = None,
-             command: str | None = None, total_steps: int | None = None) -> ResumableRun:
+             command: str | None = None, total_steps: int | None = None,
+             deadline: float | None = None) -> ResumableRun:
         """A fresh run, or (``resume``) the one saved under ``out``; with ``total_steps``,
-        progress lines on stderr."""
+        progress lines on stderr; ``deadline`` (a ``time.monotonic()`` instant) ends this
+        session like the CPU budget does (a GPU job's wall-clock limit)."""
         import torch
 
         run = cls(Path(out) if out is not None else None, max_cpu_s, command,
-                  total_steps=total_steps)
+                  total_steps=total_steps, deadline=deadline)
         if resume:
             path = run.state_path
             if path is None or not path.is_file():
@@ -127,12 +130,23 @@ class ResumableRun:
                                   eta_s=self.eta_s(self.total_steps), force=last)
 
     def over_budget(self) -> bool:
-        """True (and noted in the session record) once the CPU budget is spent."""
+        """True (and noted in the session record) once the CPU budget is spent or the
+        session's deadline has passed."""
         if self.max_cpu_s is not None and self.cpu_time_s >= self.max_cpu_s:
             self.stopped_by_budget = True
             self._session["stopped_by_cpu_budget"] = True
             return True
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.stopped_by_budget = True
+            self._session["stopped_by_deadline"] = True
+            return True
         return False
+
+    def budget_note(self) -> str:
+        """Why :meth:`over_budget` stopped the session, for the log."""
+        if self._session.get("stopped_by_deadline"):
+            return "the session's deadline passed"
+        return f"{self.cpu_time_s:.0f} s CPU >= the budget {self.max_cpu_s:.0f} s"
 
     def eta_s(self, total_steps: int) -> float:
         """Wall seconds left at this session's pace (to ``total_steps`` or the CPU budget,

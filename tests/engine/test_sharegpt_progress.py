@@ -1,5 +1,5 @@
 """Data generation with the real vLLM offline engine shows its progress: the CLI
-(``python -m diffspec.train.sharegpt generate``) on the embedded default's base checkpoint,
+(``python -m training.sharegpt generate``) on the embedded default's base checkpoint,
 a handful of prompts, stderr not a terminal (as in CI): progress lines with prompts done,
 a rate, vLLM's token rates and an ETA come while requests finish, not only per shard."""
 
@@ -35,10 +35,11 @@ def test_generate_prints_progress_lines(tmp_path: Path) -> None:
         for i, p in enumerate(PROMPTS)]))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", DIFFSPEC_PROGRESS_S="0")
     proc = subprocess.run(
-        [sys.executable, "-m", "diffspec.train.sharegpt", "generate", "--out",
+        [sys.executable, "-m", "training.sharegpt", "generate", "--out",
          str(tmp_path / "out"), "--sharegpt", str(sharegpt), "--model", str(base),
          "--held-out", "0", "--max-new-tokens", "8", "--shard-size", "2", "--batch-size", "2"],
-        capture_output=True, text=True, timeout=900, env=env, check=False)
+        capture_output=True, text=True, timeout=900, env=env, check=False,
+        cwd=Path(__file__).resolve().parents[2])  # training/ is a folder of the checkout
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stderr.splitlines()
              if line.startswith("[sharegpt] generate: prompt ")]

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter trainer (diffspec.train.eagle3): layout, loss, resume, answer masking.
+"""EAGLE-3 drafter trainer (training.eagle3): layout, loss, resume, answer masking.
 
 Tiny targets built in code (random weights); seconds on CPU.
 """
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from diffspec.train import TrainConfig
-from diffspec.train.eagle3 import (
+from training.eagle3 import (
     DrafterSpec,
     Eagle3Drafter,
     TargetFeatures,
@@ -275,8 +275,28 @@ def test_features_are_vllm_aux_hidden_states(tmp_path):
 
 
 def test_collate_pads_right():
-    from diffspec.train.eagle3 import Row
+    from training.eagle3 import Row
 
     ids, lengths, prompt_lens = collate([Row([5, 6, 7], 1), Row([8, 9], 0)])
     assert ids.tolist() == [[5, 6, 7], [8, 9, 0]]
     assert lengths.tolist() == [3, 2] and prompt_lens.tolist() == [1, 0]
+
+
+def test_cli_runs_from_the_repository(target, data, tmp_path, capsys):
+    """``python -m training.eagle3`` (the trainer lives outside the installed package):
+    the options reach the trainer and the summary is printed; ``diffspec.train`` no longer
+    has the subcommand."""
+    from diffspec.train.__main__ import build_parser as package_parser
+    from training.eagle3 import main
+
+    out = tmp_path / "cli"
+    assert main(["--base", str(target), "--data", str(data), "--out", str(out), "--steps",
+                 "2", "--seq-len", "32", "--batch-size", "2", "--micro-batch", "2",
+                 "--ttt-steps", "2", "--save-every", "0"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 2
+    record = json.loads((out / "training.json").read_text())
+    assert record["command"].startswith("python -m training.eagle3 --base")
+    assert record["config"]["extra"]["ttt_steps"] == 2
+    with pytest.raises(SystemExit):
+        package_parser().parse_args(["eagle3", "--base", str(target)])

@@ -49,7 +49,7 @@ def test_answer_positions_and_chains():
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> Path:
     from diffspec.testing.synthetic import build_tokenizer, sample_prompts
-    from diffspec.train.eagle3 import greedy_rows
+    from training.eagle3 import greedy_rows
 
     tok = build_tokenizer()
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in sample_prompts(24, 7)]

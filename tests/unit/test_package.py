@@ -125,3 +125,37 @@ def test_every_supported_prefix_is_parseable() -> None:
     for engine, prefixes in versions.SUPPORTED_ENGINE_VERSIONS.items():
         for prefix in prefixes:
             assert is_supported(engine, prefix)
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_the_installed_package_needs_nothing_outside_it() -> None:
+    """Baseline and data tooling (``training/``: the EAGLE-3 trainer, the ShareGPT
+    generator, the GPU run) is not installed: no module of ``diffspec`` imports it, and
+    ``packages.find`` installs ``diffspec*`` alone."""
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "diffspec").rglob("*.py")
+                 if any(n == "training" or n.startswith("training.") for n in _imports(p))]
+    assert not offenders, offenders
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["tool"]["setuptools"]["packages"]["find"]["include"] == ["diffspec*"]
+    assert (ROOT / "training" / "eagle3.py").is_file()
+    assert not (ROOT / "diffspec" / "train" / "eagle3.py").exists()
+
+
+def test_train_package_does_not_import_the_testing_package() -> None:
+    """The circle ``testing/synthetic.py`` <-> ``train/__init__.py`` stays broken: the
+    training loop imports nothing from ``diffspec.testing`` (the synthetic trainers import
+    the loop, not the reverse)."""
+    names = _imports(ROOT / "diffspec" / "train" / "__init__.py")
+    assert not [n for n in names if n.startswith("diffspec.testing")], names
+    assert "diffspec.train" in _imports(ROOT / "diffspec" / "testing" / "synthetic.py")

@@ -155,7 +155,7 @@ class _Tokenizer:
 
 def test_generate_prints_progress_per_shard_with_a_plain_engine(tmp_path: Path, capsys,
                                                                 monkeypatch) -> None:
-    from diffspec.train import sharegpt
+    from training import sharegpt
 
     monkeypatch.setenv("DIFFSPEC_PROGRESS_S", "0")
     model = tmp_path / "model"
@@ -176,7 +176,7 @@ def test_generate_prints_progress_per_shard_with_a_plain_engine(tmp_path: Path, 
 
 
 def test_the_adapter_vllm_drives_as_its_progress_bar() -> None:
-    from diffspec.train.sharegpt import _ProgressBar
+    from training.sharegpt import _ProgressBar
 
     out = io.StringIO()
     progress = Progress("[sharegpt] generate", 4, "prompt", interval=0, file=out)

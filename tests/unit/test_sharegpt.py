@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from diffspec.train import sharegpt
-from diffspec.train.sharegpt import (
+from training import sharegpt
+from training.sharegpt import (
     MANIFEST,
     ManifestMismatch,
     build_row,

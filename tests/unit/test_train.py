@@ -153,6 +153,51 @@ def test_fit_with_a_loss_callable_and_an_lr_schedule_is_the_plain_adamw_loop():
                                                  for s in range(5)]
 
 
+def test_fit_step_fn_accumulates_resumes_and_stops():
+    """``step_fn`` (the answer-row trainers): two micro-batches' backward calls add up to
+    the whole batch's gradient, so the run equals the plain loss on whole batches; a
+    run stopped by ``on_step`` and continued from ``start_step`` with the same optimizer
+    ends where one uninterrupted run does; the log line comes from ``format_step``."""
+    from diffspec.train import fit
+
+    data = torch.randn(6, 4, 6, generator=torch.Generator().manual_seed(2))
+    cfg = TrainConfig(steps=6, lr=0.05, warmup_steps=1, max_grad_norm=0.3, log_every=100)
+
+    def step_fn(module, x, backward):
+        total = 0.0
+        for half in (x[:2], x[2:]):  # each half's share of the batch mean
+            loss = module(half).square().sum() / x.numel() * 2
+            backward(loss)
+            total += float(loss.detach())
+        return {"loss": total}
+
+    whole = fit(_linear(), iter(data), cfg, loss_fn=lambda m, x: m(x).square().mean(),
+                use_accelerate=False, log=lambda msg: None)
+    split = fit(_linear(), iter(data), cfg, step_fn=step_fn, use_accelerate=False,
+                log=lambda msg: None)
+    for a, b in zip(whole.module.parameters(), split.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert [round(h["loss"], 5) for h in whole.history] == \
+        [round(h["loss"], 5) for h in split.history]
+
+    model = _linear()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                  weight_decay=cfg.weight_decay)
+    lines: list[str] = []
+    first = fit(model, iter(data), cfg, step_fn=step_fn, optimizer=optimizer,
+                use_accelerate=False, on_step=lambda step, rec: step == 2, log=lines.append,
+                format_step=lambda step, rec: f"at {step}")
+    assert len(first.history) == 3 and lines == ["at 0", "at 2"]  # step 2 stopped: logged
+    rest = fit(model, iter(data[3:]), cfg, step_fn=step_fn, optimizer=optimizer,
+               start_step=3, reseed=False, use_accelerate=False, log=lambda msg: None)
+    assert [h["lr"] for h in rest.history] == [cfg.lr * cosine_lr_scale(s, cfg)
+                                               for s in range(3, 6)]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                 split.module.parameters(), strict=True))
+    with pytest.raises(ValueError, match="not both"):
+        fit(_linear(), iter(data), cfg, step_fn=step_fn, loss_fn=lambda m, x: m(x).sum())
+
+
 # ----------------------------------------------------------------------------------- data
 
 

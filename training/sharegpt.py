@@ -46,10 +46,10 @@ The output folder itself is a trainer input: ``python -m diffspec.train orthrus 
 OUT`` reads every ``*.jsonl`` under it (the manifest and temp files are not ``*.jsonl``);
 ``export`` concatenates the shards into one file instead.
 
-    python -m diffspec.train.sharegpt info
-    python -m diffspec.train.sharegpt generate --out runs/sharegpt-smollm2 \\
+    python -m training.sharegpt info
+    python -m training.sharegpt generate --out runs/sharegpt-smollm2 \\
         --max-new-tokens 256 --shard-size 256 --batch-size 64
-    python -m diffspec.train.sharegpt held-out --out /tmp/sharegpt-heldout.jsonl \\
+    python -m training.sharegpt held-out --out /tmp/sharegpt-heldout.jsonl \\
         --max-prompts 200
     python -m diffspec.train orthrus --base BASE --data runs/sharegpt-smollm2 ...
 
@@ -656,16 +656,16 @@ def main(argv: list[str] | None = None) -> int:
 
     model_default = str(base_checkpoint())
     parser = argparse.ArgumentParser(
-        prog="python -m diffspec.train.sharegpt",
+        prog="python -m training.sharegpt",
         description="Distillation data for the drafters: the model's own greedy answers to "
                     "ShareGPT's opening user prompts, generated with vLLM into resumable "
                     "JSONL shards (see the module docstring).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
-               "  python -m diffspec.train.sharegpt info\n"
-               "  python -m diffspec.train.sharegpt generate --out runs/sharegpt \\\n"
+               "  python -m training.sharegpt info\n"
+               "  python -m training.sharegpt generate --out runs/sharegpt \\\n"
                "      --max-new-tokens 256 --shard-size 256 --batch-size 64\n"
-               "  python -m diffspec.train.sharegpt held-out --out /tmp/heldout.jsonl "
+               "  python -m training.sharegpt held-out --out /tmp/heldout.jsonl "
                "--max-prompts 200\n"
                "  python -m diffspec.train orthrus --base BASE --data runs/sharegpt ...\n")
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter training: a real EAGLE-3 baseline for a served target, on CPU.
+"""EAGLE-3 drafter training: a real EAGLE-3 baseline for a served target.
 
 The drafter is the one vLLM's ``{"method": "eagle3"}`` loads (``LlamaForCausalLMEagle3``,
 :mod:`vllm.model_executor.models.llama_eagle3`, the layout the EAGLE authors publish and
@@ -46,7 +46,7 @@ hooks. Default ids: vLLM's own default for a target whose drafter names none, ``
 L - 3)``, when those are distinct and in range, else the ids ``tiny_drafters`` uses for
 shallow targets; they are written into the drafter's config either way.
 
-**Runs**: ``python -m diffspec.train eagle3 --base TARGET --data DATA --out DIR``. Every
+**Runs**: ``python -m training.eagle3 --base TARGET --data DATA --out DIR``. Every
 ``save_every`` steps and at the end: ``DIR/`` is the vLLM-loadable drafter
 (``config.json`` + ``model.safetensors`` + ``training.json``) and ``DIR/checkpoint/`` the
 resumable state (weights, AdamW, step, cumulative tokens / CPU time, the data files and
@@ -57,8 +57,10 @@ so step ``s`` reads the same rows in a fresh run and in a resumed one.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,10 +71,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from diffspec.train import TrainConfig, cosine_lr_scale
+from diffspec.train import TrainConfig, fit
 from diffspec.train.data import (
     Row,
-    batch_rows,
+    StepBatches,
     collate,
     data_files,
     files_sha256,
@@ -296,7 +298,8 @@ class Eagle3Drafter(nn.Module):
 
     def export_state(self) -> dict[str, Tensor]:
         """The tensors of ``model.safetensors`` (names as vLLM loads them)."""
-        state = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to("cpu", torch.float32).contiguous()
+                 for k, v in self.state_dict().items()}
         if self.draft_ids is not None:
             ids = self.draft_ids.cpu()
             state["d2t"] = (ids - torch.arange(len(ids))).long()
@@ -351,11 +354,12 @@ class TargetFeatures:
         self.lm_head = model.get_output_embeddings()
 
     @classmethod
-    def load(cls, base: str | Path, aux_layer_ids: Sequence[int]) -> TargetFeatures:
+    def load(cls, base: str | Path, aux_layer_ids: Sequence[int],
+             device: str | torch.device = "cpu") -> TargetFeatures:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-        return cls(model, aux_layer_ids)
+        return cls(model.to(device), aux_layer_ids)
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -397,7 +401,7 @@ def greedy_rows(base: str | Path, prompts: Sequence[Sequence[int]], max_new_toke
                 stop_token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
     """The target's own greedy answers to ``prompts`` as training rows
     (``{"token_ids": prompt + answer, "prompt_len": len(prompt)}``), with the reference
-    decoder (tiny models; real ones: :mod:`diffspec.train.sharegpt`)."""
+    decoder (tiny models; real ones: :mod:`training.sharegpt`)."""
     from transformers import AutoModelForCausalLM
 
     from diffspec.spec_workers.reference.decoder import Request, ar_generate
@@ -417,7 +421,7 @@ def greedy_rows(base: str | Path, prompts: Sequence[Sequence[int]], max_new_toke
 def valid_slots(lengths: Tensor, prompt_lens: Tensor, num_slots: int, k: int) -> Tensor:
     """[B, S] bool: draft slot ``t`` at step ``k`` has a loss (the token it predicts,
     index ``t + k + 2``, is inside the row and at or after ``prompt_len``)."""
-    predicted = torch.arange(num_slots)[None, :] + k + 2
+    predicted = torch.arange(num_slots, device=lengths.device)[None, :] + k + 2
     return (predicted < lengths[:, None]) & (predicted >= prompt_lens[:, None])
 
 
@@ -471,14 +475,16 @@ def eagle3_loss(
     s = t - 1  # draft slots 0 .. T-2
     if counts is None:
         counts = loss_counts(lengths, prompt_lens, ttt_steps)
+    device = input_ids.device
+    lengths, prompt_lens = lengths.to(device), prompt_lens.to(device)
     aux, last_hidden = target(input_ids)
     embed = target.embed
     ids_ext = torch.cat([input_ids, input_ids.new_zeros(b, ttt_steps)], dim=1)
     # teacher: log-probs at every position q some step needs (q + 1 an answer token)
-    pos = torch.arange(t)
+    pos = torch.arange(t, device=device)
     need = (pos[None, :] + 1 < lengths[:, None]) & (pos[None, :] + 1 >= prompt_lens[:, None])
-    row_of = torch.full((b, t + ttt_steps), -1, dtype=torch.long)  # (b, q) -> teacher row
-    row_of[:, :t][need] = torch.arange(int(need.sum()))
+    row_of = torch.full((b, t + ttt_steps), -1, dtype=torch.long, device=device)
+    row_of[:, :t][need] = torch.arange(int(need.sum()), device=device)  # (b, q) -> teacher row
     with torch.no_grad():
         teacher = target.teacher_logits(last_hidden[need])  # [M, V]
         teacher_argmax = teacher.argmax(-1)
@@ -490,7 +496,7 @@ def eagle3_loss(
     cache: list[tuple[Tensor, Tensor]] = []
     total = hidden.new_zeros(())
     sums: dict[str, float] = {}
-    chain = torch.ones(b, s, dtype=torch.bool)
+    chain = torch.ones(b, s, dtype=torch.bool, device=device)
     loss_tokens = 0
     for k in range(ttt_steps):
         with torch.no_grad():
@@ -507,7 +513,7 @@ def eagle3_loss(
             total = total + (ttt_decay ** k) * kl_sum / counts[k]
             with torch.no_grad():
                 right = drafter.to_target_ids(logq.argmax(-1)) == teacher_argmax[rows_idx]
-                correct = torch.ones(b, s, dtype=torch.bool)
+                correct = torch.ones(b, s, dtype=torch.bool, device=device)
                 correct[valid] = right
                 chain &= correct
                 sums[f"kl_{k}"] = float(kl_sum.detach())
@@ -595,12 +601,16 @@ def train_eagle3(
     max_cpu_s: float | None = None,
     resume: bool = False,
     max_rows: int | None = None,
+    device: str = "cpu",
+    deadline: float | None = None,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Eagle3Result:
     """Train an EAGLE-3 drafter for ``base`` for ``cfg.steps`` optimizer steps in all
     (``resume``: continue ``out_dir/checkpoint`` up to ``cfg.steps``). ``max_cpu_s``: stop
-    early (saving) once the run's CPU time, all sessions together, reaches it."""
+    early (saving) once the run's CPU time, all sessions together, reaches it;
+    ``deadline`` (a ``time.monotonic()`` instant): stop this session there. ``device``:
+    where the target and the drafter run. The steps run on :func:`diffspec.train.fit`."""
     from diffspec.core.checkpoint import resolve_checkpoint
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -609,7 +619,7 @@ def train_eagle3(
     given, base = str(base), resolve_checkpoint(base)
     out = Path(out_dir) if out_dir is not None else None
     run = ResumableRun.open(out, resume=resume, max_cpu_s=max_cpu_s, command=command,
-                            total_steps=cfg.steps)
+                            total_steps=cfg.steps, deadline=deadline)
     state = run.state
     if state is not None:
         saved = state["settings"]
@@ -626,7 +636,8 @@ def train_eagle3(
         target_config = json.loads((base / "config.json").read_text())
         spec = DrafterSpec.from_target(target_config, aux_layer_ids=aux_layer_ids,
                                        fc_norm=fc_norm)
-        target = TargetFeatures.load(base, spec.aux_layer_ids)
+        device = torch.device(device)
+        target = TargetFeatures.load(base, spec.aux_layer_ids, device)
 
         # data: on resume, exactly the files (and rows) of the first session
         files = ([Path(f) for f in state["data"]["files"]] if state is not None
@@ -659,6 +670,7 @@ def train_eagle3(
             spec.draft_vocab_size = draft_vocab_size
         drafter = Eagle3Drafter(spec, draft_ids)
         _init_from_target(drafter, target, fc_init)
+        drafter.to(device)
         if freeze_lm_head:
             drafter.lm_head.weight.requires_grad_(False)
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -709,59 +721,142 @@ def train_eagle3(
                 "steps": rec["steps"], "data_sha256": data_info["rows_sha256"]}})
             write_json(out / "training.json", rec)
             run.save_state({
-                "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+                "drafter": {k: v.to("cpu", copy=True) for k, v in drafter.state_dict().items()},
+                "optimizer": optimizer.state_dict(),
                 "loss_tokens_seen": loss_tokens_seen, "settings": settings,
                 "draft_ids": draft_ids,
                 "data": {k: data_info[k] for k in ("files", "synthetic", "rows_sha256")},
                 "config": cfg.as_dict()})
 
-        run.start()
-        drafter.train()
-        for step in range(run.step, cfg.steps):
-            lr = cfg.lr * cosine_lr_scale(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = batch_rows(rows, step, cfg.batch_size, cfg.seed)
+        tokens = {"batch": 0, "loss": 0}  # the last step's row tokens / loss positions
+
+        def step_fn(module, batch: list[Row], backward) -> dict[str, float]:
+            """Micro-batches of ``micro_batch`` rows (1: no padding at all); the gradients
+            add up to the batch's (each micro-batch's loss is normalized by the batch's
+            positions)."""
             _, lengths, prompt_lens = collate(batch)
             counts = loss_counts(lengths, prompt_lens, ttt_steps)
-            optimizer.zero_grad(set_to_none=True)
             loss, sums, n_loss = 0.0, {}, 0
-            # micro-batches of `micro_batch` rows (1: no padding at all); gradients add up
             for i in range(0, len(batch), micro_batch):
                 ids, mb_lengths, mb_prompt_lens = collate(batch[i:i + micro_batch])
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-                    part = eagle3_loss(drafter, target, ids, mb_lengths, mb_prompt_lens,
-                                       ttt_steps, ttt_decay, counts)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+                    part = eagle3_loss(drafter, target, ids.to(device), mb_lengths,
+                                       mb_prompt_lens, ttt_steps, ttt_decay, counts)
                 if part.loss.requires_grad:  # a micro-batch may have no loss position
-                    part.loss.backward()
+                    backward(part.loss)
                 loss += float(part.loss.detach())
                 n_loss += part.loss_tokens
                 for key, value in part.sums.items():
                     sums[key] = sums.get(key, 0) + value
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            optimizer.step()
-            result = StepLoss(torch.tensor(loss), sums, n_loss)
-            loss_tokens_seen += result.loss_tokens
-            entry = {"loss": loss, **result.metrics(ttt_steps), "lr": lr}
-            run.record_step(entry, int(lengths.sum()))
-            if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                accs = " ".join(f"{entry.get(f'acc_{k}', float('nan')):.3f}"
-                                for k in range(ttt_steps))
-                chains = " ".join(f"{entry.get(f'chain_{k}', float('nan')):.3f}"
-                                  for k in range(ttt_steps))
-                log(f"step {step:5d}/{cfg.steps}  loss {entry['loss']:.4f}  acc {accs}  chain "
-                    f"{chains}  lr {lr:.2e}  {run.session_rate():.0f} tok/s  "
-                    f"{run.cpu_time_s / 60:.1f} CPU-min  ETA {run.eta_s(cfg.steps) / 60:.0f} min")
+            tokens.update(batch=int(lengths.sum()), loss=n_loss)
+            return {"loss": loss, **step_metrics(sums, ttt_steps)}
+
+        def on_step(step: int, entry: dict[str, float]) -> bool:
+            nonlocal loss_tokens_seen
+            loss_tokens_seen += tokens["loss"]
+            run.record_step(entry, tokens["batch"])
             done = step + 1
             if save_every and done % save_every == 0 and done < cfg.steps:
                 save()
             if done < cfg.steps and run.over_budget():
-                log(f"stopping after step {step}: {run.cpu_time_s:.0f} s CPU >= the budget "
-                    f"{max_cpu_s:.0f} s (continue with --resume and a larger budget)")
-                break
+                log(f"stopping after step {step}: {run.budget_note()} (continue with "
+                    f"--resume and a larger budget)")
+                return True
+            return False
+
+        def format_step(step: int, entry: dict[str, float]) -> str:
+            accs = " ".join(f"{entry.get(f'acc_{k}', float('nan')):.3f}"
+                            for k in range(ttt_steps))
+            chains = " ".join(f"{entry.get(f'chain_{k}', float('nan')):.3f}"
+                              for k in range(ttt_steps))
+            return (f"step {step:5d}/{cfg.steps}  loss {entry['loss']:.4f}  acc {accs}  chain "
+                    f"{chains}  lr {entry['lr']:.2e}  {run.session_rate():.0f} tok/s  "
+                    f"{run.cpu_time_s / 60:.1f} CPU-min  ETA {run.eta_s(cfg.steps) / 60:.0f} min")
+
+        run.start()
+        fit(drafter, StepBatches(rows, run.step, cfg.batch_size, cfg.seed), cfg,
+            step_fn=step_fn, optimizer=optimizer, start_step=run.step, reseed=False,
+            use_accelerate=False, on_step=on_step, format_step=format_step, log=log)
         save()
         drafter.eval()
         return Eagle3Result(drafter, out, record(), run.history)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffspec.train.__main__ import _add_data_arg, _add_run_args, _add_train_args
+
+    e = argparse.ArgumentParser(
+        prog="python -m training.eagle3",
+        description="Train a one-layer EAGLE-3 drafter (vLLM's eagle3 layout) for a Qwen3 / "
+                    "Llama target on the frozen target's features (three layers' hidden "
+                    "states), forward KL to the target's distributions, with the "
+                    "training-time test (unrolled draft steps fed the drafter's own hidden "
+                    "states); loss on answer tokens (JSONL 'prompt_len'). --out receives the "
+                    "vLLM-loadable drafter (config.json, model.safetensors, training.json), "
+                    "rewritten every --save-every steps with the resumable state in "
+                    "OUT/checkpoint/.",
+        epilog="example (tiny, CPU):\n  python -m training.eagle3 --base "
+               "diffspec/assets/synth-qwen3 --data rows.jsonl --out /tmp/synth-eagle3 \\\n"
+               "      --steps 300 --seq-len 128 --batch-size 8 --micro-batch 8 --lr 3e-3",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument("--base", required=True, help="the target checkpoint folder (frozen)")
+    e.add_argument("--out", required=True, help="output drafter folder")
+    _add_data_arg(e)
+    e.add_argument("--ttt-steps", type=int, default=3,
+                   help="draft steps unrolled per position (training-time test)")
+    e.add_argument("--ttt-decay", type=float, default=1.0,
+                   help="loss weight of draft step k is this ** k")
+    e.add_argument("--aux-layers", type=lambda s: [int(x) for x in s.split(",")],
+                   help="target layer ids (vLLM's: 0 = embeddings, L = last layer), comma "
+                        "separated; default vLLM's (2, L//2, L-3)")
+    e.add_argument("--draft-vocab", type=int, default=0,
+                   help="reduce the draft vocabulary to the N most frequent answer tokens "
+                        "(writes d2t/t2d); 0 = the target's vocabulary (default)")
+    e.add_argument("--freeze-lm-head", action="store_true",
+                   help="keep lm_head at the target's LM head (cheaper steps)")
+    e.add_argument("--fc-init", choices=("random", "last"), default="random",
+                   help="fc start: random, or identity on the last aux layer (the target's "
+                        "deep features read out by its own head)")
+    e.add_argument("--fc-norm", action="store_true",
+                   help="an RMSNorm per aux layer before fc (vLLM's eagle3 `fc_norm`; tames "
+                        "targets with massive activations; not in the original EAGLE-3)")
+    e.add_argument("--micro-batch", type=int, default=1,
+                   help="rows per forward (gradients accumulate over --batch-size rows); 1 "
+                        "pads nothing (best for real models on CPU), more is faster for "
+                        "tiny models")
+    _add_run_args(e, "the drafter", save_every=100)
+    _add_train_args(e, TrainConfig(steps=1000, lr=1e-3, warmup_steps=20, batch_size=4,
+                                   seq_len=512, log_every=10))
+    e.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    return e
+
+
+def main(argv: list[str] | None = None) -> int:
+    from diffspec.train.__main__ import _config
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    result = train_eagle3(
+        args.base, args.out, _config(args), data=args.data, ttt_steps=args.ttt_steps,
+        ttt_decay=args.ttt_decay, aux_layer_ids=args.aux_layers,
+        draft_vocab_size=args.draft_vocab or None, freeze_lm_head=args.freeze_lm_head,
+        save_every=args.save_every, micro_batch=args.micro_batch, fc_init=args.fc_init,
+        fc_norm=args.fc_norm, autocast_bf16=args.autocast_bf16, resume=args.resume,
+        max_rows=args.max_rows,
+        max_cpu_s=None if args.max_cpu_minutes is None else 60 * args.max_cpu_minutes,
+        device=args.device, command="python -m training.eagle3 " + shlex.join(argv),
+    )
+    keys = ("steps", "tokens_seen", "cpu_time_s", "wall_time_s", "first_loss",
+            "final_metrics_mean_last_20", "estimated_acceptance_length")
+    print(json.dumps({k: result.record[k] for k in keys}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
