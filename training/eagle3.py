@@ -62,6 +62,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,7 @@ __all__ = [
     "default_aux_layer_ids",
     "eagle3_loss",
     "greedy_rows",
+    "heldout_acceptance",
     "load_rows",
     "save_drafter",
     "train_eagle3",
@@ -457,6 +459,31 @@ def step_metrics(sums: dict[str, float], ttt_steps: int) -> dict[str, float]:
     return out
 
 
+@torch.no_grad()
+def heldout_acceptance(drafter: Eagle3Drafter, target: TargetFeatures, rows: Sequence[Row],
+                       ttt_steps: int = 3, micro_batch: int = 8) -> dict[str, float]:
+    """Teacher-forced greedy acceptance of ``drafter`` on conversation rows (e.g. the
+    target's answers to held-out prompts): ``accept_k`` = share of answer positions whose
+    drafts 0..k all equal the target's argmax (:func:`step_metrics`' ``chain_k``),
+    ``est_al`` = 1 + their sum (the acceptance length of a ``ttt_steps`` chain), and the
+    mean KL per step."""
+    was_training = drafter.training
+    drafter.eval()
+    device = next(drafter.parameters()).device
+    sums: dict[str, float] = {}
+    for i in range(0, len(rows), micro_batch):
+        ids, lengths, prompt_lens = collate(list(rows[i:i + micro_batch]))
+        part = eagle3_loss(drafter, target, ids.to(device), lengths, prompt_lens, ttt_steps)
+        for key, value in part.sums.items():
+            sums[key] = sums.get(key, 0) + value
+    drafter.train(was_training)
+    m = step_metrics(sums, ttt_steps)
+    out = {f"accept_{k}": m[f"chain_{k}"] for k in range(ttt_steps) if f"chain_{k}" in m}
+    out["est_al"] = 1 + sum(out.values())
+    out.update({f"kl_{k}": m[f"kl_{k}"] for k in range(ttt_steps) if f"kl_{k}" in m})
+    return out
+
+
 def eagle3_loss(
     drafter: Eagle3Drafter,
     target: TargetFeatures,
@@ -603,6 +630,8 @@ def train_eagle3(
     max_rows: int | None = None,
     device: str = "cpu",
     deadline: float | None = None,
+    evaluate: Callable[[Eagle3Drafter, TargetFeatures], dict[str, float]] | None = None,
+    evaluate_every: int = 0,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Eagle3Result:
@@ -610,7 +639,10 @@ def train_eagle3(
     (``resume``: continue ``out_dir/checkpoint`` up to ``cfg.steps``). ``max_cpu_s``: stop
     early (saving) once the run's CPU time, all sessions together, reaches it;
     ``deadline`` (a ``time.monotonic()`` instant): stop this session there. ``device``:
-    where the target and the drafter run. The steps run on :func:`diffspec.train.fit`."""
+    where the target and the drafter run. ``evaluate(drafter, target) -> metrics`` (e.g.
+    :func:`heldout_acceptance`) runs before the first step, every ``evaluate_every`` steps
+    and at the end (the record's ``heldout_curve``). The steps run on
+    :func:`diffspec.train.fit`."""
     from diffspec.core.checkpoint import resolve_checkpoint
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -694,6 +726,19 @@ def train_eagle3(
             f"{spec.aux_layer_ids}, draft vocab {spec.draft_vocab_size}, {trainable:,} "
             f"trainable parameters; {data_stats['rows']} rows, {data_stats['tokens']:,} tokens")
 
+        curve: list[dict[str, Any]] = list(state.get("heldout_curve", [])) if state else []
+
+        def measure() -> None:
+            if evaluate is None or (curve and curve[-1]["step"] == run.step):
+                return
+            start = time.perf_counter()
+            metrics = evaluate(drafter, target)
+            drafter.train()
+            curve.append({"step": run.step, "tokens_seen": run.tokens_seen, **metrics,
+                          "seconds": round(time.perf_counter() - start, 2)})
+            log(f"held-out at step {run.step}: " + "  ".join(
+                f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float)))
+
         def record() -> dict[str, Any]:
             history = run.history
             tail = history[-20:]
@@ -711,6 +756,7 @@ def train_eagle3(
                 "estimated_acceptance_length": round(1 + sum(chain), 3),
                 "history_every": cfg.log_every,
                 "history": history[::cfg.log_every] + history[-1:],
+                "heldout_curve": curve,
             }
 
         def save() -> None:
@@ -726,7 +772,7 @@ def train_eagle3(
                 "loss_tokens_seen": loss_tokens_seen, "settings": settings,
                 "draft_ids": draft_ids,
                 "data": {k: data_info[k] for k in ("files", "synthetic", "rows_sha256")},
-                "config": cfg.as_dict()})
+                "heldout_curve": curve, "config": cfg.as_dict()})
 
         tokens = {"batch": 0, "loss": 0}  # the last step's row tokens / loss positions
 
@@ -756,6 +802,8 @@ def train_eagle3(
             loss_tokens_seen += tokens["loss"]
             run.record_step(entry, tokens["batch"])
             done = step + 1
+            if evaluate_every and done % evaluate_every == 0:
+                measure()
             if save_every and done % save_every == 0 and done < cfg.steps:
                 save()
             if done < cfg.steps and run.over_budget():
@@ -773,10 +821,13 @@ def train_eagle3(
                     f"{chains}  lr {entry['lr']:.2e}  {run.session_rate():.0f} tok/s  "
                     f"{run.cpu_time_s / 60:.1f} CPU-min  ETA {run.eta_s(cfg.steps) / 60:.0f} min")
 
+        if run.step == 0:
+            measure()  # the untrained drafter: the curve's first point
         run.start()
         fit(drafter, StepBatches(rows, run.step, cfg.batch_size, cfg.seed), cfg,
             step_fn=step_fn, optimizer=optimizer, start_step=run.step, reseed=False,
             use_accelerate=False, on_step=on_step, format_step=format_step, log=log)
+        measure()
         save()
         drafter.eval()
         return Eagle3Result(drafter, out, record(), run.history)

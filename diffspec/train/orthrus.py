@@ -429,6 +429,8 @@ def train_orthrus_answers(
     autocast_bf16: bool = False,
     device: str = "cpu",
     deadline: float | None = None,
+    evaluate: Callable[[Any], dict[str, float]] | None = None,
+    evaluate_every: int = 0,
     command: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
@@ -444,7 +446,10 @@ def train_orthrus_answers(
     in bf16 (autocast; on CPU about twice as fast where it has AVX512-BF16 / AMX), the
     weights, optimizer and losses in fp32. ``device``: where the model trains (``"cuda"``
     on a GPU); checkpoints are written from CPU copies either way. ``deadline``: a
-    ``time.monotonic()`` instant where the session stops and saves, like ``max_cpu_s``. The steps run on
+    ``time.monotonic()`` instant where the session stops and saves, like ``max_cpu_s``.
+    ``evaluate(model) -> metrics`` (e.g. :func:`measure_answer_acceptance` on held-out
+    rows) runs before the first step, every ``evaluate_every`` steps and at the end; its
+    points (step, tokens seen, metrics) are the record's ``heldout_curve``. The steps run on
     :func:`diffspec.train.fit` (one row per forward, gradients accumulated over the
     batch)."""
     import sys
@@ -519,8 +524,22 @@ def train_orthrus_answers(
                     "first_loss": run.history[0]["loss"] if run.history else None,
                     "final_metrics_mean_last_20": last,
                     "estimated_acceptance_length": last.get("est_al"),
-                    "history": run.history, "torch": torch.__version__,
+                    "history": run.history, "heldout_curve": curve,
+                    "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d")}
+
+        curve: list[dict[str, Any]] = list(state.get("heldout_curve", [])) if state else []
+
+        def measure() -> None:
+            if evaluate is None or (curve and curve[-1]["step"] == run.step):
+                return
+            start = time.perf_counter()
+            metrics = evaluate(model)
+            model.lm.train()
+            curve.append({"step": run.step, "tokens_seen": run.tokens_seen, **metrics,
+                          "seconds": round(time.perf_counter() - start, 2)})
+            log(f"held-out at step {run.step}: " + "  ".join(
+                f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float)))
 
         def save(folder: Path, *, state_too: bool) -> None:
             if rank is None:
@@ -535,7 +554,7 @@ def train_orthrus_answers(
                     "optimizer": optimizer.state_dict(), "settings": settings,
                     "anchor_rng": distiller.generator.get_state(),
                     "data": {k: data_info[k] for k in ("files", "rows_sha256")},
-                    "config": cfg.as_dict()})
+                    "heldout_curve": curve, "config": cfg.as_dict()})
 
         def step_fn(lm, batch: list, backward) -> dict[str, float]:
             """One optimizer step's rows: one forward + backward per row (no padding),
@@ -562,6 +581,8 @@ def train_orthrus_answers(
         def on_step(step: int, entry: dict[str, float]) -> bool:
             run.record_step(entry, sum(len(r.token_ids) for r in batches.last))
             done = step + 1
+            if evaluate_every and done % evaluate_every == 0:
+                measure()
             if out is not None and snapshot_every and done % snapshot_every == 0:
                 save(out / "snapshots" / f"step-{done:05d}", state_too=False)
             if out is not None and save_every and done % save_every == 0 and done < cfg.steps:
@@ -580,10 +601,13 @@ def train_orthrus_answers(
                     f"ETA {run.eta_s(cfg.steps) / 60:.0f} min")
 
         batches = StepBatches(rows, run.step, cfg.batch_size, cfg.seed, "diffspec.orthrus")
+        if run.step == 0:
+            measure()  # the untrained heads: the curve's first point
         run.start()
         fit(model.lm, batches, cfg, step_fn=step_fn, optimizer=optimizer,
             start_step=run.step, reseed=False, use_accelerate=False, on_step=on_step,
             format_step=format_step, log=log)
+        measure()
         if out is not None:
             save(out, state_too=True)
         model.lm.eval()
