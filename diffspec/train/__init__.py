@@ -15,8 +15,8 @@ single process or under ``accelerate launch`` (DDP / FSDP) unchanged. Every trai
 through :func:`fit`: the Orthrus answer-row trainer and the EAGLE-3 baseline
 (``training.eagle3``) with their own step functions (gradients accumulated over rows) and
 checkpoint hooks, the synthetic checkpoints' trainers (:mod:`diffspec.testing.synthetic`
-and its siblings) with their own loss callables and LR schedules. This package imports
-nothing from :mod:`diffspec.testing` (the synthetic language's measurements live there). CLI:
+and its siblings) with their own loss callables and LR schedules. This module imports
+nothing from :mod:`diffspec.testing` (which imports :func:`fit`). CLI:
 ``python -m diffspec.train {orthrus,nld-lora} --help``; see ``diffspec/train/README.md``.
 
 Importing this package does not import torch.
