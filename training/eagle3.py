@@ -1,58 +1,6 @@
 """EAGLE-3 drafter training: a real EAGLE-3 baseline for a served target.
 
-The drafter is the one vLLM's ``{"method": "eagle3"}`` loads (``LlamaForCausalLMEagle3``,
-:mod:`vllm.model_executor.models.llama_eagle3`, the layout the EAGLE authors publish and
-``benchmarks/tiny_drafters.py`` writes with random weights): one decoder layer
-``midlayer.*`` whose q/k/v read ``2 x hidden`` (normed token embedding ++ normed hidden
-state), ``fc`` fusing three target layers' hidden states, ``norm``, ``lm_head`` (the draft
-vocabulary; the target's unless ``draft_vocab`` reduces it, then ``d2t`` maps it back);
-the token embedding is the target's (not saved, vLLM shares it). Written anew from vLLM's
-inference code (what the trained weights must match) and the EAGLE-3 paper's recipe.
-
-**What the drafter computes** (mirrors ``llama_eagle3.py``, ``norm_before_residual`` off)::
-
-    e = input_layernorm(embed(token));  r = h;  x = cat(e, hidden_norm(h))
-    r = r + o_proj(attention(x));        out = r + mlp(post_attention_layernorm(r))
-    logits = lm_head(norm(out))          # `out` (before `norm`) is the next step's h
-
-with ``h = fc(cat(target aux hidden states))`` at the first draft step (``fc_norm``: each
-layer's state RMS-normed first, vLLM's optional ``fc_norm``) and ``h = out`` of the
-previous step after that.
-
-**Alignment** (vLLM's proposer): for a row ``x_0 .. x_{T-1}`` with target features
-``g_t`` (the aux layers' residual streams at token ``t``), draft slot ``t`` at step 0 reads
-token ``x_{t+1}``, ``h = fc(g_t)`` at rotary position ``t``, and predicts ``x_{t+2}``; step
-``k`` reads ``x_{t+k+1}`` (teacher-forced: the data are the target's own greedy answers,
-what a greedy verifier accepts), the previous step's ``out`` at position ``t+k``, and
-predicts ``x_{t+k+2}``, matched to the **target's distribution at position t+k+1**.
-
-**Training-time test** (EAGLE-3): ``ttt_steps`` unrolled steps; at step ``k`` slot ``t``
-attends to the step-0 keys of slots ``0..t`` (what the drafter's KV cache holds for the
-verified prefix) and to its own keys of steps ``1..k`` (the chain drafted so far), exactly
-the draft KV cache at inference. Implemented as a causal score block plus ``k`` diagonal
-scores per query (no dense ``[kT, kT]`` mask).
-
-**Loss**: forward KL(target || drafter) per step (the target's full softmax, restricted to
-the draft vocabulary when it is reduced), summed over steps with weight ``ttt_decay^k``,
-averaged over the answer tokens (those at or after ``prompt_len`` when the row has it)
-inside the row. Logged per step: KL, top-1 agreement with the target's argmax, and the
-chained agreement (steps ``0..k`` all right), whose sum + 1 estimates the acceptance length
-of a ``ttt_steps``-long chain.
-
-**Target features**: the frozen target (transformers, fp32) run on each batch; vLLM's aux
-layer id ``i`` is the residual stream entering decoder layer ``i`` (``0`` = the
-embeddings, ``num_layers`` = the last layer's output before the final norm), captured with
-hooks. Default ids: vLLM's own default for a target whose drafter names none, ``(2, L // 2,
-L - 3)``, when those are distinct and in range, else the ids ``tiny_drafters`` uses for
-shallow targets; they are written into the drafter's config either way.
-
-**Runs**: ``python -m training.eagle3 --base TARGET --data DATA --out DIR``. Every
-``save_every`` steps and at the end: ``DIR/`` is the vLLM-loadable drafter
-(``config.json`` + ``model.safetensors`` + ``training.json``) and ``DIR/checkpoint/`` the
-resumable state (weights, AdamW, step, cumulative tokens / CPU time, the data files and
-their hash); ``--resume`` continues from it (same data files, even if more shards appeared
-since; ``--steps`` may be raised). Data order: a seeded permutation of the rows per epoch,
-so step ``s`` reads the same rows in a fresh run and in a resumed one.
+Design notes: docs/design/training.md (section ``training/eagle3.py``).
 """
 
 from __future__ import annotations

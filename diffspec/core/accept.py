@@ -1,28 +1,6 @@
 """Accept rules: which draft tokens a verify pass accepts, and the one token it adds.
 
-Vocabulary (see :mod:`diffspec.core`). A request's **draft** is ``n`` tokens
-``d_0 .. d_{n-1}`` (padded with the placeholder id ``-1`` up to ``max_num_drafts``). One
-**verify** pass over ``[anchor, d_0 .. d_{n-1}]`` gives the target's distribution at
-``n + 1`` positions: position ``j < n`` predicts ``d_j``, position ``n`` comes after the
-whole draft. The **accepted** tokens are the longest draft prefix that passes the rule;
-then exactly one more token is emitted: a **recovered** token at the first rejected
-position ``j``, or, when all ``n`` drafts pass, a **bonus** token from position ``n``. So a
-step emits ``num_accepted + 1`` tokens; the rest of its output row is ``-1``. Every rule
-here is EOS-agnostic; cut the emitted tokens with :func:`truncate_at_stop`.
-
-Why each rule is lossless (its output has the target's distribution):
-
-* :func:`greedy_accept`: a draft token is accepted only if it is the target's argmax, and
-  the recovered / bonus token is the target's argmax, so every emitted token is what
-  greedy AR decoding would emit after the same prefix.
-* :func:`rejection_sample_accept`: draft ``d ~ q`` is accepted with probability
-  ``min(1, p(d) / q(d))``, and a rejection samples from ``max(p - q, 0)`` normalized; the
-  two paths add up to exactly ``p`` (Leviathan et al. 2023; Chen et al. 2023). With
-  point-mass drafts (``q = one-hot(d)``) the same algebra holds for any drafter.
-* :func:`coupled_accept`: with Gumbel noise keyed on ``(seed, absolute position)``, the
-  token seeded AR decoding would emit at a position is ``argmax(logits + noise)``, a
-  deterministic function of the target logits there; greedy acceptance on the perturbed
-  logits therefore emits exactly the AR tokens, token for token.
+Design notes: docs/design/core.md (section ``diffspec/core/accept.py``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Engine-free checkpoint inspection: which published layout a folder holds, and whether
 it can serve a given decoding method.
 
-Nothing here loads weights: tensor names come from safetensors headers (or
-``model.safetensors.index.json``), everything else from the JSON files. The module
-imports neither torch nor an engine; ``huggingface_hub`` is imported only to resolve a
-hub id, and only from the local cache (never the network).
-
-Families (see REFERENCE.md, "Checkpoint formats"):
-
-* ``orthrus``: a Qwen3 or Llama base plus ``*_diff`` attention weights per layer
-  (``OrthrusLM`` / ``OrthrusForCausalLM`` on Qwen3, ``OrthrusLlamaForCausalLM`` on Llama;
-  :attr:`CheckpointInfo.orthrus_base` says which).
-* ``nld``: Nemotron-Labs-Diffusion (``encoder.*`` + ``diffusion_head.weight``,
-  optional PEFT adapter in ``linear_spec_lora/``).
-* ``llada`` / ``dream`` / ``fast_dllm_v2``: diffusion LMs for Fast-dLLM.
-* ``tidar``: a stock causal LM (Qwen family) trained with the TiDAR recipe, whose config
-  carries both ``block_size`` and ``mask_token_id`` (``dlm_type: "dream"`` = shifted drafts).
-* ``refusion``: a stock Qwen3 causal model whose config carries ``mask_token_id`` only.
-* ``qwen3``: plain Qwen3; ``None``: a plain AR model of another architecture.
+Design notes: docs/design/core.md (section ``diffspec/core/checkpoint.py``).
 """
 
 from __future__ import annotations

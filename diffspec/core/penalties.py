@@ -1,25 +1,7 @@
-"""Per-request logit transforms on the verify rows of a speculative step, as an engine's AR
-path applies them one token at a time: repetition / presence / frequency penalties,
-``min_new_tokens`` (stop tokens banned until the request has that many output tokens) and
-a logit bias.
+"""Per-request logit transforms on the verify rows of a speculative step (penalties,
+``min_new_tokens``, logit bias), as an engine's AR path applies them one token at a time.
 
-A verify step scores ``[anchor, d_1 .. d_{W-1}]``; row ``j`` predicts the token after
-``d_j``. Under AR that token would be sampled with the request's output so far **plus**
-``d_1 .. d_j`` already emitted (a draft is accepted only if it is what AR would have
-emitted there), so row ``j`` is penalised with that history, not with the step's start
-state (SGLang's own EAGLE path uses the start state for every row: "a relaxed version of
-penalties"). The arithmetic is SGLang's penaltylib (``sglang.srt.sampling.penaltylib``) in
-its accumulated form (``SamplingBatchInfo.update_penalties``):
-
-* additive: ``acc = 0 - frequency * count(t) - presence * [t seen]`` plus ``-inf`` on
-  the stop tokens while ``len(output) < min_new_tokens``; ``logits += acc``;
-* scaling: ``s = repetition`` on tokens seen, ``1`` elsewhere; ``logits = logits * s``
-  where ``logits < 0``, else ``logits / s``;
-* then ``logits += logit_bias``.
-
-Neutral values (penalty 1 / 0, no bias) leave a row's logits bit-identical, so requests
-with and without options share a batch. "Seen" means output tokens only (the prompt does
-not count), as in SGLang.
+Design notes: docs/design/core.md (section ``diffspec/core/penalties.py``).
 """
 
 from __future__ import annotations

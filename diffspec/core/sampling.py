@@ -1,27 +1,6 @@
 """Sampling rules: sampling parameters, logits processing, and (coupled) sampling.
 
-Processing order (one rule, used by the reference decoder and both engine adapters):
-
-1. **temperature**: ``logits / temperature``; a row with temperature 0 is *greedy* and
-   keeps only its argmax (first index on ties), so its softmax is one-hot.
-2. **top-k**: keep exactly ``k`` tokens, the highest logits; ties are broken by the lower
-   token index. ``k <= 0`` or ``k >= vocab`` turns it off.
-3. **top-p**: of what top-k kept, keep the smallest set of highest-probability tokens whose
-   cumulative probability is ``>= top_p`` (always at least the top-1; ties broken by the
-   lower index). ``top_p == 1`` turns it off.
-4. **min-p** (optional): drop the tokens whose probability (softmax of the
-   temperature-scaled logits) is below ``min_p`` times the top token's, SGLang's rule
-   (``probs < probs.max() * min_p`` zeroed after top-k / top-p). ``min_p == 0`` turns it
-   off.
-
-Removed tokens get logit ``-inf``. Two ways to sample from the processed distribution:
-
-* :func:`sample_from_probs` draws from a ``torch.Generator`` (used by rejection sampling).
-* :func:`coupled_sample` takes the argmax of the logits plus Gumbel noise from
-  :func:`position_gumbel_noise`, a pure function of ``(seed, absolute position)``. Two
-  decoders that see the same target logits at a position then emit the same token there,
-  whatever the batch or the grouping of positions into forward passes: this is what makes
-  seeded speculative decoding equal seeded AR decoding token for token.
+Design notes: docs/design/core.md (section ``diffspec/core/sampling.py``).
 """
 
 from __future__ import annotations

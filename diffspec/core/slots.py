@@ -1,26 +1,6 @@
 """ReFusion slot rules (plan, verify, reorder) as pure tensor functions.
 
-ReFusion cuts the response into **slots** (contiguous spans of masked positions, sizes
-4/8/16/32) and decodes in plan-and-infill rounds:
-
-* **plan**: one forward predicts every masked position; each masked slot is scored by
-  the probability of its first token (:func:`score_slots`), and the slots scoring over
-  the slot threshold are chosen, or the single best one if none is
-  (:func:`select_slots`);
-* **infill**: the chosen slots' drafts are verified by a causal pass; each slot keeps
-  its first token (the plan's own choice) and the longest run of drafts after it whose
-  probabilities are over the token threshold (:func:`verify_slot_drafts`); the rest of
-  the slot is completed in parallel (draft pass, verify pass, repeat), and an accepted
-  stop token ends its slot (:func:`first_stop_in_slots`);
-* **reorder**: decoded slots move before the masked ones, each token keeping its true
-  position id, so the causal KV cache of decoded slots is reused
-  (:func:`reorder_for_kv_reuse`).
-
-The rules follow the published code (``ML-GSAI/ReFusion``, ``generate.py``,
-``generate_refusion``): both thresholds are strict (``score > slot_threshold``,
-``prob > token_threshold``), the top-1 slot is the fallback when no score passes, and
-the token at the first open position of a slot is always kept ("keep at least one
-token"), which guarantees that every verify pass makes progress.
+Design notes: docs/design/core.md (section ``diffspec/core/slots.py``).
 """
 
 from __future__ import annotations

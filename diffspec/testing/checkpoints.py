@@ -1,32 +1,6 @@
 """Tiny random-weight checkpoints in the published layouts, written offline.
 
-Each writer produces a normal HF folder: ``config.json`` with the keys of the real
-checkpoint, ``model.safetensors`` with the real tensor names and (scaled-down) shapes,
-``generation_config.json`` where the real one ships one, and a word-level tokenizer
-(:mod:`diffspec.testing.tokenizer`) whose special tokens include the method's mask token
-at the id the config names. Real ids (151669, 126336, ...) do not fit a 256-token
-vocabulary, so ids come from the tiny tokenizer while the config *keys* stay the real
-ones. Weights are seeded and deterministic; the default dtype is fp32.
-
-Special-token layout of the Qwen-based tokenizers (same word ids in every one, so the
-same text tokenizes the same way for Qwen3, Orthrus, ReFusion, Dream and Fast-dLLM v2):
-
-====  =================  ==============================================
-id    token              real id / role
-====  =================  ==============================================
-0     <|endoftext|>      151643: bos/pad (Qwen3), eos (Dream)
-1     <|im_start|>       151644
-2     <|im_end|>         151645: eos (Qwen3 instruct, Fast-dLLM v2 stop)
-3, 4  <think> </think>   151667, 151668
-5     slot "151665"      Fast-dLLM v2 ``|<MASK>|``; Dream ``<|beginoftext|>``
-6     slot "151666"      Dream ``<|mask|>``
-7     slot "151669"      Orthrus ``<|mask|>``; ReFusion ``<|beginoftext|>``
-8     slot "151670"      ReFusion ``<|mask|>``
-====  =================  ==============================================
-
-Unused slots hold ``<|reserved_N|>``. Config overrides: keyword arguments update
-``config.json``; size keys (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ...)
-also shape the weights; a value of ``None`` removes the key (e.g. ``mask_token_id=None``).
+Design notes: docs/design/testing.md (section ``diffspec/testing/checkpoints.py``).
 """
 
 from __future__ import annotations

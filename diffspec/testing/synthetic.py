@@ -1,40 +1,6 @@
 """A deterministic synthetic language and a tiny Qwen3 trained on it in a few CPU minutes.
 
-The language is built so that drafts are often right, which makes speculative decoding
-visible on a laptop:
-
-* a **vocabulary** of 200 pronounceable two-syllable words (``"bako"``, ``"tirum"``),
-  plus ``user`` / ``assistant`` / ``system`` so a chat template renders;
-* a fixed **phrasebook** of 48 phrases of 4-12 words; every phrase has a unique first word,
-  so once a phrase has started, the rest of it is determined;
-* a **successor** map: a permutation of the phrases made of cycles of 3-4 phrases. After a
-  phrase, the next one is ``successor[p]`` with probability 0.8, else a uniformly random one;
-* a **document** is 3-12 phrases (uniform) followed by ``<|endoftext|>``; about one document in
-  five is a chat turn instead::
-
-      <|im_start|> user <phrase> <|im_end|> <|im_start|> assistant <1-4 phrases> <|im_end|>
-      <|endoftext|>
-
-Special tokens (ids 0-3, in this order): ``<|endoftext|>`` ends a plain document and is the
-tokenizer's ``eos_token`` (and pad token); ``<|im_end|>`` ends a chat turn. Both are listed in
-``generation_config.eos_token_id``, so both stop generation. ``<|mask|>`` is the mask token the
-diffusion view fills in; the AR model never sees it in training.
-
-Because the successor cycles are short, a continuation usually repeats phrases that are already
-in the prompt, so even a prompt-lookup (n-gram) drafter gets long accepted runs.
-
-The language itself is fixed (:data:`LANGUAGE_SEED`); the ``seed`` arguments below only choose
-which documents are sampled and how the model is initialised.
-
-This module also holds what the bundled synthetic checkpoints' trainers share (this one and
-:mod:`~diffspec.testing.synthetic_dllm`, :mod:`~diffspec.testing.synthetic_refusion`,
-:mod:`~diffspec.testing.synthetic_tidar`): :func:`fit_synthetic`, their optimization loop
-(:func:`diffspec.train.fit` with a per-step loss callable and an LR schedule), the two
-schedules, :func:`fine_tune_qwen3`, the record and CLI helpers.
-
-CLI::
-
-    python -m diffspec.testing.synthetic train --out DIR [--steps N --seed S]
+Design notes: docs/design/testing.md (section ``diffspec/testing/synthetic.py``).
 """
 
 from __future__ import annotations

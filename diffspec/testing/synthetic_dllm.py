@@ -1,27 +1,7 @@
 """A tiny diffusion LM trained on the synthetic language, in a published checkpoint layout,
 and the measurement of Fast-dLLM decoding on it.
 
-The language is :mod:`diffspec.testing.synthetic` (plain documents only: the LLaDA
-tokenizer has no ``<|im_start|>``). The checkpoint starts as the tiny random checkpoint of
-:func:`~diffspec.testing.checkpoints.write_llada` or
-:func:`~diffspec.testing.checkpoints.write_fast_dllm_v2` (so the layout, config keys and
-tokenizer are the published ones), whose vocabulary is set to the language's words, and
-is then trained from scratch, loaded by :func:`diffspec.model_executors.reference.dllm.load_dllm`:
-
-* ``llada``: masked diffusion (LLaDA pretraining): per row t ~ U(eps, 1), every token
-  masked with probability t, cross-entropy on masked tokens weighted by 1/t, summed over
-  the batch and divided by its token count; in half of the rows a random-length prefix
-  is left clean (the prompt / response shape of LLaDA's SFT), bidirectional attention;
-* ``fast_dllm_v2``: block diffusion (Fast-dLLM v2): t per block, the noisy stream
-  ``x_t`` and the clean stream ``x_0`` in one forward under
-  :func:`~diffspec.core.masks.block_diffusion_training_mask`, shifted targets (the noisy
-  slot i predicts ``x_0[i+1]`` where ``x_t[i+1]`` is masked), mean cross-entropy. (v2's
-  complementary second mask is not used.)
-
-CLI::
-
-    python -m diffspec.testing.synthetic_dllm train --layout llada --out DIR [--steps N]
-    python -m diffspec.testing.synthetic_dllm eval --model DIR [--prompts N]
+Design notes: docs/design/testing.md (section ``diffspec/testing/synthetic_dllm.py``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
 """A tiny Nemotron-Labs-Diffusion (NLD) model on the synthetic language, with a trained draft LoRA.
 
-The bundled ``diffspec/assets/synth-nld`` (what ``diffspec generate --method
-linear_self_spec`` runs when no ``--model`` is given) is made here in two stages, both
-through :func:`diffspec.train.fit`:
-
-1. **backbone**: a 2-layer Ministral3 (hidden 128, as synth-qwen3) trained from scratch on
-   the synthetic language of :mod:`diffspec.testing.synthetic` with NLD's two objectives,
-   AR cross-entropy (causal) + block-diffusion cross-entropy (rows ``[x_t, x_0]`` under
-   :func:`~diffspec.core.masks.block_diffusion_training_mask`, each block masked with its
-   own ratio, unshifted: a mask predicts its own token), the step of
-   :func:`diffspec.train.nld_lora.train_tiny_nld_base`;
-2. **draft LoRA**: :func:`diffspec.train.nld_lora.train_nld_lora` (``nld-lora``): rank 16 on
-   ``o_proj``, active only in the draft pass, LK + CE against the frozen AR view on each
-   block's accepted prefix plus one, on rows whose continuation after 24 data tokens is the
-   model's own greedy output.
-
-Unlike ``python -m diffspec.train nld-base`` (NLD special tokens, ``</s>``), the checkpoint
-uses the synthetic language's own tokenizer (:func:`~diffspec.testing.synthetic.
-build_tokenizer`: the same ids as synth-qwen3, ``<|mask|>`` = 3 is the mask token,
-``<|endoftext|>`` / ``<|im_end|>`` stop), so synthetic text and prompts need no mapping.
-The files are the published NLD layout (``model_type: nemotron_labs_diffusion``,
-``encoder.*`` + ``diffusion_head.weight``, ``block_size``, ``mask_token_id``, PEFT
-``linear_spec_lora/``) that :func:`~diffspec.model_executors.reference.nld.load_nld` reads.
-
-CLI::
-
-    python -m diffspec.testing.synthetic_nld --out DIR [--base-steps N --lora-steps M --seed S]
-    python -m diffspec.testing.synthetic_nld --eval [--model DIR]
+Design notes: docs/design/testing.md (section ``diffspec/testing/synthetic_nld.py``).
 """
 
 from __future__ import annotations

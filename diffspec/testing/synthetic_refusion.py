@@ -1,30 +1,6 @@
 """A tiny ReFusion-style model: the bundled synth-qwen3 fine-tuned with ReFusion's objective.
 
-ReFusion (``ML-GSAI/ReFusion``, ``qwen3/modeling_qwen3_refusion.py``, ``forward_process``)
-fine-tunes a causal Qwen3 on (query, response) pairs. Per example:
-
-* the response is cut into slots of one size drawn from {4, 8, 16, 32} (the last slot may
-  be shorter); ``t ~ U(0, 1)``, ``p_mask = (1 - eps) t + eps``; each slot is masked with
-  probability ``p_mask``;
-* the sequence is ``[query, clean slots in shuffled order, masked slots in original order]``
-  with every token at its **true** position id, under the plain causal mask;
-* **AR loss** on the clean slots: each token predicts the next token *of its slot* (the
-  last token of a slot predicts nothing), mean over those tokens;
-* **MDM loss** on the masked slots: each ``<|mask|>`` predicts its own token (unshifted),
-  cross-entropy / ``p_mask`` / response length, summed, divided by the batch size;
-* loss = AR loss + MDM loss.
-
-This module follows that objective exactly. What is simplified: the data (the synthetic
-language of :mod:`diffspec.testing.synthetic`, packed documents cut at a random point into
-a query and a response instead of chat pairs), the scale (2 layers, 371k parameters,
-starting from the bundled AR model ``synth-qwen3`` rather than Qwen3-8B) and the schedule.
-The real run uses lr 2e-5 (cosine, 4 epochs, bf16); here a higher lr (1e-3) fits the small
-budget.
-
-CLI::
-
-    python -m diffspec.testing.synthetic_refusion train --out DIR [--steps N --seed S]
-    python -m diffspec.testing.synthetic_refusion eval [--model DIR --slot-size 32 ...]
+Design notes: docs/design/testing.md (section ``diffspec/testing/synthetic_refusion.py``).
 """
 
 from __future__ import annotations

@@ -1,36 +1,6 @@
 """A tiny TiDAR model: the bundled synth-qwen3 fine-tuned with the TiDAR recipe.
 
-TiDAR (Liu et al., "TiDAR: Think in Diffusion, Talk in Autoregression", arXiv 2511.08923)
-trains one backbone in both modes at once, so that one forward can verify causally and
-draft by one-step diffusion. Per row of ``L`` clean tokens ``x_0 .. x_{L-1}``:
-
-* **input**: the clean stream, then a *fully masked copy* (``<|mask|> x L``); both halves
-  sit at positions ``0 .. L-1``;
-* **attention** (:func:`diffspec.core.masks.orthrus_dual_pass_mask` with the blocks tiling
-  the copy, anchors ``0, K, 2K, ..``): the clean stream is causal and never sees the copy;
-  the copy is cut into blocks of ``K``; a block's masks see the clean tokens before the
-  block and every mask of their own block, never another block. At inference a branch of
-  the quadratic layout (:mod:`diffspec.spec_workers.reference.tidar`) is exactly such a block: ``K``
-  masks right after the last token they see;
-* **loss**: ``(alpha * AR + diffusion) / (1 + alpha)``, ``alpha = 1``; AR = next-token
-  cross-entropy on the clean stream, diffusion = cross-entropy on every mask (the full
-  mask makes both terms cover the same ``L`` positions, the paper's reason for it). With
-  ``logits_shift`` (default) the mask at position ``p`` predicts ``x_{p+1}``, so the ``K``
-  masks of a branch give ``K`` drafts; without it a mask predicts ``x_p`` (LLaDA / NLD).
-
-What is ours, not the paper's: the scale (2 layers, 371k parameters, from the bundled AR
-model rather than Qwen2.5 1.5B / Qwen3 8B), the data (the synthetic language of
-:mod:`diffspec.testing.synthetic`), the schedule, and where the paper leaves it open, the
-exact block alignment (here blocks tile the row from position 0).
-
-The saved checkpoint is a stock ``Qwen3ForCausalLM`` whose ``config.json`` adds
-``block_size``, ``mask_token_id`` and ``dlm_type`` (``"dream"`` = shifted draft logits), the
-layout :func:`diffspec.model_executors.reference.tidar.load_quadratic` reads.
-
-CLI::
-
-    python -m diffspec.testing.synthetic_tidar train --out DIR [--steps N --seed S --block-size K]
-    python -m diffspec.testing.synthetic_tidar eval --model DIR [--prompts 16 --seed 1]
+Design notes: docs/design/testing.md (section ``diffspec/testing/synthetic_tidar.py``).
 """
 
 from __future__ import annotations

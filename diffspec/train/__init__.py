@@ -1,25 +1,6 @@
 """Training the drafters: Orthrus diffusion heads and the NLD linear self-speculation LoRA.
 
-Both trainers distill the model's own AR view into its diffusion view (the AR weights stay
-frozen, the teacher is the model itself):
-
-* :mod:`diffspec.train.orthrus`: only the ``*_diff`` attention projections train;
-  loss = forward KL(AR || diffusion) (+ optional CE) on random anchor blocks;
-* :mod:`diffspec.train.nld_lora`: only a LoRA on ``o_proj`` (active in the draft pass)
-  trains; loss = LK or KL + CE on each block's accepted prefix plus one.
-
-Shared pieces: :mod:`diffspec.train.data` (rows, anchors), :mod:`diffspec.train.losses`
-(pure loss functions) and, here, :class:`TrainConfig` and :func:`fit`, the optimization
-loop (AdamW, warmup + cosine schedule, gradient clipping, seeded), which runs as a plain
-single process or under ``accelerate launch`` (DDP / FSDP) unchanged. Every trainer runs
-through :func:`fit`: the Orthrus answer-row trainer and the EAGLE-3 baseline
-(``training.eagle3``) with their own step functions (gradients accumulated over rows) and
-checkpoint hooks, the synthetic checkpoints' trainers (:mod:`diffspec.testing.synthetic`
-and its siblings) with their own loss callables and LR schedules. This module imports
-nothing from :mod:`diffspec.testing` (which imports :func:`fit`). CLI:
-``python -m diffspec.train {orthrus,nld-lora} --help``; see ``diffspec/train/README.md``.
-
-Importing this package does not import torch.
+Design notes: docs/design/training.md (section ``diffspec/train/__init__.py``).
 """
 
 from __future__ import annotations

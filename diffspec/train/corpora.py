@@ -1,28 +1,6 @@
 """Real-text training corpora that every machine already has, for distilling drafters.
 
-Three sources, read from the running Python and its installed packages (no download):
-
-* **stdlib**: the Python standard library's sources (``sysconfig.get_paths()['stdlib']``),
-  tests, IDLE, tkinter demos and ``site-packages`` left out;
-* **pydoc**: the language reference shipped with Python (``pydoc_data.topics``, the text
-  ``help()`` prints: statements, operators, data model, ...);
-* **numpy**: the sources of numpy, a registry package installed with torch everywhere
-  (its docstrings are long prose: math, arrays, examples), tests left out.
-
-and one chat set built from them, since the served use is chat: **chat prompts** made
-from stdlib function signatures with their docstrings (``"Complete this Python
-function"``-style requests) and from the pydoc topics (``"Explain ..."`` requests), wrapped
-in the model's chat template and **answered by the model itself** (greedy), so the rows
-are exactly what the model emits when served.
-
-Selection and order are deterministic: files in sorted order, every document cut to at
-most ``max_chars`` characters, a seeded shuffle of the final mix. Nothing here reads the
-evaluation prompts (``../shared/data``). :func:`write_corpus` writes the JSONL that
-``python -m diffspec.train orthrus --data`` reads (``token_ids`` rows for the chat set,
-``text`` rows for the rest).
-
-    python -m diffspec.train.corpora --base BASE --out corpus.jsonl --chat 150 --text 80 \
-        --max-chars 1600 --max-new-tokens 128 --batch-size 50 --num-threads 1
+Design notes: docs/design/training.md (section ``diffspec/train/corpora.py``).
 """
 
 from __future__ import annotations

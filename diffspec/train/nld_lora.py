@@ -1,31 +1,6 @@
 """NLD linear self-speculation: train the draft LoRA (``linear_spec_lora/``), nothing else.
 
-The NLD checkpoint is frozen; a LoRA on ``o_proj`` (the published one is r=128, alpha=512)
-is active only in the draft pass (:meth:`NLDModel.draft_view`). The teacher is the same
-model with the LoRA off (the AR view, which is also the verifier). One step is
-:class:`~diffspec.train.orthrus.BlockDistiller` with NLD's settings:
-
-* blocks ``[x_a, <mask> x (K-1)]`` over the AR KV cache of the clean prefix, drafts read
-  **unshifted** (block position j predicts token a+j; shifted for ``dlm_type == "dream"``);
-* the drafts should be what greedy AR decoding would emit after ``x_{<=a}``; each block is
-  weighted on its **accepted prefix plus one** (:func:`~diffspec.train.losses.
-  accepted_prefix_weights`: the positions a greedy verify looks at; drafts after the first
-  rejection are never used, so training them is wasted capacity);
-* loss = LK (``-log sum min(p, q)``, the acceptance probability; default) or forward KL
-  against the AR distributions, plus ``ce_weight`` x CE on the AR's greedy token.
-
-The teacher's greedy tokens match the verifier exactly when the rows are the model's own
-greedy continuations (``--self-generate-prefix``); on plain text rows the teacher at position
-a+j conditions on data tokens, which a verify sees only where the data agree with greedy
-AR (an approximation the data-only mode accepts).
-
-Not found in public code: NVIDIA's LoRA training script. The recipe above is written from
-the NLD description (LoRA on ``o_proj`` in the draft pass only, self-distillation, loss
-over the accepted prefix plus one, LK/KL + CE) and the LK-loss paper; see README.md.
-
-Also here, for tests and demos at tiny scale: :func:`train_tiny_nld_base`, which trains a
-small NLD base on the synthetic language (AR CE + block-diffusion CE), so that a LoRA has
-a real model to adapt.
+Design notes: docs/design/training.md (section ``diffspec/train/nld_lora.py``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """Orthrus head distillation: train the ``*_diff`` attention projections, nothing else.
 
-The AR model is frozen and is its own teacher. One training step on a batch of clean rows
-``x [B, L]`` (:class:`BlockDistiller`, shared with :mod:`diffspec.train.nld_lora`):
-
-1. **AR view**, no grad: one causal forward over ``x`` gives the teacher's next-token
-   logits at every position and the AR KV cache of the whole row;
-2. **anchors**: ``n`` random positions per row in ``1 .. L-K`` (as the official trainer
-   samples them); each gives a block ``[x_a, <mask> x (K-1)]`` at positions ``a .. a+K-1``;
-3. **diffusion view**: every block of the batch in one
-   :func:`~diffspec.model_executors.reference.views.block_view_logits` call over the AR cache, with
-   the block rows of :func:`~diffspec.core.masks.orthrus_dual_pass_mask` (a block sees the
-   clean tokens strictly before its anchor, and itself bidirectionally);
-4. **loss**: Orthrus drafts from *shifted* logits, so block position ``j`` (0 .. K-2)
-   predicts token ``a+j+1`` and is matched to the AR logits at position ``a+j``:
-   forward KL(teacher || student), plus optionally ``ce_weight`` x CE on the true token
-   ``x[a+j+1]`` (off by default, as in the official KL recipe; CE pulls the drafts toward
-   the data rather than toward what the AR model would emit, which is what acceptance
-   rewards).
-
-Only :meth:`OrthrusModel.diffusion_parameters` get gradients; the AR weights stay
-bit-identical. With ``rank`` the ``*_diff`` projections are low-rank deltas on the frozen AR
-projections (``W + B @ A``, ``B = 0`` at the start), trained in LoRA form (``x W^T +
-(x A^T) B^T``, no merged weight per step), and the run saves a compact heads
-folder (:func:`~diffspec.model_executors.reference.orthrus.save_orthrus_heads`) instead of a full
-checkpoint; :func:`~diffspec.model_executors.reference.orthrus.materialize_orthrus` makes the full
-one. Qwen3 and Llama bases are both supported. This follows the public training code read for it (``ekonst41/orthrus-
-training`` ``src/train/qwen3/model.py`` and ``src/train/qwen3/loss.py``: warm start
-``*_diff`` from the AR projections, freeze everything else, AR pass with cache, dual-pass
-block mask, full-vocabulary forward KL at ``positions[:, :, :-1]``), written anew on top of
-diffspec's block view.
+Design notes: docs/design/training.md (section ``diffspec/train/orthrus.py``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """Nemotron-Labs-Diffusion (NLD): one Ministral3 backbone, two attention modes, a LoRA drafter.
 
-The published checkpoint (``NemotronLabsDiffusionModel``) stores a Ministral3 decoder under
-``encoder.*`` and its LM head as ``diffusion_head.weight``; it is loaded here, without
-remote code, into a stock transformers ``Ministral3ForCausalLM`` (YaRN rope and llama-4
-query scaling come with it) by renaming those prefixes. The PEFT LoRA in
-``linear_spec_lora/`` (``target_modules=["o_proj"]``) is injected with peft and is
-**enabled only inside** :meth:`NLDModel.draft_view`; everywhere else (prefill, verify, AR)
-the adapter layers are disabled, so ``lm`` is exactly the plain causal model.
-
-The two passes of linear self-speculation, as the NLD modeling code runs them
-(``linear_spec_generate``: ``_set_diffusion_lm`` / ``_toggle_adapters`` around each pass):
-
-* **draft**: block ``[anchor, <mask> x n]`` at positions ``cache_len .. cache_len + n``,
-  bidirectional over the prefix cache and the whole block (no mask), adapters on, no KV
-  written (``use_cache=False``). Logits are **unshifted** (LLaDA style: block position
-  ``j`` predicts its own token, drafts = ``logits[1:]``) unless ``dlm_type == "dream"``
-  (shifted, drafts = ``logits[:-1]``).
-* **verify**: the ordinary causal forward of ``[anchor, d_1 .. d_n]``, adapters off, KV
-  written, then cropped to the accepted length (the reference decoder does that part).
+Design notes: docs/design/reference.md (section ``diffspec/model_executors/reference/nld.py``).
 """
 
 from __future__ import annotations

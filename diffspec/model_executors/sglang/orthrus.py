@@ -1,26 +1,7 @@
 """Orthrus in SGLang: SGLang's own Qwen3 or Llama (the AR view) plus per-layer diffusion
 attention.
 
-:class:`OrthrusForCausalLM` *is* SGLang's ``Qwen3ForCausalLM`` and
-:class:`OrthrusLlamaForCausalLM` *is* SGLang's ``LlamaForCausalLM`` (same layers, same
-radix attention, same token-to-KV pool, tied embeddings as the base has them): it serves
-plain requests and every verify pass. Each decoder layer's ``self_attn`` additionally
-holds the diffusion projections, built from SGLang's tensor-parallel layers like the AR
-ones:
-
-* ``qkv_proj_diff`` (``QKVParallelLinear``; the checkpoint's ``q/k/v_proj_diff`` load into
-  it as the ``q`` / ``k`` / ``v`` shards),
-* ``o_proj_diff`` (``RowParallelLinear``; built with ``reduce_results=False`` like
-  ``o_proj``, as SGLang requires of every projection inside a layer with stage
-  boundaries, and summed over the tensor-parallel ranks by the diffusion view),
-* Qwen3 only: ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``); Llama has no q/k norms.
-
-The diffusion view (:class:`~diffspec.model_executors.sglang.views.DiffusionViewMixin`)
-runs a block ``[anchor, <mask> x n]`` through the same embeddings, norms, MLPs, rotary and
-LM head with every attention computed by the ``*_diff`` modules, non-causally over the AR
-K/V of the committed prefix (read from the pool) and the block's own diffusion K/V, which
-is the reference's attention (:mod:`diffspec.model_executors.reference.orthrus`). Drafts are read
-from shifted logits: block position ``j`` predicts token ``j + 1``.
+Design notes: docs/design/sglang.md (section ``diffspec/model_executors/sglang/orthrus.py``).
 """
 
 from __future__ import annotations

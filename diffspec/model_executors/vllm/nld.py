@@ -1,26 +1,7 @@
 """Nemotron-Labs-Diffusion (NLD) in vLLM: vLLM's own Ministral3 (``MistralForCausalLM``)
 as the AR view, plus the drafter LoRA used only by the diffusion view.
 
-The checkpoint (``NemotronLabsDiffusionModel``) is a Ministral3 decoder under
-``encoder.*`` with its LM head as ``diffusion_head.weight``; :meth:`load_weights` renames
-those prefixes to vLLM's (``model.*``, ``lm_head``). Ministral3's llama-4 query scaling
-(``rope_parameters.llama_4_scaling_beta``) is handed to vLLM's Mistral attention in the
-form it reads (``config.llama_4_scaling``).
-
-The drafter LoRA (PEFT, ``linear_spec_lora/``, ``target_modules=["o_proj"]``) becomes two
-tensor-parallel layers per attention: ``o_proj_lora_a`` (``RowParallelLinear``: it takes
-the same head-sharded input as ``o_proj`` and all-reduces to ``[tokens, r]``) and
-``o_proj_lora_b`` (``ReplicatedLinear`` to ``hidden``). The AR view (plain requests, every
-verify pass) never calls them. :meth:`diffusion_hidden_states` is the diffusion view: the
-same layers under the forward context's non-causal metadata, with
-``o_proj(x) + scaling * lora_b(lora_a(x))`` in every attention. Draft logits are unshifted
-(block position ``j`` predicts its own token) unless ``dlm_type == "dream"``.
-
-NLD's diffusion mode (Fast-dLLM, :mod:`diffspec.model_executors.vllm.dllm`) is this class
-too, run on vLLM's diffusion path when vLLM is started with ``--diffusion-config``: the
-backbone without the LoRA (the plain ``forward``), causal over the prompt and non-causal
-over each block, as the Fast-dLLM model state sets per request. Without
-``--diffusion-config`` the class names no model state and is the causal model above.
+Design notes: docs/design/vllm.md (section ``diffspec/model_executors/vllm/nld.py``).
 """
 
 from __future__ import annotations

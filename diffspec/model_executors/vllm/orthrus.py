@@ -1,26 +1,7 @@
 """Orthrus in vLLM: vLLM's own Qwen3 or Llama (the AR view) plus per-layer diffusion
 attention.
 
-:class:`OrthrusForCausalLM` *is* vLLM's ``Qwen3ForCausalLM`` and
-:class:`OrthrusLlamaForCausalLM` *is* vLLM's ``LlamaForCausalLM`` (same layers, same
-compiled forward, same paged KV cache, tied embeddings as the base has them): that is the
-AR view, which serves plain requests and every verify pass. Each decoder layer's
-``self_attn`` additionally holds the diffusion twins of its attention modules, built from
-vLLM's tensor-parallel layers so TP shards them like the AR ones:
-
-* ``qkv_proj_diff`` (``QKVParallelLinear``; the checkpoint's ``q/k/v_proj_diff`` load into
-  it as shards, through the base's own ``.q_proj -> .qkv_proj`` weight mapping),
-* ``o_proj_diff`` (``RowParallelLinear``),
-* Qwen3 only: ``q_norm_diff`` / ``k_norm_diff`` (``RMSNorm``); Llama has no q/k norms.
-
-``diffusion_hidden_states`` (from ``vllm_views.DiffusionViewMixin``) is the diffusion view: the same
-embeddings, layer norms, MLPs, rotary and LM head, with every attention computed by the
-``*_diff`` modules through the layer's own ``Attention`` (so the same KV cache). Under
-non-causal attention metadata whose slots are the block's positions, a block
-``[anchor, <mask> x n]`` reads the AR K/V of the committed prefix and its own diffusion
-K/V, which is the reference's attention (``diffspec.model_executors.reference.orthrus``); the block's
-K/V land in slots the next verify pass overwrites. The view runs eagerly (it bypasses the
-compiled ``Qwen3Model.forward``), so the AR graph is never traced with it.
+Design notes: docs/design/vllm.md (section ``diffspec/model_executors/vllm/orthrus.py``).
 """
 
 from __future__ import annotations
