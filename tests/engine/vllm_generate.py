@@ -15,13 +15,17 @@ JOB_JSON (optional) is {"runs": [{"name": str, "model": path, "llm": {LLM kwargs
 "speculative_config": {...}}}}. Each run starts one engine (one after the other, in this
 process) on its model (default MODEL_DIR) with the default kwargs below updated by "llm"
 (e.g. "speculative_config", "block_size"; "count_forwards": true counts the model's forwards
-per batch, through ``collective_rpc``, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1), then
+per batch, through ``collective_rpc``, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1;
+"probe_runner": true records, the same way, the worker's model runner class and the Triton
+kernels Triton's interpreter launched per batch, see tests/engine/vllm_v2_cpu.py), then
 generates its batches one after the other (default: one batch "default" of REQUESTS_JSON). Each config_errors entry only builds the
 engine config and records the error it raises. Without JOB_JSON there is one plain run.
 
 Prints one JSON object after RESULT_PREFIX: {"runs": {run: {batch: {"outputs": [[token
 ids]], "finish_reasons": [...], "spec_steps": [[accepted drafts per verify step] | null],
-"forwards": {"model": n, "drafter": n} (with count_forwards)}},
+"forwards": {"model": n, "drafter": n} (with count_forwards), "runner": {"classes": [model
+runner class and its bases, "module.Name"], "kernels": {kernel: launches}} (with
+probe_runner)}},
 "metrics": {run: {batch: {counter: value after the batch}}}, "config_errors": {name:
 message | null}, "plugin_registered": bool, "vllm_version": str}; the top level also
 repeats "outputs" and "finish_reasons" of the first batch of the first run.
@@ -50,16 +54,23 @@ def _run(model: str, llm_kwargs: dict, batches: dict[str, list[dict]]) -> tuple[
 
     llm_kwargs = dict(llm_kwargs)
     count = llm_kwargs.pop("count_forwards", False)
+    probe = llm_kwargs.pop("probe_runner", False)
     llm = LLM(model=model, **{**DEFAULT_LLM_KWARGS, **llm_kwargs})
     if count:
         llm.collective_rpc(_install_forward_counter)
     outputs, metrics = {}, {}
     for name, requests in batches.items():
         before = llm.collective_rpc(_read_forward_counter)[0] if count else None
+        launched = llm.collective_rpc(_probe_runner)[0]["kernels"] if probe else None
         outputs[name] = _generate(llm, requests)
         if count:
             after = llm.collective_rpc(_read_forward_counter)[0]
             outputs[name]["forwards"] = {k: after[k] - before[k] for k in after}
+        if probe:
+            runner = llm.collective_rpc(_probe_runner)[0]
+            runner["kernels"] = {k: n - launched.get(k, 0) for k, n in runner["kernels"].items()
+                                 if n > launched.get(k, 0)}
+            outputs[name]["runner"] = runner
         if not llm_kwargs.get("disable_log_stats", True):
             metrics[name] = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")
                              and m.name.startswith(("vllm:spec_decode", "vllm:prefix_cache"))}
@@ -86,6 +97,18 @@ def _read_forward_counter(worker) -> dict:
     drafter = getattr(worker.model_runner, "drafter", None)
     return {"model": model.model.layers[model.model.start_layer]._diffspec_forwards,
             "drafter": getattr(drafter, "num_forwards", 0)}
+
+
+def _probe_runner(worker) -> dict:
+    """The worker's model runner class with its bases ("module.Name") and the Triton kernels
+    launched so far in the worker by Triton's interpreter ({} when it is not on)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        kernels = dict(getattr(InterpretedFunction, "diffspec_launches", {}))
+    except ImportError:
+        kernels = {}
+    classes = [f"{c.__module__}.{c.__qualname__}" for c in type(worker.model_runner).__mro__]
+    return {"classes": classes, "kernels": kernels}
 
 
 def _generate(llm, requests: list[dict]) -> dict:
