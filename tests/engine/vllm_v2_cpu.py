@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 V2_FLAG = "DIFFSPEC_VLLM_V2_CPU"  # the sitecustomize acts only where this is "1"
 
-_SITECUSTOMIZE = '''"""diffspec test harness: let vLLM run its V2 model runner on Triton's interpreter."""
+_SITECUSTOMIZE = '''"""diffspec test harness: vLLM's V2 model runner on Triton's interpreter."""
 import collections
 import os
 
