@@ -140,7 +140,7 @@ print("CONFIG " + json.dumps({"dtype": str(config.model_config.dtype),
 
 def _readme_vllm_command() -> str:
     text = (REPO / "README.md").read_text()
-    section = text[text.index("### Using the vLLM plugin"):]
+    section = text[text.index("## Serve"):]
     block = section[section.index("```bash\n") + 8:]
     return block[:block.index("```")].splitlines()[0]
 

@@ -13,7 +13,7 @@ from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_QWEN3_DIR, SYNTH_REFUSION_DIR,
 from diffspec.cli import _decode_options, build_parser, main
 from diffspec.methods import METHODS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+METHODS_DOC = Path(__file__).resolve().parents[2] / "docs" / "methods.md"
 
 
 def test_help_lists_methods_with_their_bundled_model_and_imports_no_torch():
@@ -101,14 +101,14 @@ def test_generate_with_method_options(method, model, options, capsys):
     assert f"[{method}]" in err and "TPF" in err
 
 
-# ---------------------------------------------------------------- refusion defaults, README
+# ------------------------------------------------------- refusion defaults, docs/methods.md
 
 REFUSION_OPTIONS = ("slot_size", "num_blocks", "slot_threshold", "token_threshold")
 
 
-def _readme_commands(prefix: str) -> list[list[str]]:
-    """The README's indented command lines starting with ``prefix``, split as a shell does."""
-    lines = [line.strip() for line in README.read_text().splitlines()]
+def _doc_commands(prefix: str) -> list[list[str]]:
+    """docs/methods.md's command lines starting with ``prefix``, split as a shell does."""
+    lines = [line.strip() for line in METHODS_DOC.read_text().splitlines()]
     return [shlex.split(line) for line in lines if line.startswith(prefix)]
 
 
@@ -168,14 +168,14 @@ def test_refusion_defaults_are_fast_on_a_prompt_that_small_slots_stall(capsys):
     assert tokens / forwards > 4 and slot8_tokens / slot8_forwards < 2
 
 
-def test_readme_refusion_commands_parse_and_use_the_generate_defaults(capsys):
-    """The README's ReFusion figures come from commands a user can run as written: the
+def test_documented_refusion_commands_parse_and_use_the_generate_defaults(capsys):
+    """docs/methods.md's ReFusion figures come from commands a user can run as written: the
     ``eval`` lines decode with ``generate``'s defaults (bar the option they name), and the
-    ``diffspec generate`` line prints the summary the README quotes."""
+    ``diffspec generate`` line prints the summary the page quotes."""
     from diffspec.testing.synthetic_refusion import build_parser as eval_parser
 
-    readme = " ".join(README.read_text().split())
-    evals = _readme_commands("python -m diffspec.testing.synthetic_refusion eval")
+    page = " ".join(METHODS_DOC.read_text().split())
+    evals = _doc_commands("python -m diffspec.testing.synthetic_refusion eval")
     assert len(evals) == 2
     for command in evals:
         args = eval_parser().parse_args(command[3:])
@@ -185,10 +185,10 @@ def test_readme_refusion_commands_parse_and_use_the_generate_defaults(capsys):
                 assert getattr(args, key) == value, (command, key)
         assert args.model == str(SYNTH_REFUSION_DIR) and args.max_tokens == 64
 
-    [generate] = _readme_commands("diffspec generate --method refusion")
+    [generate] = _doc_commands("diffspec generate --method refusion")
     args = build_parser().parse_args(generate[1:])
     assert args.method == "refusion" and args.model is None
     assert all(getattr(args, k) is None for k in REFUSION_OPTIONS)
     tokens, forwards = _generate_stats(generate[1:], capsys)
     assert f"prints `[refusion] {tokens} tokens, {forwards} forwards, TPF " \
-           f"{tokens / forwards:.2f}, ...`" in readme
+           f"{tokens / forwards:.2f}, ...`" in page
