@@ -32,7 +32,7 @@ _REPO_PATH = re.compile(r"(diffspec|tests|benchmarks|scripts|docs|\.ci)/[\w./{},
 
 def doc_files(root: Path = ROOT) -> list[Path]:
     """The README and every page under docs/."""
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:
