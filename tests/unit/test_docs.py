@@ -27,11 +27,18 @@ def test_readme_and_docs_follow_the_rules() -> None:
 
 
 def test_every_page_is_checked_and_listed_in_the_readme() -> None:
-    pages = {p.stem for p in check_docs.doc_files(ROOT)[1:]}
+    docs = ROOT / "docs"
+    files = check_docs.doc_files(ROOT)[1:]
+    pages = {p.stem for p in files if p.parent == docs}
     assert EXPECTED_PAGES <= pages
     readme = (ROOT / "README.md").read_text()
     for page in pages:
         assert f"](docs/{page}.md)" in readme, f"README's docs index lacks docs/{page}.md"
+    design = [p for p in files if p.parent == docs / "design" and p.name != "README.md"]
+    assert design, "docs/design/ holds the modules' design notes"
+    index = (docs / "design" / "README.md").read_text()
+    for page in design:
+        assert f"]({page.name})" in index, f"docs/design/README.md lacks {page.name}"
 
 
 def _write(root: Path, readme: str, page: str) -> None:
