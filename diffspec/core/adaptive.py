@@ -378,28 +378,34 @@ class AcceptanceEstimate:
 class StepTimeFit:
     """Online fit ``measured ~= scale * predicted + overhead`` of whole engine steps (seconds
     from one step's start to the next's) against the profile's price of the step: an
-    exponentially weighted least-squares line, ridge-regularised toward ``scale = 1,
-    overhead = 0`` by ``prior_weight`` pseudo-steps on that line at each of ``anchors``
-    (predicted seconds of a small and a large step; they are not forgotten, so the fit
-    never drifts where no step was measured). A step measured at more than ``outlier``
-    times the fit's own prediction (plus ``slack`` seconds) is an idle gap or a hiccup and
-    is not learned from; so is one below ``1 / outlier`` of it.
+    exponentially weighted (``decay`` per step) least-squares line, ridge-regularised
+    toward ``scale = 1, overhead = 0``: the scale as strongly as ``prior_weight`` steps
+    between the ``anchors`` (predicted seconds of a small and a large step: the penalty
+    is ``prior_weight * min * max * (scale - 1)^2``), the overhead as weakly
+    as ``overhead_weight`` steps, so that steps of one size (a steady batch) move the
+    overhead and leave the scale, and a spread of sizes is needed to move the scale. A step
+    measured at more than ``outlier`` times the fitted price (plus ``slack`` seconds), or
+    below ``1 / outlier`` of it, is an idle gap or a hiccup and is not learned from,
+    unless ``streak`` steps in a row were: then the machine changed, and it is learned.
 
     ``fit.price(predicted)``: the fitted step seconds (never below ``predicted / 10``)."""
 
-    def __init__(self, anchors: Sequence[float], prior_weight: float = 1.0,
-                 decay: float = 0.98, outlier: float = 4.0, slack: float = 0.005) -> None:
+    def __init__(self, anchors: Sequence[float], prior_weight: float = 4.0,
+                 overhead_weight: float = 0.1, decay: float = 0.98, outlier: float = 4.0,
+                 slack: float = 0.002, streak: int = 8) -> None:
         if not anchors or any(a <= 0 for a in anchors):
             raise ValueError(f"anchors must be predicted seconds > 0, got {list(anchors)}")
-        if prior_weight <= 0 or not 0 < decay <= 1 or outlier <= 1:
-            raise ValueError("prior_weight > 0, decay in (0, 1] and outlier > 1 needed")
-        self.decay, self.outlier, self.slack = decay, outlier, slack
-        n = prior_weight * len(anchors)  # the prior: pseudo-steps with measured == predicted
-        self._prior = (n, sum(anchors) * prior_weight, sum(a * a for a in anchors) * prior_weight)
+        if prior_weight <= 0 or overhead_weight <= 0 or not 0 < decay <= 1 or outlier <= 1:
+            raise ValueError("prior_weight > 0, overhead_weight > 0, decay in (0, 1] and "
+                             "outlier > 1 needed")
+        self.decay, self.outlier, self.slack, self.streak = decay, outlier, slack, streak
+        self._lambda_scale = prior_weight * min(anchors) * max(anchors)
+        self._lambda_overhead = overhead_weight
         self._data = [0.0] * 5  # decayed sums: w, w*p, w*p*p, w*m, w*p*m
         self.scale, self.overhead = 1.0, 0.0
         self.steps = 0  # steps learned from
         self.rejected = 0  # steps refused as outliers
+        self._rejected_in_a_row = 0
 
     def price(self, predicted: float) -> float:
         """The fitted seconds of a step the profile prices at ``predicted``."""
@@ -411,31 +417,33 @@ class StepTimeFit:
         if predicted <= 0 or measured <= 0:
             return False
         expected = self.price(predicted)
-        if measured > self.outlier * expected + self.slack or measured < expected / self.outlier:
+        outside = (measured > self.outlier * expected + self.slack
+                   or measured < expected / self.outlier)
+        if outside and self._rejected_in_a_row < self.streak:
             self.rejected += 1
+            self._rejected_in_a_row += 1
             return False
+        self._rejected_in_a_row = 0
         d = self._data
-        for i in range(5):
-            d[i] *= self.decay
         for i, v in enumerate((1.0, predicted, predicted * predicted, measured,
                                predicted * measured)):
-            d[i] += v
+            d[i] = d[i] * self.decay + v
         self.steps += 1
         self._solve()
         return True
 
     def _solve(self) -> None:
-        n0, p0, pp0 = self._prior  # the prior's pseudo-steps lie on measured == predicted
-        w, sp, spp, sm, spm = self._data
-        n, p, pp, m, pm = w + n0, sp + p0, spp + pp0, sm + p0, spm + pp0
-        det = n * pp - p * p
-        if det <= 1e-18 * max(n * pp, 1e-30):  # one distinct predicted value: scale only
-            self.scale, self.overhead = (pm / pp if pp > 0 else 1.0), 0.0
-            return
-        self.scale = (n * pm - p * m) / det
-        self.overhead = (m - self.scale * p) / n
-        if self.scale <= 0:  # no line through positive steps: the mean ratio, no overhead
-            self.scale, self.overhead = pm / pp, 0.0
+        """The ridge solution: ``s (Spp + ls) + b Sp = Spm + ls`` and
+        ``s Sp + b (Sw + lb) = Sm``."""
+        w, p, pp, m, pm = self._data
+        ls, lb = self._lambda_scale, self._lambda_overhead
+        a11, a12, a22 = pp + ls, p, w + lb
+        det = a11 * a22 - a12 * a12  # > 0: ls, lb > 0 and Cauchy-Schwarz
+        scale = ((pm + ls) * a22 - a12 * m) / det
+        overhead = (a11 * m - a12 * (pm + ls)) / det
+        if scale <= 0:  # no line through positive steps: the overhead alone
+            scale, overhead = 1.0, (m - p) / a22
+        self.scale, self.overhead = scale, overhead
 
 
 class _FittedCost:
