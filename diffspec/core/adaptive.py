@@ -525,7 +525,8 @@ class AdaptiveDrafts:
 
     def step_started(self, batch_req_ids: Sequence[str]) -> None:
         """The engine started a step over ``batch_req_ids`` (every request in it, drafting
-        or not). The step before ran from its own start to now; it is learned from when
+        or not; empty: a step that is not to be learned from, e.g. one with a prefill chunk
+        in it). The step before ran from its own start to now; it is learned from when
         this batch is the same requests (nothing joined or left in between: no prefill, no
         pause between two ``generate`` calls)."""
         if not self.track_step_times:
@@ -534,7 +535,7 @@ class AdaptiveDrafts:
         batch = tuple(batch_req_ids)
         if self._step is not None and self.fit is not None:
             start, requests, predicted = self._step
-            if requests == batch:
+            if batch and requests == batch:
                 self.fit.observe(predicted, now - start)
         self._step = None
         self._batch = batch

@@ -85,7 +85,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tp = [{"name": f"{family}_tp2", "model": str(path), "batches": batch, "llm": {
         **LLM_KWARGS, "tensor_parallel_size": 2, "per_request_spec_decode_metrics": "detailed",
         "disable_log_stats": False,
-        "speculative_config": {"method": method, "num_speculative_tokens": drafts}}}
+        "speculative_config": {"method": method, "num_speculative_tokens": drafts,
+                               "adaptive": False}}}
         for family, (path, method, drafts) in MODELS.items()]
     tmp = tmp_path_factory.mktemp("vllm_tp")
     runs = _run_script(ar, tmp, {})

@@ -200,9 +200,16 @@ def test_steps_of_a_changing_batch_are_not_learned() -> None:
     for batch in (["a"], ["a", "b"], ["b"], ["a"]):  # a join, a leave, another request
         policy.step_started(batch)
         policy.choose(batch, [4] * len(batch))
-        clock.now += 1.0
+        clock.now += 0.01
     policy.step_started(["x"])
     assert policy.fit.steps == 0
+    # a step the drafter marks as not to learn (a prefill chunk in it): neither the step
+    # that ends there nor the one that starts there
+    for batch in (["a"], [], ["a"], ["a"]):
+        policy.step_started(batch)
+        k = policy.choose(["a"], [4])[0]
+        clock.now += TWO_PASS.latency(LINEAR_MS, [k])  # as priced: never an outlier
+    assert policy.fit.steps == 1
 
 
 def test_a_supplied_profile_is_not_fitted_and_none_is_refused() -> None:

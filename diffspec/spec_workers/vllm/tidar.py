@@ -196,7 +196,11 @@ class TiDARProposer:
         price does not see (adaptive-synth-tidar-vllm, c = 16)."""
         batch = runner.input_batch
         req_ids = batch.req_ids
-        self.adaptive.step_started(req_ids)  # the step since the last forward ended
+        # the step since the last forward ended; one with a prefill chunk in it (a request
+        # forwarding more than its anchor and drafts) is not learned
+        query = np.diff(runner.query_start_loc.np[:batch.num_reqs + 1])
+        decoding = all(int(q) == 1 + len(batch.spec_token_ids[i]) for i, q in enumerate(query))
+        self.adaptive.step_started(req_ids if decoding else ())
         self._verified = [len(batch.spec_token_ids[i]) for i in range(batch.num_reqs)]
         self.adaptive.forget(set(req_ids))
         skip = 0 if self.logits_shift else 1

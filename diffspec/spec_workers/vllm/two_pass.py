@@ -102,8 +102,9 @@ class TwoPassProposer:
     def propose_with_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Draft token ids ``[num_reqs][n_i]`` for the runner's current batch."""
         batch = runner.input_batch
-        if self.adaptive is not None:  # a step boundary: the step since the last one ended
-            self.adaptive.step_started(batch.req_ids)
+        if self.adaptive is not None:  # a step boundary: the step since the last one ended;
+            # one with a prefill chunk in it (a request that sampled nothing) is not learned
+            self.adaptive.step_started(batch.req_ids if all(sampled_token_ids) else ())
         num_left = []
         for req_id in batch.req_ids:
             state = runner.requests[req_id]
