@@ -292,8 +292,9 @@ def time_forwards(run: Callable[[int], Any], grid: Sequence[int], repeats: int =
                   budget_s: float = 20.0, timer: Callable[[Callable[[], Any]], float] | None = None,
                   agree: Callable[[bool], bool] | None = None) -> dict[int, float]:
     """``{tokens: median seconds}`` of ``run(tokens)`` over ``grid`` (increasing): one
-    warm-up pass over the widths, widest last, that stops adding widths once it has spent
-    its share of ``budget_s`` (``budget_s / (repeats + 1)``; at least the first two widths
+    warm-up pass over the widths, widest last, that stops adding widths before the next
+    one (guessed from the last, in proportion to the tokens) would overspend its share of
+    ``budget_s`` (``budget_s / (repeats + 1)``; at least the first two widths
     are kept, so the profile can extrapolate past the last: linearly, as a compute-bound
     forward grows), then ``repeats`` rounds over the kept widths (interleaved: a burst of
     other work falls on all widths alike), the median of each. ``timer(fn) -> seconds``
@@ -303,14 +304,18 @@ def time_forwards(run: Callable[[int], Any], grid: Sequence[int], repeats: int =
     if repeats < 1 or not grid:
         raise ValueError(f"need repeats >= 1 and a grid, got {repeats}, {list(grid)}")
     timer = timer or device_timer("cpu")
-    share, spent, kept = budget_s / (repeats + 1), 0.0, []
+    share, spent, kept, last = budget_s / (repeats + 1), 0.0, [], 0.0
     for tokens in grid:
-        stop = len(kept) >= 2 and spent >= share
+        # the next width's time, guessed as proportional to its tokens (a compute-bound
+        # forward; less where extra tokens are nearly free): stop before it overspends
+        guess = last * tokens / kept[-1] if kept else 0.0
+        stop = len(kept) >= 2 and spent + guess > share
         if agree is not None:
             stop = agree(stop)
         if stop:
             break
-        spent += timer(functools.partial(run, tokens))
+        last = timer(functools.partial(run, tokens))
+        spent += last
         kept.append(tokens)
     times: dict[int, list[float]] = {t: [] for t in kept}
     for _ in range(repeats):

@@ -80,6 +80,11 @@ def test_time_forwards_medians_within_the_budget() -> None:
     assert sorted(time_forwards(calls.append, [1, 2, 4, 8], repeats=1, budget_s=1e9,
                                 timer=lambda fn: fn() or 0.0,
                                 agree=lambda stop: len(calls) >= 3)) == [1, 2, 4]
+    # 1 s a token: 1, 2 and 4 (7 s) fit a 10 s share, 8 would not (7 + 8 s): not run
+    calls.clear()
+    assert sorted(time_forwards(calls.append, [1, 2, 4, 8, 16], repeats=1, budget_s=20.0,
+                                timer=lambda fn: fn() or float(calls[-1]))) == [1, 2, 4]
+    assert 8 not in calls
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) -> None:
