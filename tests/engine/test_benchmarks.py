@@ -72,7 +72,7 @@ def test_report_structure(report: dict) -> None:
     vllm_orthrus = next(e for e in report["results"] if e["engine"] == "vllm"
                         and e["baseline"] == "orthrus")
     assert vllm_orthrus["launch"]["vllm.LLM"]["speculative_config"] == {
-        "method": "orthrus", "num_speculative_tokens": 31}
+        "method": "orthrus", "num_speculative_tokens": 31, "adaptive": False}
     assert set(vllm_orthrus["system_tokens_per_s"]) == {"1", "2"}
     # from vLLM's own counters: the trained drafter's long accepted runs (about 10 tokens
     # a step at 24 tokens; an untrained drafter, like the EAGLE-3 one below, about 1)

@@ -49,7 +49,8 @@ def test_default_orthrus_equals_vllm_ar(default_model, tmp_path: Path) -> None:
     job = {"runs": [
         {"name": "ar", "model": str(base)},
         {"name": "orthrus", "model": str(orthrus),
-         "llm": {"speculative_config": {"method": "orthrus", "num_speculative_tokens": k},
+         "llm": {"speculative_config": {"method": "orthrus", "num_speculative_tokens": k,
+                                        "adaptive": False},
                  "disable_log_stats": False}},
     ]}
     (tmp_path / "requests.json").write_text(json.dumps(requests))

@@ -29,7 +29,8 @@ BLOCK_SIZE = 8  # Orthrus block: anchor + 7 masks
 NUM_DRAFTS = BLOCK_SIZE - 1
 LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 256}
 SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed",
-               "speculative_config": {"method": "orthrus", "num_speculative_tokens": NUM_DRAFTS}}
+               "speculative_config": {"method": "orthrus", "num_speculative_tokens": NUM_DRAFTS,
+                                      "adaptive": False}}
 
 
 def _greedy_requests() -> list[dict]:

@@ -47,7 +47,8 @@ NLD_BLOCK = 8  # the tiny NLD's block: 7 drafts (unshifted), branches of 8 masks
 LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 256, "enable_prefix_caching": True,
               "max_model_len": 512}
 SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed", "disable_log_stats": False,
-               "speculative_config": {"method": "tidar"}, "count_forwards": True}
+               "speculative_config": {"method": "tidar", "adaptive": False},
+               "count_forwards": True}
 # Sampling on the trained model: 4 tokens after a one-token prompt at T = 0.3, top-p 0.9 put
 # about 70% of the mass on ~20 sequences (enough per chi-square cell), and its drafts are
 # accepted at some steps and rejected at others.
@@ -140,12 +141,13 @@ def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 1500) -> dict:
         [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
         capture_output=True, text=True, timeout=timeout, check=False,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # the forward counter's rpc
+             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the forward counter's rpc
+             "DIFFSPEC_CACHE_DIR": str(tmp / "cache")},  # measured latency profiles
     )
     engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
     assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    return json.loads(line[len(RESULT_PREFIX):])
+    return {**json.loads(line[len(RESULT_PREFIX):]), "log": proc.stdout + proc.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +179,10 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "synth_adaptive", "model": str(ckpts["synth"]),
              "llm": {**LLM_KWARGS, **SPEC_KWARGS, "speculative_config": adaptive(profile)},
              "batches": {"greedy": synth["greedy"]}},
+            # the default: adaptive, on the profile the engine measures at start-up
+            {"name": "synth_default", "model": str(ckpts["synth"]),
+             "llm": {**LLM_KWARGS, "speculative_config": {"method": "tidar"}},
+             "batches": {"greedy": synth["greedy"]}},
         ],
         "config_errors": {
             "too_many_drafts": {"model": str(ckpts["synth"]), "speculative_config": {
@@ -189,8 +195,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "method": "tidar"}},
             "unhonoured_option": {"model": str(ckpts["synth"]), "speculative_config": {
                 "method": "tidar", "num_speculative_tokens": 4, "prompt_lookup_max": 3}},
-            "adaptive_without_profile": {"model": str(ckpts["synth"]), "speculative_config": {
-                "method": "tidar", "adaptive": True}},
+            "profile_with_fixed_count": {"model": str(ckpts["synth"]), "speculative_config": {
+                **adaptive(profile), "adaptive": False}},
             "adaptive_bad_profile": {"model": str(ckpts["synth"]),
                                      "speculative_config": adaptive(tmp / "bad-profile.json")},
         },
@@ -298,8 +304,8 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
         ("plain_qwen3", r"method 'tidar' needs a checkpoint of family tidar or nld.*'qwen3'"),
         ("unhonoured_option", r"'prompt_lookup_max' does not apply to method 'tidar'"),
         # the first line says what to do
-        ("adaptive_without_profile", (r"^\w+: add \"latency_profile\": PATH to the "
-                                      r"speculative_config.*--method tidar")),
+        ("profile_with_fixed_count", (r"^\w+: remove \"latency_profile\" or the \"adaptive\": "
+                                      r"false from the speculative_config")),
         ("adaptive_bad_profile", (r"^\w+: point \"latency_profile\" at a forward-latency "
                                   r"profile.*--method tidar.*at least one measured point")),
     ],
@@ -344,3 +350,17 @@ def test_adaptive_drafts_follow_the_batch(engine) -> None:
     # a step cut by max_tokens / EOS emits fewer than it accepted)
     ar_steps = [len(out) - 1 - sum(a + 1 for a in s or []) for out, s in zip(run["outputs"], steps)]
     assert max(ar_steps) > 0, ar_steps
+
+
+def test_default_is_adaptive_on_a_measured_profile_and_equals_ar(engine) -> None:
+    """``{"method": "tidar"}`` and nothing else: the engine measures a latency profile at
+    start-up (its log line) and the policy chooses the drafts per step; greedy output is
+    AR's."""
+    import re
+
+    run = engine["runs"]["synth_default"]["greedy"]
+    assert run["outputs"] == engine["runs"]["synth_ar"]["greedy"]["outputs"]
+    log = engine["log"]
+    assert log.count("diffspec: measured a latency profile in ") == 1, log[-3000:]
+    # the policy's line, with the fit of step times only a measured profile gets
+    assert re.search(r"diffspec: adaptive drafts: batch \d+, .*; step time [\d.]+ x profile", log)

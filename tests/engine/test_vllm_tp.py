@@ -85,11 +85,18 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tp = [{"name": f"{family}_tp2", "model": str(path), "batches": batch, "llm": {
         **LLM_KWARGS, "tensor_parallel_size": 2, "per_request_spec_decode_metrics": "detailed",
         "disable_log_stats": False,
-        "speculative_config": {"method": method, "num_speculative_tokens": drafts}}}
+        "speculative_config": {"method": method, "num_speculative_tokens": drafts,
+                               "adaptive": False}}}
         for family, (path, method, drafts) in MODELS.items()]
+    # the default (adaptive): both ranks time their forwards together at start-up and take
+    # rank 0's profile and its choices
+    path, method, _ = MODELS["orthrus"]
+    tp.append({"name": "orthrus_tp2_default", "model": str(path), "batches": batch, "llm": {
+        **LLM_KWARGS, "tensor_parallel_size": 2, "speculative_config": {"method": method}}})
     tmp = tmp_path_factory.mktemp("vllm_tp")
     runs = _run_script(ar, tmp, {})
-    runs.update(_run_script(tp, tmp, {"VLLM_CPU_OMP_THREADS_BIND": _cpu_bind(2)}))
+    runs.update(_run_script(tp, tmp, {"VLLM_CPU_OMP_THREADS_BIND": _cpu_bind(2),
+                                      "DIFFSPEC_CACHE_DIR": str(tmp / "cache")}))
     return runs
 
 
@@ -102,3 +109,13 @@ def test_tp2_self_spec_greedy_equals_tp1_ar(engine, family: str) -> None:
     accepted = [a for steps in spec["spec_steps"] for a in steps]
     assert all(spec["spec_steps"])  # every request was speculated
     assert sum(accepted) / len(accepted) > 2  # the sharded drafter drafts what it was trained to
+
+
+def test_tp2_default_adaptive_greedy_equals_tp1_ar(engine) -> None:
+    """``{"method": "orthrus"}`` under TP=2: the start-up profile and the per-step choices
+    agree between the ranks (a disagreement hangs a collective or diverges the drafts), and
+    the output is AR's."""
+    ar = engine["orthrus_ar"]["greedy"]
+    spec = engine["orthrus_tp2_default"]["greedy"]
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]

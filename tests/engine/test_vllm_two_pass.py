@@ -150,7 +150,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 900) -> dict:
+def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 1200) -> dict:
     requests = tmp / "requests.json"
     requests.write_text("[]")
     job_file = tmp / "job.json"
@@ -158,12 +158,14 @@ def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 900) -> dict:
     proc = subprocess.run(
         [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
         capture_output=True, text=True, timeout=timeout, check=False,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+             "DIFFSPEC_CACHE_DIR": str(tmp / "cache")},  # measured latency profiles
     )
     engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
     assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    return json.loads(line[len(RESULT_PREFIX):])
+    return {**json.loads(line[len(RESULT_PREFIX):]), "log": proc.stdout + proc.stderr,
+            "cache": str(tmp / "cache")}
 
 
 def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
@@ -187,19 +189,23 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     require_engine("vllm")
 
     def spec(method: str) -> dict:
-        return {**LLM_KWARGS, **SPEC_KWARGS,
-                "speculative_config": {"method": method, "num_speculative_tokens": NUM_DRAFTS}}
+        return {**LLM_KWARGS, **SPEC_KWARGS,  # a fixed count: the reference decoder's steps
+                "speculative_config": {"method": method, "num_speculative_tokens": NUM_DRAFTS,
+                                       "adaptive": False}}
 
     profiles = tmp_path_factory.mktemp("latency_profiles")
     for name, points in (("free", {"1": 0.01, "4096": 0.01}),  # extra tokens cost nothing
                          ("compute", {"1": 0.001, "1000": 1.0})):  # every token costs the same
         (profiles / f"{name}.json").write_text(json.dumps({"points": points}))
 
-    def adaptive(profile: str) -> dict:
+    def adaptive(profile: str | None) -> dict:
         spec_ = spec("orthrus")
-        spec_["speculative_config"] = {**spec_["speculative_config"], "adaptive": True,
-                                       "latency_profile": str(profiles / f"{profile}.json")}
+        spec_["speculative_config"] = {**spec_["speculative_config"], "adaptive": True}
+        if profile is not None:
+            spec_["speculative_config"]["latency_profile"] = str(profiles / f"{profile}.json")
         return spec_
+
+    default = {**LLM_KWARGS, **SPEC_KWARGS, "speculative_config": {"method": "orthrus"}}
 
     prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
     orthrus_batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
@@ -221,6 +227,13 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             *([{"name": f"synth_adaptive_{p}", "model": str(SYNTH_ORTHRUS), "llm": adaptive(p),
                 "batches": {"greedy": _synth_requests()}} for p in ("free", "compute")]
               if SYNTH_ORTHRUS.is_dir() else []),
+            # the default (adaptive, on a profile the engine measures), twice: the second
+            # start takes the profile from the cache; AR on the same model to compare
+            *([{"name": name, "model": str(SYNTH_ORTHRUS), "llm": llm,
+                "batches": {"greedy": _synth_requests()}}
+               for name, llm in (("synth_ar", LLM_KWARGS), ("synth_default", default),
+                                 ("synth_default_again", default))]
+              if SYNTH_ORTHRUS.is_dir() else []),
         ],
         "config_errors": {
             "too_many_drafts": {"speculative_config": {"method": "orthrus",
@@ -233,8 +246,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "method": "orthrus", "num_speculative_tokens": 4, "prompt_lookup_max": 3}},
             "wrong_family": {"model": str(ckpts["nld"]), "speculative_config": {
                 "method": "orthrus", "num_speculative_tokens": 4}},
-            "adaptive_without_profile": {"speculative_config": {
-                "method": "orthrus", "num_speculative_tokens": 4, "adaptive": True}},
+            "profile_with_fixed_count": {"speculative_config": {
+                "method": "orthrus", "num_speculative_tokens": 4, "adaptive": False,
+                "latency_profile": str(profiles / "free.json")}},
             "causal_only_backend": {"engine_args": {"attention_backend": "TRITON_FLASH_ATTN"},
                                     "speculative_config": {"method": "orthrus",
                                                            "num_speculative_tokens": 4}},
@@ -390,8 +404,9 @@ def test_seeded_sampling_is_reproducible(engine) -> None:
         ("wrong_family", (r"^\w+: serve a checkpoint of family orthrus with method 'orthrus', or "
                           r"use method 'linear_self_spec' or 'tidar'.*method 'orthrus' needs a "
                           r"checkpoint of family orthrus")),
-        ("adaptive_without_profile",
-         r"^\w+: add \"latency_profile\": PATH to the speculative_config"),
+        ("profile_with_fixed_count",
+         r"^\w+: remove \"latency_profile\" or the \"adaptive\": false from the "
+         r"speculative_config"),
         # refused when the config is built, before the model loads
         ("causal_only_backend", (r"^\w+: use an attention backend that attends non-causally "
                                  r"\(CPU_ATTN on CPU, FLASH_ATTN on GPU\).*TRITON_FLASH_ATTN")),
@@ -446,7 +461,7 @@ def test_vllm_serve_reports_acceptance_length(ckpts, engine, tmp_path: Path) -> 
     cmd = vllm_server_command(
         ckpts["orthrus"], port, "--dtype", "float32", "--max-model-len", "512",
         "--enforce-eager", "--block-size", "32",
-        "--speculative-config", json.dumps({"method": "orthrus",
+        "--speculative-config", json.dumps({"method": "orthrus", "adaptive": False,
                                             "num_speculative_tokens": NUM_DRAFTS}))
     requests = _greedy_requests()[:4]
     offline = engine["runs"]["orthrus_spec"]["greedy"]
@@ -499,3 +514,31 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
     assert drafts_per_step("synth_adaptive_free") >= 0.9 * drafts_per_step("synth_spec")
     accepted = {run: metrics[run]["vllm:spec_decode_num_accepted_tokens"] for run in metrics}
     assert accepted["synth_adaptive_free"] >= 0.95 * accepted["synth_spec"]
+
+
+def test_default_is_adaptive_measured_at_start_and_reused(engine) -> None:
+    """``{"method": "orthrus"}`` and nothing else: the first engine measures a latency
+    profile of its own forwards at start-up and caches it (one log line with its cost), the
+    second start with the same configuration reuses the file; the policy chooses the drafts
+    per step (its log line), and greedy output equals AR on both starts."""
+    if not SYNTH_ORTHRUS.is_dir():
+        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
+    import re
+
+    ar = engine["runs"]["synth_ar"]["greedy"]["outputs"]
+    assert engine["runs"]["synth_default"]["greedy"]["outputs"] == ar
+    assert engine["runs"]["synth_default_again"]["greedy"]["outputs"] == ar
+    log = engine["log"]
+    measured = re.findall(r"diffspec: measured a latency profile in [\d.]+ s \((\d+) points, "
+                          r"1\.\.(\d+) tokens\), cached at (\S+)", log)
+    reused = re.findall(r"diffspec: reused the latency profile (\S+) ", log)
+    assert len(measured) == 1 and len(reused) == 1, log[-3000:]
+    points, widest, path = measured[0]
+    assert reused == [path] and path.startswith(engine["cache"]) and Path(path).is_file()
+    assert log.index("measured a latency profile") < log.index("reused the latency profile")
+    # up to the widest step the policy can choose, within the runner's token budget
+    assert int(widest) == LLM_KWARGS["max_num_batched_tokens"] and int(points) >= 2
+    # the policy's line, with the fit of step times only a measured profile gets
+    assert re.search(r"diffspec: adaptive drafts: batch \d+, .*; step time [\d.]+ x profile", log)
+    steps = [a for s in engine["runs"]["synth_default"]["greedy"]["spec_steps"] for a in s]
+    assert steps  # it drafted (the trained tiny Orthrus drafts pay on this machine)

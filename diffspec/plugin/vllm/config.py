@@ -56,8 +56,8 @@ _ALLOWED_OPTIONS: dict[str, tuple[Any, ...] | None] = {
     "draft_sample_method": ("greedy",),  # drafts are point masses (argmax of the diffusion view)
     "rejection_sample_method": ("standard",),
     # diffspec's own (not vLLM's): handed to the proposer through additional_config
-    "adaptive": (True, False),  # draft counts chosen per step from the load
-    "latency_profile": None,  # JSON forward-latency profile the adaptive policy reads
+    "adaptive": (True, False),  # draft counts chosen per step from the load (default true)
+    "latency_profile": None,  # JSON latency profile instead of the one measured at start-up
 }
 DIFFSPEC_OPTIONS = ("adaptive", "latency_profile")
 
@@ -211,20 +211,25 @@ def _inspect(checkpoint: str | Path, hf_config: Mapping[str, Any] | None):
 
 
 def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The diffspec-only keys of a ``speculative_config`` (``adaptive``,
-    ``latency_profile``), checked; the proposer reads them from
-    ``vllm_config.additional_config["diffspec"]``."""
-    options = {k: spec[k] for k in DIFFSPEC_OPTIONS if k in spec}
-    if options.get("adaptive"):
-        path = options.get("latency_profile")
+    """The diffspec-only keys of a ``speculative_config``, checked and completed:
+    ``adaptive`` (default true: draft counts chosen per step, ``num_speculative_tokens``
+    the most; false: that many every step) and, optionally, ``latency_profile`` (a JSON
+    profile that replaces the one the engine measures at start-up). The proposer reads
+    them from ``vllm_config.additional_config["diffspec"]``."""
+    options = {"adaptive": spec.get("adaptive", True)}
+    if options["adaptive"] is None:
+        options["adaptive"] = True
+    path = spec.get("latency_profile")
+    if path and not options["adaptive"]:
+        raise CheckpointError(
+            "remove \"latency_profile\" or the \"adaptive\": false from the speculative_config: "
+            "a latency profile prices the adaptive policy's steps, and \"adaptive\": false "
+            "drafts num_speculative_tokens every step")
+    if path:
         measure = (f"python -m benchmarks.adaptive_sweep --profile-only --engines vllm "
                    f"--method {spec.get('method', 'orthrus')} --model CKPT --out DIR, through "
-                   f"this engine: DIR/vllm-latency-profile.json")
-        if not path:
-            raise CheckpointError(
-                "add \"latency_profile\": PATH to the speculative_config: \"adaptive\": true "
-                f"chooses draft counts from a measured forward-latency profile (write one with "
-                f"{measure})")
+                   f"this engine: DIR/vllm-latency-profile.json; or leave it out: the engine "
+                   f"measures one at start-up")
         try:
             from diffspec.core.adaptive import load_latency_profile
 

@@ -2,12 +2,15 @@
 :mod:`~diffspec.spec_workers.vllm.two_pass` and TiDAR's one-forward step of
 :mod:`~diffspec.spec_workers.vllm.tidar`): attention metadata for query blocks that attend
 non-causally to their request's paged K/V (built by the target's own attention backend), the
-adaptive draft-count policy from the speculative config, and host-to-device copies.
+adaptive draft-count policy from the speculative config and the latency profile it prices
+steps with (:func:`measure_profile`: the runner's own forwards, timed at start-up by the
+``warm_up_profile`` patch, cached), and host-to-device copies.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +18,10 @@ import torch
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
-__all__ = ["NonCausalBlocks", "adaptive_policy", "logger", "non_causal_blocks", "on_device"]
+__all__ = ["PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy", "logger",
+           "measure_profile", "non_causal_blocks", "on_device"]
+
+PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
 
 
 @dataclass
@@ -93,19 +99,110 @@ def on_device(runner, array: np.ndarray) -> torch.Tensor:
 
 
 def adaptive_policy(vllm_config, max_drafts: int, cost):
-    """The adaptive draft-count policy of ``speculative_config["adaptive"]`` (moved to
-    ``additional_config["diffspec"]`` by the config translation), or ``None``. ``cost``:
-    a :class:`~diffspec.core.adaptive.StepCost` or its kind."""
+    """The adaptive draft-count policy of the speculative config (``"adaptive"``, true
+    unless the user set it false; moved to ``additional_config["diffspec"]`` by the config
+    translation), or ``None`` for a fixed draft count. With ``"latency_profile": PATH`` it
+    prices steps from that file, as is; otherwise its profile is measured at start-up
+    (:func:`measure_profile`) and step times are tracked online (one tensor-parallel rank
+    alone: wall times differ between ranks, which must choose alike). ``cost``: a
+    :class:`~diffspec.core.adaptive.StepCost` or its kind."""
     import json
     from pathlib import Path
 
     from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
 
     options = (getattr(vllm_config, "additional_config", None) or {}).get("diffspec") or {}
-    if not options.get("adaptive"):
+    if not options.get("adaptive", True):
         return None
-    profile = load_latency_profile(json.loads(Path(options["latency_profile"]).read_text()))
-    logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
-                "profile %s", max_drafts, options["latency_profile"])
-    return AdaptiveDrafts(max_drafts, profile,
-                          StepCost(cost) if isinstance(cost, str) else cost)
+    cost = StepCost(cost) if isinstance(cost, str) else cost
+    path = options.get("latency_profile")
+    if path:
+        profile = load_latency_profile(json.loads(Path(path).read_text()))
+        logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
+                    "profile %s", max_drafts, path)
+        return AdaptiveDrafts(max_drafts, profile, cost)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return AdaptiveDrafts(max_drafts, None, cost, track_step_times=tp == 1)
+
+
+def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
+    """Give ``policy`` (an :class:`~diffspec.core.adaptive.AdaptiveDrafts` without a
+    profile; anything else: nothing to do) the latency profile of ``runner``'s own
+    forwards: ``runner._dummy_run(T)`` plus the logits of all ``T`` tokens (a verify
+    computes them all), for the widths of :func:`~diffspec.profiling.profile_grid` up to
+    ``max_tokens`` (what the policy can choose, at most the runner's token budget; past
+    the widest timed the profile extrapolates), within about :data:`PROFILE_BUDGET_S`
+    seconds. Cached per checkpoint, vLLM version, dtype, device, threads, method, drafts and
+    grid (:func:`~diffspec.profiling.cached_latency_profile`). Tensor-parallel ranks run the
+    forwards together and take rank 0's profile (and its cache decision)."""
+    from diffspec.core.adaptive import LatencyProfile
+    from diffspec.profiling import (
+        checkpoint_identity,
+        device_timer,
+        profile_grid,
+        read_cached_profile,
+        reused_profile_message,
+        time_forwards,
+        write_cached_profile,
+    )
+
+    if policy is None or policy.profile is not None:
+        return
+    import vllm
+    from vllm.distributed import get_tp_group
+
+    config = runner.vllm_config
+    model_config = config.model_config
+    tp = get_tp_group()
+    device = torch.device(runner.device)
+    grid = profile_grid(max(1, min(max_tokens, runner.max_num_tokens)))
+    key = {
+        "engine": "vllm", "engine_version": vllm.__version__, "torch": torch.__version__,
+        "checkpoint": checkpoint_identity(model_config.model, model_config.hf_config.to_dict()),
+        "dtype": str(model_config.dtype), "quantization": model_config.quantization,
+        "device": _device_name(device), "threads": torch.get_num_threads(),
+        "tensor_parallel": tp.world_size, "enforce_eager": model_config.enforce_eager,
+        "method": method, "max_drafts": policy.max_drafts, "grid": grid,
+    }
+    model = runner.get_model()
+
+    @torch.inference_mode()
+    def forward(tokens: int) -> None:
+        hidden, _ = runner._dummy_run(tokens, force_attention=True)
+        model.compute_logits(hidden[:tokens])
+
+    def measure() -> dict[int, float]:
+        return time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
+                             timer=device_timer(str(device)),
+                             agree=None if tp.world_size == 1 else tp.broadcast_object)
+
+    rank0 = tp.rank_in_group == 0
+    cached, path = read_cached_profile(key) if rank0 else (None, None)
+    points = tp.broadcast_object(None if cached is None else dict(cached.points))
+    if points is not None:  # every rank takes rank 0's cached profile
+        if rank0:
+            logger.info("%s", reused_profile_message(cached, path))
+    else:  # every rank runs the forwards (collectives under tensor parallelism)
+        start = time.perf_counter()
+        measured = measure()
+        if rank0:
+            logger.info("%s", write_cached_profile(key, measured, time.perf_counter() - start))
+        points = tp.broadcast_object(measured if rank0 else None)
+    policy.set_profile(LatencyProfile(points))
+
+
+def _device_name(device: torch.device) -> str:
+    """The device's name (a GPU's model; a CPU's model name and core count)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import os
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{device.type}: {name} x{os.cpu_count()}"

@@ -21,6 +21,7 @@ from diffspec.spec_workers.vllm.proposer import (
     NonCausalBlocks,
     adaptive_policy,
     logger,
+    measure_profile,
     non_causal_blocks,
     on_device,
 )
@@ -128,6 +129,15 @@ class TiDARProposer:
                             f"self_attn.attn; {type(model).__name__} is not one (check "
                             f"config.json architectures)")
 
+    def measure_latency_profile(self, runner) -> None:
+        """Called once after the worker's warm-up (patch ``warm_up_profile``): the adaptive
+        policy's latency profile, from the cache or timed on the runner's own forwards up
+        to the widest step it can choose (every request verifying and pre-drafting the
+        full block: ``(k + 1)(1 + k + skip)`` tokens each), at most the runner's budget."""
+        k, skip = self.num_speculative_tokens, 0 if self.logits_shift else 1
+        max_reqs = self.vllm_config.scheduler_config.max_num_seqs
+        measure_profile(runner, self.adaptive, self.method, max_reqs * (k + 1) * (1 + k + skip))
+
     def propose(self, *args, **kwargs):
         raise RuntimeError("method 'tidar' drafts through diffspec's runner patches, which "
                            "are not applied: is the diffspec vLLM plugin loaded (VLLM_PLUGINS)?")
@@ -186,6 +196,11 @@ class TiDARProposer:
         price does not see (adaptive-synth-tidar-vllm, c = 16)."""
         batch = runner.input_batch
         req_ids = batch.req_ids
+        # the step since the last forward ended; one with a prefill chunk in it (a request
+        # forwarding more than its anchor and drafts) is not learned
+        query = np.diff(runner.query_start_loc.np[:batch.num_reqs + 1])
+        decoding = all(int(q) == 1 + len(batch.spec_token_ids[i]) for i, q in enumerate(query))
+        self.adaptive.step_started(req_ids if decoding else ())
         self._verified = [len(batch.spec_token_ids[i]) for i in range(batch.num_reqs)]
         self.adaptive.forget(set(req_ids))
         skip = 0 if self.logits_shift else 1

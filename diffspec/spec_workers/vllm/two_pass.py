@@ -15,6 +15,7 @@ from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.vllm.proposer import (
     adaptive_policy,
     logger,
+    measure_profile,
     non_causal_blocks,
     on_device,
 )
@@ -84,6 +85,14 @@ class TwoPassProposer:
             raise TypeError(f"method {self.method!r} needs a model with a diffusion view; "
                             f"{type(model).__name__} has none (check config.json architectures)")
 
+    def measure_latency_profile(self, runner) -> None:
+        """Called once after the worker's warm-up (patch ``warm_up_profile``): the adaptive
+        policy's latency profile, from the cache or timed on the runner's own forwards up
+        to the widest verify it can choose (every request drafting the full block)."""
+        max_reqs = self.vllm_config.scheduler_config.max_num_seqs
+        measure_profile(runner, self.adaptive, self.method,
+                        max_reqs * (self.num_speculative_tokens + 1))
+
     def propose(self, *args, **kwargs):
         raise RuntimeError(f"method {self.method!r} drafts through diffspec's runner patch, "
                            f"which is not applied: is the diffspec vLLM plugin loaded "
@@ -93,6 +102,9 @@ class TwoPassProposer:
     def propose_with_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Draft token ids ``[num_reqs][n_i]`` for the runner's current batch."""
         batch = runner.input_batch
+        if self.adaptive is not None:  # a step boundary: the step since the last one ended;
+            # one with a prefill chunk in it (a request that sampled nothing) is not learned
+            self.adaptive.step_started(batch.req_ids if all(sampled_token_ids) else ())
         num_left = []
         for req_id in batch.req_ids:
             state = runner.requests[req_id]

@@ -20,6 +20,7 @@ PATCHES: dict[str, tuple[str, ...]] = {
     "runner_forward": ("0.32",),
     "cpu_expand_kernel": ("0.32", "0.33"),
     "generation_stops": ("0.32",),
+    "warm_up_profile": ("0.32",),
 }
 
 

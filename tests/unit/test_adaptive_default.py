@@ -1,0 +1,227 @@
+"""Adaptive drafting by default (issue 27): the speculative config's defaults, the start-up
+profile's grid, timing loop and cache, and the online fit of whole-step times that prices
+a profile measured without the engine's per-step work. Pure functions and stand-ins: no
+engine, no model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diffspec.core.adaptive import AdaptiveDrafts, LatencyProfile, StepCost, StepTimeFit
+from diffspec.core.checkpoint import CheckpointError
+from diffspec.plugin.vllm.config import diffspec_options
+from diffspec.profiling import (
+    CACHE_ENV,
+    cache_dir,
+    cached_latency_profile,
+    checkpoint_identity,
+    profile_grid,
+    read_cached_profile,
+    time_forwards,
+)
+
+TWO_PASS = StepCost("two_pass")
+# compute-bound: every token costs the same (a forward of t tokens: t ms)
+LINEAR_MS = LatencyProfile({1: 0.001, 1000: 1.0})
+
+
+# ------------------------------------------------------------------ the config
+
+
+def test_adaptive_is_the_default(tmp_path: Path) -> None:
+    assert diffspec_options({"method": "orthrus"}) == {"adaptive": True}
+    assert diffspec_options({"method": "orthrus", "adaptive": False}) == {"adaptive": False}
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"points": {"1": 0.01}}))
+    options = diffspec_options({"method": "tidar", "latency_profile": str(profile)})
+    assert options == {"adaptive": True, "latency_profile": str(profile.resolve())}
+
+
+def test_a_profile_with_a_fixed_count_is_refused(tmp_path: Path) -> None:
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"points": {"1": 0.01}}))
+    with pytest.raises(CheckpointError, match=r"^remove \"latency_profile\" or the "
+                                              r"\"adaptive\": false"):
+        diffspec_options({"method": "orthrus", "adaptive": False,
+                          "latency_profile": str(profile)})
+    with pytest.raises(CheckpointError, match=r"^point \"latency_profile\" at .*leave it out"):
+        diffspec_options({"method": "orthrus", "latency_profile": str(tmp_path / "none")})
+
+
+# ------------------------------------------------------------------ grid, timing, cache
+
+
+def test_profile_grid() -> None:
+    assert profile_grid(1) == [1]
+    assert profile_grid(8) == [1, 2, 3, 4, 6, 8]
+    assert profile_grid(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    with pytest.raises(ValueError):
+        profile_grid(0)
+
+
+def test_time_forwards_medians_within_the_budget() -> None:
+    calls: list[int] = []
+    noise = iter([0.0, 5.0, 0.0] * 100)  # one disturbed run in three: the median ignores it
+
+    def timer(fn) -> float:
+        fn()
+        return calls[-1] * 0.1 + next(noise) * calls[-1]
+
+    points = time_forwards(calls.append, [1, 2, 4, 8, 16], repeats=3, budget_s=4.0, timer=timer)
+    # warm-up: 1 -> 0.1 s, 2 -> 10.2 s: its share (1 s) is spent, so 4, 8, 16 are not timed
+    assert sorted(points) == [1, 2]
+    assert calls == [1, 2] + [1, 2] * 3  # warm-up, then interleaved rounds
+    assert points[1] == pytest.approx(0.1) and points[2] == pytest.approx(0.2)
+    # ranks that time forwards together stop where the first says
+    calls.clear()
+    assert sorted(time_forwards(calls.append, [1, 2, 4, 8], repeats=1, budget_s=1e9,
+                                timer=lambda fn: fn() or 0.0,
+                                agree=lambda stop: len(calls) >= 3)) == [1, 2, 4]
+    # 1 s a token: 1, 2 and 4 (7 s) fit a 10 s share, 8 would not (7 + 8 s): not run
+    calls.clear()
+    assert sorted(time_forwards(calls.append, [1, 2, 4, 8, 16], repeats=1, budget_s=20.0,
+                                timer=lambda fn: fn() or float(calls[-1]))) == [1, 2, 4]
+    assert 8 not in calls
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "diffspec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == Path.home() / ".cache" / "diffspec"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_profile_measured_once_then_reused(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    measured, lines = [], []
+
+    def measure() -> dict[int, float]:
+        measured.append(1)
+        return {1: 0.01, 8: 0.02}
+
+    key = {"engine": "vllm", "threads": 2, "grid": [1, 8]}
+    first = cached_latency_profile(key, measure, lines.append)
+    again = cached_latency_profile(key, measure, lines.append)
+    assert measured == [1] and first.points == again.points == {1: 0.01, 8: 0.02}
+    assert lines[0].startswith("diffspec: measured a latency profile in ")
+    assert "(2 points, 1..8 tokens), cached at " + str(tmp_path) in lines[0]
+    assert lines[1].startswith(f"diffspec: reused the latency profile {tmp_path}")
+    # anything in the key changes: measured again, in its own file
+    cached_latency_profile({**key, "threads": 1}, measure, lines.append)
+    assert measured == [1, 1] and len(list((tmp_path / "latency-profiles").iterdir())) == 2
+    # a corrupt file is measured again (and rewritten)
+    _, path = read_cached_profile(key)
+    path.write_text("{not json")
+    cached_latency_profile(key, measure, lines.append)
+    assert measured == [1, 1, 1] and read_cached_profile(key)[0] is not None
+
+
+def test_an_unwritable_cache_still_gives_the_profile(monkeypatch, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(blocker / "sub"))  # a path under a file
+    lines: list[str] = []
+    profile = cached_latency_profile({"k": 1}, lambda: {1: 0.5}, lines.append)
+    assert profile(1) == 0.5
+    assert "not cached" in lines[0]
+
+
+def test_checkpoint_identity_changes_with_the_weights(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    before = checkpoint_identity(tmp_path)
+    weights.write_bytes(b"xy")
+    assert checkpoint_identity(tmp_path) != before
+    assert checkpoint_identity("org/model", {"a": 1}) != checkpoint_identity("org/model",
+                                                                             {"a": 2})
+
+
+# ------------------------------------------------------------------ the step-time fit
+
+
+def test_fit_starts_at_the_profile_and_learns_scale_and_overhead() -> None:
+    fit = StepTimeFit([0.01, 0.1])
+    assert (fit.scale, fit.overhead) == (1.0, 0.0) and fit.price(0.05) == 0.05
+    for i in range(400):
+        predicted = 0.01 + 0.09 * (i % 10) / 9
+        assert fit.observe(predicted, 1.5 * predicted + 0.004)
+    # the prior toward (1, 0) keeps it a little short of (1.5, 0.004); the prices are close
+    assert 1.3 < fit.scale < 1.55 and 0.0 < fit.overhead < 0.012
+    for predicted in (0.01, 0.02, 0.05, 0.1):
+        assert fit.price(predicted) == pytest.approx(1.5 * predicted + 0.004, rel=0.15)
+
+
+def test_fit_refuses_idle_gaps_and_tracks_a_change() -> None:
+    fit = StepTimeFit([0.01, 0.1])
+    for _ in range(100):
+        fit.observe(0.02, 0.02)
+    assert not fit.observe(0.02, 5.0)  # an idle gap between two generate calls
+    assert fit.rejected == 1 and fit.price(0.02) == pytest.approx(0.02, rel=0.01)
+    fit.observe(0.02, 0.02)
+    for _ in range(300):  # the machine gets twice as slow (other work on its cores)
+        fit.observe(0.02, 0.04)
+        fit.observe(0.08, 0.16)
+    assert fit.price(0.05) == pytest.approx(0.10, rel=0.05)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_fitted_overhead_makes_drafting_pay() -> None:
+    """On a compute-bound profile a two-pass step of k drafts costs two forwards of k + 1
+    tokens: a plain AR step wins. Measured steps that each take 20 ms more than the
+    profile says (the engine's per-step work, in an AR step and a speculative step alike)
+    make the second forward relatively cheap: then drafting wins."""
+    clock = _Clock()
+    policy = AdaptiveDrafts(4, LINEAR_MS, TWO_PASS, track_step_times=True, clock=clock)
+    policy.estimate.successes = [0.95 * t for t in policy.estimate.trials]
+    assert policy.choose(["a"], [4]) == [0]  # no steps measured yet: the profile alone
+    for _ in range(200):
+        policy.step_started(["a"])
+        k = policy.choose(["a"], [4])[0]
+        clock.now += TWO_PASS.latency(LINEAR_MS, [k]) + 0.020  # what the step really took
+    # steps of one size: the overhead moves, the scale stays near 1
+    assert policy.fit.overhead > 0.012 and policy.fit.scale < 1.6
+    ar_step = TWO_PASS.latency(LINEAR_MS, [0])
+    assert policy.fit.price(ar_step) == pytest.approx(ar_step + 0.020, rel=0.2)
+    assert policy.choose(["a"], [4]) == [4]
+
+
+def test_steps_of_a_changing_batch_are_not_learned() -> None:
+    clock = _Clock()
+    policy = AdaptiveDrafts(4, LINEAR_MS, TWO_PASS, track_step_times=True, clock=clock)
+    for batch in (["a"], ["a", "b"], ["b"], ["a"]):  # a join, a leave, another request
+        policy.step_started(batch)
+        policy.choose(batch, [4] * len(batch))
+        clock.now += 0.01
+    policy.step_started(["x"])
+    assert policy.fit.steps == 0
+    # a step the drafter marks as not to learn (a prefill chunk in it): neither the step
+    # that ends there nor the one that starts there
+    for batch in (["a"], [], ["a"], ["a"]):
+        policy.step_started(batch)
+        k = policy.choose(["a"], [4])[0]
+        clock.now += TWO_PASS.latency(LINEAR_MS, [k])  # as priced: never an outlier
+    assert policy.fit.steps == 1
+
+
+def test_a_supplied_profile_is_not_fitted_and_none_is_refused() -> None:
+    policy = AdaptiveDrafts(4, LINEAR_MS, TWO_PASS)
+    assert policy.fit is None and policy.pricing is TWO_PASS
+    pending = AdaptiveDrafts(4, None, TWO_PASS, track_step_times=True)
+    with pytest.raises(RuntimeError, match="^measure the latency profile"):
+        pending.choose(["a"], [4])
+    pending.set_profile(LINEAR_MS)
+    assert pending.fit is not None and pending.choose(["a"], [4]) == [0]
