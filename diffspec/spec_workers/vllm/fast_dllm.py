@@ -1,75 +1,8 @@
-"""Fast-dLLM on vLLM's diffusion path (``DiffusionConfig``, the diffusion scheduler, the V2
-model runner), the way ``vllm/model_executor/models/diffusion_gemma.py`` drives it: a
-:class:`FastDLLMModelState` (named by the model's ``get_model_state_cls()``,
-:mod:`diffspec.model_executors.vllm.dllm`) and the sampler it installs
-(:class:`FastDLLMSampler`, through ``ModelState.custom_sampler``). Serves LLaDA, Dream,
-Fast-dLLM v2 and NLD's diffusion mode.
+"""Fast-dLLM on vLLM's diffusion path (the diffusion scheduler, the V2 model runner), driven
+as vLLM's DiffusionGemma is: :class:`FastDLLMModelState` and its :class:`FastDLLMSampler`.
+Serves LLaDA, Dream, Fast-dLLM v2 and NLD's diffusion mode.
 
-**Layout** (the reference's block-causal layout with a causal prompt, NLD's diffusion mode:
-:mod:`diffspec.spec_workers.reference.fast_dllm` with ``DiffusionLM(attention=
-"block_causal", causal_prefix=True)``, the *prefix* cache): the prompt is prefilled
-causally (vLLM's own prefill, KV kept); generation is cut into blocks of ``canvas_length``
-slots starting at the prompt end; every forward of a block attends non-causally to the
-paged KV of the prompt and the completed blocks and to the whole block. For NLD that is its
-trained layout; LLaDA and Dream were trained bidirectional over the whole canvas and
-Fast-dLLM v2 with the prompt's tail inside the first block, so on vLLM they run this
-layout instead (vLLM's attention takes a causal flag per request, not a mask: a prompt
-cannot be prefilled block-wise or bidirectionally).
-
-**The data path.** vLLM schedules a diffusion request's draft tokens as its canvas: after
-the prefill, each step runs the ``canvas_length`` draft tokens at the positions after the
-committed ones. One request, one block (the rules are the pure functions below, which the
-unit tests drive against the reference decoder):
-
-0. *prefill* (causal, KV kept): a shifted family's first slot is seeded with the argmax of
-   the prompt's last logit (:func:`begin_blocks`; the sampler computes that one row from
-   the hidden states the model keeps, as vLLM's diffusion prefill computes no logits);
-1. *denoise* (every step while slots before the limit are masked, :func:`denoise_step`):
-   the block's logits (shifted families: slot ``j`` reads row ``j - 1``; the mask token is
-   never predicted) commit, among the masked slots of the current sub-block (the first one
-   with masked slots, Fast-dLLM v2: 8 slots) before the request's ``max_tokens`` limit,
-   every one with confidence > ``threshold`` and at least the top-1
-   (:func:`diffspec.core.unmask.confidence_unmask`, the reference's rule). Nothing is
-   emitted: ``num_rejected`` = the whole block, so vLLM does not advance
-   ``num_computed_tokens`` (the block's KV is rewritten by the next forward);
-2. *finish*: a request that committed a stop token with nothing masked before it, or its
-   last slot before ``max_tokens``, emits its tokens on that step and vLLM's scheduler ends
-   it (``num_rejected`` = the rest of the block);
-3. *complete* (the request goes on, :func:`complete_block`): one more forward over the
-   finished block, whose K/V are kept, emits the block's ``canvas_length`` tokens
-   (``num_rejected = 0``); the next canvas is all masks, and for a shifted family its first
-   slot is the argmax of this forward's last logit (Fast-dLLM v2's rule).
-
-Forwards per request are counted as the reference counts them: the prefill, every
-denoise step and every completing forward (:attr:`FastDLLMModelState.forwards`). One
-difference: a shifted request whose last token is a later block's seed (a stop token, or
-its ``max_tokens``-th slot) takes one forward more than the reference, which finishes as
-the seed is committed: vLLM emits at most the scheduled block per step, so the seed is
-emitted by the next block's first step. (A seed that ends the request at the prefill is
-emitted by the prefill step itself.) A chunked prefill counts one forward per chunk, and a
-step whose canvas vLLM's scheduler cut short for its token budget (not ``max_model_len``)
-is discarded (nothing committed, the block rescheduled whole): one forward more each.
-
-**Per request**: ``max_tokens``, ``stop_token_ids`` and EOS (``ignore_eos``) as in
-:class:`vllm.SamplingParams` (:func:`request_stops`: exactly vLLM's ``check_stop``, so the
-model state never finishes a request the scheduler would not end); the checkpoint's EOS ids
-and chat-template turn end are added by the plugin (patch ``generation_stops``) as
-generation-config EOS ids, so they are stops unless ``ignore_eos``; stop strings are vLLM's
-own (its detokenizer ends the request; tokens past the string are dropped by vLLM); the
-threshold as ``extra_args={"fast_dllm_threshold": t}`` (default: the server's,
-``--additional-config '{"diffspec": {"fast_dllm": {"threshold": 0.9}}}'``; 1.0 commits one
-slot per step). Decoding is greedy, as the reference's: vLLM itself refuses a diffusion
-request whose temperature is not its default 1.0 (``SamplingParams._validate_diffusion``),
-and top-k / top-p, penalties or vLLM's DiffusionGemma ``diffusion_*`` extra_args are
-ignored with a warning (the worker cannot refuse a single request). A block cut by
-``max_model_len`` decodes only its scheduled slots. A request that finished is done: a step
-vLLM already scheduled for it (async scheduling) emits nothing.
-
-**Caches**: the prefix cache only (above); the dual cache is refused at start-up
-(:mod:`diffspec.plugin.vllm.dllm`). vLLM's automatic prefix caching may reuse the KV of a
-finished request's blocks (written by their completing, block-non-causal forward) for a
-later prompt that contains them, which the reference would prefill causally; serve with
-``--no-enable-prefix-caching`` for reference-exact output on such prompts.
+Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/fast_dllm.py``).
 """
 
 from __future__ import annotations
