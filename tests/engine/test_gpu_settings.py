@@ -99,8 +99,13 @@ def sglang(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     python = require_sglang()
     spec = {"speculative_algorithm": "ORTHRUS", "disable_overlap_schedule": True}
     cases = {
-        # rows 1, 2: graphs requested (the default) -> turned off, with one log line
-        "orthrus_graphs_on": (ckpts["orthrus"], {**spec, "disable_cuda_graph": False}),
+        # rows 1, 2: graphs requested (the default) -> turned off, with one log line; the
+        # same launch without a speculative algorithm keeps them (the control). triton:
+        # torch_native turns graphs off itself
+        "orthrus_graphs_on": (ckpts["orthrus"], {**spec, "disable_cuda_graph": False,
+                                                 "attention_backend": "triton"}),
+        "no_spec_graphs_on": (ckpts["orthrus"], {"disable_cuda_graph": False,
+                                                 "attention_backend": "triton"}),
         "orthrus_torch_native": (ckpts["orthrus"], spec),
         # row 3: fa3 plans the verify at the server's width, ignores the custom mask
         "orthrus_fa3": (ckpts["orthrus"], {**spec, "attention_backend": "fa3"}),
@@ -135,6 +140,9 @@ def test_sglang_turns_graphs_off_with_one_line(sglang) -> None:
     assert "backend='disabled'" in case["fields"]["cuda_graph_config"].split("prefill")[0]
     graphs_lines = [line for line in case["log"] if "runs without CUDA graphs" in line]
     assert len(graphs_lines) == 1, case["log"]
+    control = sglang["no_spec_graphs_on"]
+    assert control["error"] is None and control["fields"]["disable_cuda_graph"] is False
+    assert "backend='full'" in control["fields"]["cuda_graph_config"].split("prefill")[0]
     # torch_native already runs without graphs: no line
     quiet = sglang["orthrus_torch_native"]
     assert quiet["error"] is None
