@@ -7,6 +7,7 @@ tests/engine/test_gpu_settings.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.plugin.sglang.config import (
@@ -150,3 +151,36 @@ def test_vllm_diffusion_backends_refused(named: str, fa) -> None:
     error = diffusion_backend_error("LLaDAModelLM", named, fa)
     assert error.startswith("use --attention-backend TRITON_ATTN (GPU; or FLASH_ATTN with "), error
     assert "one causal flag per request" in error and named in error
+
+
+# ------------------------------------------------------------------ draft logits memory
+
+
+class _Head:
+    """A stand-in for a vLLM model's ``compute_logits`` that records its batch sizes."""
+
+    def __init__(self, vocab: int, hidden: int, none: bool = False) -> None:
+        self.weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+        self.rows: list[int] = []
+        self.none = none
+
+    def compute_logits(self, states: torch.Tensor) -> torch.Tensor | None:
+        self.rows.append(states.shape[0])
+        return None if self.none else states @ self.weight.T
+
+
+def test_draft_logits_are_computed_in_bounded_chunks() -> None:
+    """A long batch (3000 draft rows, more than DRAFT_LOGITS_ROWS) never materialises more
+    than DRAFT_LOGITS_ROWS rows of logits at once, and drafts the same tokens as one
+    whole-batch computation (issue 29 row 8: vLLM's two-pass and TiDAR proposers)."""
+    from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS, draft_argmax
+
+    head = _Head(vocab=97, hidden=16)
+    hidden = torch.randn(3500, 16, generator=torch.Generator().manual_seed(1))
+    rows = torch.randperm(3500, generator=torch.Generator().manual_seed(2))[:3000]
+    tokens = draft_argmax(head, hidden, rows)
+    assert tokens == (hidden[rows] @ head.weight.T).argmax(-1).tolist()
+    assert max(head.rows) == DRAFT_LOGITS_ROWS and sum(head.rows) == 3000
+    assert len(head.rows) == -(-3000 // DRAFT_LOGITS_ROWS)
+    assert draft_argmax(head, hidden, rows[:0]) == []
+    assert draft_argmax(_Head(97, 16, none=True), hidden, rows) is None  # a TP rank w/o logits

@@ -134,7 +134,7 @@ def attention_backend_error(algorithm: str, backends, page_size=None) -> str | N
 
 
 def graphs_off_message(algorithm: str, phases) -> str:
-    """The one log line :class:`SelfSpecAlgo` writes when it turns CUDA graphs off."""
+    """The one log line :class:`TwoPassAlgo` writes when it turns CUDA graphs off."""
     return (f"diffspec: --speculative-algorithm {algorithm} runs without CUDA graphs; turning "
             f"them off ({' and '.join(phases)} phase), as --disable-cuda-graph does: SGLang "
             f"captures its verify graph with the inputs of its own algorithms only (EAGLE, "

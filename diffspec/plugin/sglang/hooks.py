@@ -51,7 +51,7 @@ TARGETS: dict[str, Target] = {
                     "get_algorithm_cls(cfg.dllm_algorithm).configure_server_args(server_args)"),)),
 }
 
-# SGLang base-class methods diffspec's classes override (SelfSpecAlgo / TiDARAlgo:
+# SGLang base-class methods diffspec's classes override (TwoPassAlgo / TiDARAlgo:
 # CustomSpecAlgo; FastDLLM / ReFusion: DllmAlgorithm), and what calls them
 OVERRIDES: tuple[Target, ...] = (
     Target("sglang.srt.speculative.spec_registry", "CustomSpecAlgo.has_draft_kv", ("self",)),
