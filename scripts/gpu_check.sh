@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (issue 29): the `gpu` test tier, then scripts/gpu_check.py's checks, on one
 # GPU with PyTorch + transformers only (no vLLM, SGLang or network), sized for an H100 / H200
-# within 8 minutes (not yet timed on one: no GPU was lent). Figures: OUT/gpu-check.json (the results page shows them), the tier's
-# results: OUT/gpu-tier.xml. Exit status: non-zero if any test or check failed.
+# within 8 minutes (not yet timed on one: no GPU was lent). Figures: OUT/gpu-check.json
+# (the results page shows them), the tier's results: OUT/gpu-tier.xml. Exit status: non-zero if any test or check failed.
 #   bash scripts/gpu_check.sh                      # --device cuda --out benchmarks/results/gpu-check
 #   bash scripts/gpu_check.sh --device cpu --quick # the CPU test of this command
 set -uo pipefail

@@ -97,6 +97,8 @@ def sglang(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.engine.sglang_cpu import sglang_cpu_env
 
     python = require_sglang()
+    tmp = tmp_path_factory.mktemp("sglang_server_args")
+    (tmp / "dual.yaml").write_text("cache: dual\n")
     spec = {"speculative_algorithm": "ORTHRUS", "disable_overlap_schedule": True}
     cases = {
         # rows 1, 2: graphs requested (the default) -> turned off, with one log line; the
@@ -119,11 +121,14 @@ def sglang(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "refusion_torch_native": (ckpts["refusion"], {"dllm_algorithm": "ReFusion"}),
         "fast_dllm_fa3": (ckpts["llada"], {"dllm_algorithm": "FastDLLM",
                                            "attention_backend": "fa3"}),
+        # the dual cache's own advice comes first (torch_native, not flashinfer)
+        "fast_dllm_dual_flashinfer": (ckpts["llada"], {
+            "dllm_algorithm": "FastDLLM", "attention_backend": "flashinfer",
+            "dllm_algorithm_config": str(tmp / "dual.yaml")}),
     }
     job = {name: {"model": str(model), "server_args": args,
                   "fields": ["disable_cuda_graph", "cuda_graph_config", "attention_backend"]}
            for name, (model, args) in cases.items()}
-    tmp = tmp_path_factory.mktemp("sglang_server_args")
     (tmp / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([python, str(HERE / "sglang_server_args.py"), str(tmp / "job.json")],
                           capture_output=True, text=True, timeout=600, check=False,
@@ -159,6 +164,7 @@ def test_sglang_turns_graphs_off_with_one_line(sglang) -> None:
                             "graphs) with --dllm-algorithm ReFusion"),
     ("fast_dllm_fa3", "use --attention-backend flashinfer (torch_native on CPU) with "
                       "--dllm-algorithm FastDLLM"),
+    ("fast_dllm_dual_flashinfer", "set --attention-backend torch_native for cache: dual"),
 ])
 def test_sglang_refuses_at_start(sglang, case: str, first: str) -> None:
     error = sglang[case]["error"]

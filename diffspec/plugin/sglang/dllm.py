@@ -154,14 +154,7 @@ def dllm_config(cfg: Any, info=None):
                               f"{exc}") from None
     backend = getattr(cfg, "attention_backend", None)
     if cache == "dual" and backend != DUAL_CACHE_BACKEND:
-        raise CheckpointError(
-            f"set --attention-backend {DUAL_CACHE_BACKEND} for cache: dual (now: "
-            f"{backend or 'SGLang picks one'}), or set cache: prefix in "
-            f"{cfg.dllm_algorithm_config}: a window-only step reorders the request's "
-            f"req_to_token row so that the window is the forward's tail, which "
-            f"{DUAL_CACHE_BACKEND} reads token by token; backends that read the KV in pages "
-            f"(SGLang's dLLM mode makes a page one block) cannot see that order, and the "
-            f"dual cache is not verified on them")
+        raise CheckpointError(_dual_cache_backend_error(backend, cfg.dllm_algorithm_config))
     if cache == "dual" and sub == block:
         logger.warning(
             "diffspec FastDLLM: cache: dual with sub_block_size == block_size (%d) computes "
@@ -179,6 +172,15 @@ def dllm_config(cfg: Any, info=None):
         max_running_requests=cfg.max_running_requests or 1,
         first_done_first_out_mode=cfg.dllm_fdfo,
     )
+
+
+def _dual_cache_backend_error(backend: str | None, config_path: str | None) -> str:
+    return (f"set --attention-backend {DUAL_CACHE_BACKEND} for cache: dual (now: "
+            f"{backend or 'SGLang picks one'}), or set cache: prefix in {config_path}: a "
+            f"window-only step reorders the request's req_to_token row so that the window is "
+            f"the forward's tail, which {DUAL_CACHE_BACKEND} reads token by token; backends "
+            f"that read the KV in pages (SGLang's dLLM mode makes a page one block) cannot see "
+            f"that order, and the dual cache is not verified on them")
 
 
 def dllm_backend_error(algorithm: str, backends, graphs_on: bool = False) -> str | None:
@@ -213,9 +215,15 @@ def configure_dllm_server_args(algorithm: str, server_args) -> None:
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     cfg = resolving_view(server_args)
+    backends = attention_backends_of(cfg)
+    if algorithm == ALGORITHM:  # the dual cache runs on torch_native only: say so first
+        cache = fast_dllm_options(cfg.dllm_algorithm_config).get("cache", "prefix")
+        wrong = [b for b in backends if b is not None and b != DUAL_CACHE_BACKEND]
+        if cache == "dual" and wrong:
+            raise CheckpointError(_dual_cache_backend_error(wrong[0], cfg.dllm_algorithm_config))
     graphs = getattr(cfg, "cuda_graph_config", None)
     graphs_on = graphs is not None and graphs.decode.backend != Backend.DISABLED
-    error = dllm_backend_error(algorithm, attention_backends_of(cfg), graphs_on)
+    error = dllm_backend_error(algorithm, backends, graphs_on)
     if error:
         raise CheckpointError(error)
 
