@@ -208,7 +208,8 @@ def _build_spec_classes():
                              needs_confidence_relay)
 
         def handle_server_args(self, server_args) -> None:
-            """One linear block per step; synchronous scheduling; no mixed chunks."""
+            """One linear block per step; synchronous scheduling; no mixed chunks; no CUDA
+            graphs (:meth:`_graphs_off`)."""
             info = inspect_checkpoint(server_args.model_path)
             if server_args.speculative_num_draft_tokens is None:
                 server_args.speculative_num_draft_tokens = int(info.block_size)
