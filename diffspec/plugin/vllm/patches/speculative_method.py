@@ -105,9 +105,6 @@ def _require_non_causal(args, method: str) -> None:
     config = args.attention_config
     named = args.attention_backend or getattr(config, "backend", None)
     name = getattr(named, "name", named)
-    error = attention_backend_error(method, name)
-    if error:
-        raise ValueError(error)
     if named is not None and name.upper() != "AUTO":
         try:
             backend = (AttentionBackendEnum[name.upper()] if isinstance(named, str)
@@ -119,6 +116,9 @@ def _require_non_causal(args, method: str) -> None:
                 f"use an attention backend that attends non-causally (CPU_ATTN on CPU, "
                 f"FLASH_ATTN on GPU): method {method!r} drafts with non-causal attention over "
                 f"the paged KV cache, which {backend.get_name()} cannot do")
+        error = attention_backend_error(method, name)
+        if error:
+            raise ValueError(error)
     elif current_platform.is_cuda_alike() and hasattr(config, "backend"):
         args.attention_backend = None  # "auto": the one below, not both
         config.backend = AttentionBackendEnum[GPU_ATTENTION_BACKEND]
