@@ -41,16 +41,18 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(1).split("."))
 
 
+def release_matches(version: str, prefixes) -> bool:
+    """True when ``version``'s release starts with one of the release ``prefixes``
+    ("0.32" matches 0.32.0 and 0.32.1+cpu, not 0.320)."""
+    release = _release(version)
+    return any(release[: len(wanted)] == wanted for wanted in map(_release, prefixes))
+
+
 def is_supported(engine: str, version: str) -> bool:
     """True when ``version`` starts with one of the supported release prefixes."""
     if engine not in SUPPORTED_ENGINE_VERSIONS:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(SUPPORTED_ENGINE_VERSIONS)}")
-    release = _release(version)
-    for prefix in SUPPORTED_ENGINE_VERSIONS[engine]:
-        wanted = _release(prefix)
-        if release[: len(wanted)] == wanted:
-            return True
-    return False
+    return release_matches(version, SUPPORTED_ENGINE_VERSIONS[engine])
 
 
 def check_engine_version(engine: str, version: str) -> None:

@@ -25,10 +25,23 @@ def test_accept_rules_match_cpu() -> None:
     gpu = coupled_accept(drafts.cuda(), processed.cuda(), noise.cuda())
     assert torch.equal(cpu.output_token_ids, gpu.output_token_ids.cpu())
 
-    probs = torch.softmax(processed, -1).cuda()
-    out = rejection_sample_accept(drafts.cuda(), None, probs,
-                                  generators=torch.Generator("cuda").manual_seed(1))  # fmt: skip
+    # rejection sampling on CUDA (CUDA generators): a target that puts all its mass on the
+    # drafts accepts every draft and draws the bonus from its last row; one that gives a
+    # draft no mass rejects it and draws the recovered token from the target there
+    target = torch.zeros(3, 5, 32)
+    target[torch.arange(3)[:, None], torch.arange(4)[None, :], drafts.clamp(min=0)] = 1.0
+    target[:, 4, 9] = 1.0  # bonus row: token 9
+    target[2, 3, :] = 0.0
+    target[2, 3, 17] = 1.0  # request 2 has 3 drafts: its bonus row is row 3
+    target[1, 2, :] = 0.0
+    target[1, 2, 21] = 1.0  # request 1's third draft has no mass: rejected, 21 recovered
+    out = rejection_sample_accept(drafts.cuda(), None, target.cuda(),
+                                  generators=torch.Generator("cuda").manual_seed(1))
     assert out.output_token_ids.device.type == "cuda"
+    assert out.num_accepted.tolist() == [4, 2, 3]
+    assert out.tokens(0) == [*drafts[0].tolist(), 9]
+    assert out.tokens(1) == [*drafts[1, :2].tolist(), 21]
+    assert out.tokens(2) == [*drafts[2, :3].tolist(), 17]
 
 
 def test_reference_ar_decoder_matches_cpu() -> None:

@@ -68,7 +68,8 @@ def test_nld_linear_self_spec_lossless_on_cuda(sampling, tmp_path) -> None:
 
 def test_orthrus_bf16_match_rate_reported(orthrus) -> None:
     """bf16 spec vs fp32 AR: the share of tokens equal up to the first difference, printed
-    (``-s``); asserted only to be a rate of real output, as bf16 is not promised exact."""
+    (``-s``). bf16 is not promised exact, so the assertion is a floor that a broken bf16
+    path (garbage from the first tokens) cannot reach: half the tokens."""
     requests = [Request(p, 40, SAMPLINGS["greedy"], orthrus.eos_token_ids)
                 for p in _synth_prompts()]
     ar = ar_generate(orthrus.lm, requests)
@@ -83,3 +84,4 @@ def test_orthrus_bf16_match_rate_reported(orthrus) -> None:
     print(f"\n[gpu] Orthrus bf16 spec vs fp32 AR on {torch.cuda.get_device_name()}: "
           f"{same}/{total} tokens match before the first difference ({same / total:.1%})")
     assert total > 0 and all(len(s.token_ids) > 0 for s in spec)
+    assert same / total >= 0.5, f"bf16 matches fp32 on {same}/{total} tokens only"

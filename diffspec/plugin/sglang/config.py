@@ -22,7 +22,21 @@ from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["self_spec_algorithms", "spec_class", "validate_server_args"]
+__all__ = ["VERIFY_BACKENDS", "attention_backend_error", "graphs_off_message",
+           "self_spec_algorithms", "spec_class", "validate_server_args"]
+
+# Attention backends diffspec's speculative steps run on. A step's verify (and the
+# ORTHRUS / LINEAR_SELF_SPEC draft pass) is a TARGET_VERIFY batch whose width varies per
+# step (adaptive draft counts, requests near max_new_tokens) and whose mask is its own
+# (``NgramVerifyInput(custom_mask=..., draft_token_num=w)``). torch_native runs it as
+# decode rows / masked attention (verified on CPU, tests/engine); triton and flashinfer,
+# run eagerly, plan it from the verify input's own width and mask (triton_backend.py
+# ``_target_verify_num_tokens_per_req`` and the custom mask, flashinfer_backend.py via
+# ``NgramVerifyInput.generate_attn_arg_prefill``): reasoned from SGLang 0.5.23's code, see
+# docs/gpu-support.md. Every other backend is refused at start: fa3 plans every verify at
+# the server's --speculative-num-draft-tokens and ignores the custom mask
+# (flashattention_backend.py, init_forward_metadata), the rest are not checked.
+VERIFY_BACKENDS = ("torch_native", "triton", "flashinfer")
 
 
 def self_spec_algorithms() -> dict[str, Method]:
@@ -81,6 +95,52 @@ def validate_server_args(server_args) -> None:
     if getattr(server_args, "speculative_eagle_topk", None) not in (None, 1):
         raise CheckpointError(f"--speculative-algorithm {name} drafts one linear block; "
                               f"--speculative-eagle-topk must be 1")
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of
+
+    error = attention_backend_error(name, attention_backends_of(server_args),
+                                    getattr(server_args, "page_size", None))
+    if error:
+        raise CheckpointError(error)
+
+
+def attention_backend_error(algorithm: str, backends, page_size=None) -> str | None:
+    """Why ``--speculative-algorithm algorithm`` cannot run on the resolved attention
+    ``backends`` (``(prefill, decode)``, SGLang's ``attention_backends_of``), first words
+    what to do; ``None`` when it can (:data:`VERIFY_BACKENDS`)."""
+    todo = (f"use --attention-backend triton or flashinfer (torch_native on CPU) with "
+            f"--speculative-algorithm {algorithm}")
+    for backend in dict.fromkeys(b for b in backends if b is not None):
+        if backend in VERIFY_BACKENDS:
+            continue
+        if backend == "fa3":
+            why = ("fa3 plans every TARGET_VERIFY batch at the server's "
+                   "--speculative-num-draft-tokens and ignores the batch's custom mask, while "
+                   "diffspec's steps vary in width (adaptive draft counts, requests near their "
+                   "end) and carry their own mask (the draft pass is non-causal, TIDAR's "
+                   "branches are a tree): requests would be misaligned, wrong tokens at batch "
+                   "> 1")
+        else:
+            why = (f"attention backend {backend} is not one whose verify path diffspec has "
+                   f"checked (its steps need a TARGET_VERIFY that reads the step's own width "
+                   f"and custom mask: {', '.join(VERIFY_BACKENDS)})")
+        return f"{todo}: {why}"
+    if (algorithm == "TIDAR" and page_size not in (None, 1)
+            and set(b for b in backends if b is not None) != {"torch_native"}):
+        return (f"set --page-size 1 with --speculative-algorithm TIDAR on a GPU attention "
+                f"backend (got --page-size {page_size}): its branches are a tree of "
+                f"overlapping positions, which SGLang's paged verify kernels handle only "
+                f"with one token per page (as for NGRAM with topk > 1)")
+    return None
+
+
+def graphs_off_message(algorithm: str, phases) -> str:
+    """The one log line :class:`TwoPassAlgo` writes when it turns CUDA graphs off."""
+    return (f"diffspec: --speculative-algorithm {algorithm} runs without CUDA graphs; turning "
+            f"them off ({' and '.join(phases)} phase), as --disable-cuda-graph does: SGLang "
+            f"captures its verify graph with the inputs of its own algorithms only (EAGLE, "
+            f"DFLASH, NGRAM) at a fixed width per request, while diffspec's steps vary in "
+            f"width and run plain DECODE batches when nothing is drafted. Cost: kernel "
+            f"launch overhead on every forward, most visible at small batches")
 
 
 def quadratic_max_drafts(info) -> int:
@@ -148,7 +208,8 @@ def _build_spec_classes():
                              needs_confidence_relay)
 
         def handle_server_args(self, server_args) -> None:
-            """One linear block per step; synchronous scheduling; no mixed chunks."""
+            """One linear block per step; synchronous scheduling; no mixed chunks; no CUDA
+            graphs (:meth:`_graphs_off`)."""
             info = inspect_checkpoint(server_args.model_path)
             if server_args.speculative_num_draft_tokens is None:
                 server_args.speculative_num_draft_tokens = int(info.block_size)
@@ -163,6 +224,32 @@ def _build_spec_classes():
             server_args.enable_mixed_chunk = False
             if server_args.max_running_requests is None:
                 server_args.max_running_requests = 48
+            self._graphs_off(server_args)
+
+        def _graphs_off(self, server_args) -> None:
+            """CUDA graphs off for every phase (SGLang's ``cuda_graph_config``, already
+            parsed when this runs, and the legacy ``disable_cuda_graph``), with one log
+            line when they were on."""
+            from sglang.srt.model_executor.cuda_graph_config import (
+                Backend,
+                CudaGraphConfig,
+                Phase,
+                with_phase,
+            )
+
+            graphs = getattr(server_args, "cuda_graph_config", None)
+            if not isinstance(graphs, CudaGraphConfig):
+                graphs = CudaGraphConfig.from_dict(graphs if isinstance(graphs, dict) else None)
+                if getattr(server_args, "disable_cuda_graph", False):
+                    for phase in Phase.ALL:
+                        graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
+            on = [p for p in Phase.ALL if getattr(graphs, p).backend != Backend.DISABLED]
+            if on:
+                logger.warning(graphs_off_message(self.name, on))
+                for phase in on:
+                    graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
+                server_args.cuda_graph_config = graphs
+            server_args.disable_cuda_graph = True
 
         def create_worker(self, server_args):
             from sglang.srt.arg_groups.overrides import resolving_view

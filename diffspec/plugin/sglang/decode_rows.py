@@ -24,15 +24,12 @@ from __future__ import annotations
 
 from diffspec.plugin.sglang.hooks import register_around
 
-__all__ = ["TARGET", "register_decode_rows"]
-
-TARGET = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-          "._run_sdpa_forward_decode")
+__all__ = ["register_decode_rows"]
 
 
 def register_decode_rows() -> None:
     """Register the AROUND hook (idempotent); SGLang's ``load_plugins()`` applies it."""
-    register_around(TARGET, _forward_decode)
+    register_around("decode_rows", _forward_decode)
 
 
 def request_runs(req_pool_indices: list[int]) -> list[tuple[int, int]]:

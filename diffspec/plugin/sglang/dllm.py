@@ -35,14 +35,27 @@ from diffspec.plugin.sglang.config import yaml_mapping
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["ALGORITHM", "dllm_architectures", "dllm_config", "fast_dllm_options", "register_dllm",
-]
+__all__ = ["ALGORITHM", "configure_dllm_server_args", "dllm_architectures", "dllm_backend_error",
+           "dllm_backends", "dllm_config", "fast_dllm_options", "register_dllm"]
 
 ALGORITHM = get_method("fast_dllm").sglang.name  # "FastDLLM"
 _OPTIONS = ("threshold", "block_size", "sub_block_size", "cache")
 SGLANG_CACHES = ("prefix", "dual")  # cache strategies FastDLLM runs in SGLang
 DUAL_CACHE_BACKEND = "torch_native"  # the attention backend the dual cache runs on
-_TARGET = "sglang.srt.dllm.config.DllmConfig.from_server_args"
+# Attention backends each dLLM algorithm runs on (checked by its ``configure_server_args``,
+# which SGLang's ``handle_dllm_inference`` calls at start, after it picked the backend:
+# flashinfer when CUDA graphs are on). FastDLLM's prefix cache runs SGLang's own dLLM
+# forward (``DllmAlgorithm.run``: one DLLM_EXTEND over each request's whole block, what
+# SGLang's LowConfidence runs on flashinfer, with or without its graphs); ReFusion's ragged
+# forwards (their own prefix and query lengths per row, slots in commit order, scratch
+# ``req_to_token`` rows) are verified on torch_native only.
+FAST_DLLM_BACKENDS = ("torch_native", "flashinfer")
+REFUSION_BACKENDS = ("torch_native",)
+
+
+def dllm_backends(algorithm: str) -> tuple[str, ...]:
+    """The attention backends ``--dllm-algorithm algorithm`` (FastDLLM, ReFusion) runs on."""
+    return REFUSION_BACKENDS if algorithm == "ReFusion" else FAST_DLLM_BACKENDS
 _registered = False
 
 
@@ -70,7 +83,7 @@ def register_dllm() -> None:
     FastDLLM.supported_architectures = dllm_architectures()
     algo_name_to_cls.setdefault(ALGORITHM, FastDLLM)
     algo_name_to_cls.setdefault(REFUSION, ReFusion)
-    register_around(_TARGET, _from_server_args)
+    register_around("dllm", _from_server_args)
     _registered = True
 
 
@@ -141,14 +154,7 @@ def dllm_config(cfg: Any, info=None):
                               f"{exc}") from None
     backend = getattr(cfg, "attention_backend", None)
     if cache == "dual" and backend != DUAL_CACHE_BACKEND:
-        raise CheckpointError(
-            f"set --attention-backend {DUAL_CACHE_BACKEND} for cache: dual (now: "
-            f"{backend or 'SGLang picks one'}), or set cache: prefix in "
-            f"{cfg.dllm_algorithm_config}: a window-only step reorders the request's "
-            f"req_to_token row so that the window is the forward's tail, which "
-            f"{DUAL_CACHE_BACKEND} reads token by token; backends that read the KV in pages "
-            f"(SGLang's dLLM mode makes a page one block) cannot see that order, and the "
-            f"dual cache is not verified on them")
+        raise CheckpointError(_dual_cache_backend_error(backend, cfg.dllm_algorithm_config))
     if cache == "dual" and sub == block:
         logger.warning(
             "diffspec FastDLLM: cache: dual with sub_block_size == block_size (%d) computes "
@@ -166,6 +172,60 @@ def dllm_config(cfg: Any, info=None):
         max_running_requests=cfg.max_running_requests or 1,
         first_done_first_out_mode=cfg.dllm_fdfo,
     )
+
+
+def _dual_cache_backend_error(backend: str | None, config_path: str | None) -> str:
+    return (f"set --attention-backend {DUAL_CACHE_BACKEND} for cache: dual (now: "
+            f"{backend or 'SGLang picks one'}), or set cache: prefix in {config_path}: a "
+            f"window-only step reorders the request's req_to_token row so that the window is "
+            f"the forward's tail, which {DUAL_CACHE_BACKEND} reads token by token; backends "
+            f"that read the KV in pages (SGLang's dLLM mode makes a page one block) cannot see "
+            f"that order, and the dual cache is not verified on them")
+
+
+def dllm_backend_error(algorithm: str, backends, graphs_on: bool = False) -> str | None:
+    """Why ``--dllm-algorithm algorithm`` cannot run on the resolved attention ``backends``
+    (``(prefill, decode)``), first words what to do; ``None`` when it can."""
+    allowed = dllm_backends(algorithm)
+    wrong = [b for b in dict.fromkeys(backends) if b is not None and b not in allowed]
+    if not wrong:
+        return None
+    if algorithm == "ReFusion":
+        why = ("its forwards are ragged causal extends with their own prefix and query "
+               "lengths per row, over slots in commit order and borrowed req_to_token rows, "
+               "and SGLang's dLLM CUDA graphs replay inputs of bs * block_size tokens, which "
+               "they are not; verified on torch_native only")
+        todo = "use --attention-backend torch_native (which runs without CUDA graphs)"
+    else:
+        why = ("FastDLLM runs SGLang's own dLLM block forward, which diffspec has checked on "
+               "torch_native (CPU) and reasoned for flashinfer, the backend SGLang's dLLM mode "
+               "picks with CUDA graphs")
+        todo = "use --attention-backend flashinfer (torch_native on CPU)"
+    graphs = (" (SGLang's dLLM mode switches to flashinfer while CUDA graphs are on)"
+              if graphs_on else "")
+    return (f"{todo} with --dllm-algorithm {algorithm}: attention backend "
+            f"{', '.join(wrong)}{graphs} is not one it runs on: {why}")
+
+
+def configure_dllm_server_args(algorithm: str, server_args) -> None:
+    """``DllmAlgorithm.configure_server_args`` of diffspec's dLLM algorithms: refuse an
+    attention backend they do not run on (:func:`dllm_backend_error`)."""
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    cfg = resolving_view(server_args)
+    backends = attention_backends_of(cfg)
+    if algorithm == ALGORITHM:  # the dual cache runs on torch_native only: say so first
+        cache = fast_dllm_options(cfg.dllm_algorithm_config).get("cache", "prefix")
+        wrong = [b for b in backends if b is not None and b != DUAL_CACHE_BACKEND]
+        if cache == "dual" and wrong:
+            raise CheckpointError(_dual_cache_backend_error(wrong[0], cfg.dllm_algorithm_config))
+    graphs = getattr(cfg, "cuda_graph_config", None)
+    graphs_on = graphs is not None and graphs.decode.backend != Backend.DISABLED
+    error = dllm_backend_error(algorithm, backends, graphs_on)
+    if error:
+        raise CheckpointError(error)
 
 
 def _turn_end_ids(info) -> list[int]:

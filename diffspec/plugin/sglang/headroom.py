@@ -18,14 +18,12 @@ from __future__ import annotations
 from diffspec.plugin.sglang.config import self_spec_algorithms
 from diffspec.plugin.sglang.hooks import register_around
 
-__all__ = ["TARGET", "register_headroom"]
-
-TARGET = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
+__all__ = ["register_headroom"]
 
 
 def register_headroom() -> None:
     """Register the AROUND hook (idempotent); SGLang's ``load_plugins()`` applies it."""
-    register_around(TARGET, _extra_context_len)
+    register_around("headroom", _extra_context_len)
 
 
 def _extra_context_len(original) -> int:

@@ -28,7 +28,8 @@ from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
-__all__ = ["diffspec_options", "is_self_spec_proposer", "proposer_path", "self_spec_methods",
+__all__ = ["GPU_ATTENTION_BACKEND", "attention_backend_error", "cudagraph_plan",
+           "diffspec_options", "is_self_spec_proposer", "proposer_path", "self_spec_methods",
            "translate_speculative_config", "unknown_method_message"]
 
 SPEC_FLAG = "--speculative-config"
@@ -162,6 +163,66 @@ def translate_speculative_config(
     out = {k: v for k, v in spec.items() if k not in ("method", "model", *DIFFSPEC_OPTIONS)}
     out.update(method="custom_class", model=proposer_path(name), num_speculative_tokens=num)
     return out
+
+
+# The attention backends the self-speculative methods run on: CPU_ATTN (verified on CPU by
+# the engine tier) and FLASH_ATTN (reasoned from vLLM's code: its metadata builder makes
+# fresh metadata per build and accepts causal=False over the paged cache; docs/gpu-support.md).
+# On a GPU the plugin names FLASH_ATTN when the user names none, so vLLM's selector fails
+# loudly where FLASH_ATTN cannot run instead of falling back to FlashInfer.
+GPU_ATTENTION_BACKEND = "FLASH_ATTN"
+CHECKED_ATTENTION_BACKENDS = ("CPU_ATTN", GPU_ATTENTION_BACKEND)
+
+
+def attention_backend_error(method: str, named: str | None) -> str | None:
+    """Why method ``method`` cannot run on the attention backend the user named (first
+    words: what to do), or ``None``."""
+    if named is None or named.upper() in ("AUTO", *CHECKED_ATTENTION_BACKENDS):
+        return None
+    named = named.upper()
+    if named == "FLASHINFER" and method == "tidar":
+        why = ("TiDAR builds the metadata of a step's n + 1 branches on the target's "
+               "FlashInfer builder before any branch runs, and FlashInfer's builds share one "
+               "re-planned wrapper and a persistent page-index buffer, so the verify and the "
+               "earlier branches would run with the last branch's plan (wrong drafts or wrong "
+               "verify reads)")
+    elif named == "FLASHINFER":
+        why = ("its draft pass attends non-causally over the paged KV cache, and vLLM itself "
+               "keeps FlashInfer's non-causal path out of its default order on SM100 (known "
+               "problems, platforms/cuda.py); not checked by diffspec")
+    else:
+        why = (f"its draft pass attends non-causally over the paged KV cache, which diffspec "
+               f"has checked on {' and '.join(CHECKED_ATTENTION_BACKENDS)} only, not on "
+               f"{named}")
+    return (f"use --attention-backend {GPU_ATTENTION_BACKEND} (GPU) or CPU_ATTN (CPU) with "
+            f"method {method!r}: {why}")
+
+
+def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager: bool,
+                   on_gpu: bool) -> str | None:
+    """The ``cudagraph_mode`` a self-speculative launch must run with: ``"PIECEWISE"``
+    (to set: the user set none) or ``None`` (leave it). Raises :class:`CheckpointError`
+    for a mode with full CUDA
+    graphs where the method cannot run under them: ``tidar`` (its branch metadata, built
+    before the branches run, would share FLASH_ATTN's persistent FA3 scheduler metadata,
+    which full graphs keep in one buffer) and any method with ``"adaptive": true`` (the
+    verify length changes per step: vLLM's own rule for dynamic speculative decoding on
+    the V1 runner is PIECEWISE, config/vllm.py ``_maybe_override_dynamic_sd_cudagraph_mode``)."""
+    if enforce_eager or not (method == "tidar" or adaptive):
+        return None
+    if mode is None:
+        return "PIECEWISE" if on_gpu else None
+    if mode.upper() in ("NONE", "PIECEWISE"):
+        return None
+    why = ("its branches' attention metadata are built before they run and would share the "
+           "FA3 scheduler metadata that full CUDA graphs keep in one persistent buffer"
+           if method == "tidar" else
+           "\"adaptive\": true changes the verify length from step to step (vLLM runs "
+           "dynamic speculative decoding on the V1 runner with PIECEWISE graphs too)")
+    raise CheckpointError(
+        f"set compilation_config's cudagraph_mode to PIECEWISE or NONE (or add "
+        f"--enforce-eager, or leave cudagraph_mode out) for method {method!r}: "
+        f"cudagraph_mode {mode} captures full CUDA graphs, and {why}")
 
 
 def unknown_method_message(method: Any, vllm_methods: Iterable[str] = (),

@@ -46,9 +46,10 @@ from diffspec.methods import get_method
 
 logger = logging.getLogger("vllm.diffspec")
 
-__all__ = ["DEFAULT_BLOCK", "OPTIONS", "THRESHOLD_ARG", "V2_RUNNER_UNAVAILABLE",
-           "FastDLLMConfigError", "diffusion_block_size", "fast_dllm_options",
-           "register_config_hooks", "verify_and_update_config"]
+__all__ = ["DEFAULT_BLOCK", "DIFFUSION_GPU_BACKEND", "OPTIONS", "THRESHOLD_ARG",
+           "V2_RUNNER_UNAVAILABLE", "FastDLLMConfigError", "diffusion_backend_error",
+           "diffusion_block_size", "fast_dllm_options", "register_config_hooks",
+           "verify_and_update_config"]
 
 DEFAULT_BLOCK = 32  # Fast-dLLM's block when the checkpoint has no trained one
 OPTIONS = ("threshold", "sub_block_size", "cache")  # --additional-config diffspec.fast_dllm
@@ -72,6 +73,36 @@ DUAL_CACHE_UNSUPPORTED = (
     "the paged KV of the prompt and the earlier blocks (the prefix cache); no forward runs "
     "a sub-block over cached KV of the block's other slots, and no KV exists past the block "
     "(no masked suffix to cache), so the dual cache cannot be expressed on it")
+
+
+# The model state gives vLLM's attention one causal flag per request (an int32 tensor:
+# causal prefill, non-causal blocks in one batch). vLLM 0.33 accepts that tensor in
+# TRITON_ATTN (triton_unified_attention: ``use_per_seq_causal``), CPU_ATTN
+# (``dynamic_causal``) and FLASH_ATTN only with FA4 (FA2 / FA3 raise "Per-sequence causal
+# requires FA4"); FlashInfer's builder reads the flag as a bool (``causal or ...``), which a
+# tensor of several requests cannot be. On a GPU the hook names TRITON_ATTN when the user
+# named no backend.
+DIFFUSION_GPU_BACKEND = "TRITON_ATTN"
+_DIFFUSION_BACKENDS = ("CPU_ATTN", DIFFUSION_GPU_BACKEND)
+
+
+def diffusion_backend_error(arch: str | None, named: str | None,
+                            flash_attn_version: int | None) -> str | None:
+    """Why vLLM's diffusion path cannot serve ``arch`` with Fast-dLLM on the attention
+    backend the user named (first words: what to do), or ``None``."""
+    if named is None or named.upper() in ("AUTO", *_DIFFUSION_BACKENDS):
+        return None
+    if named.upper() == "FLASH_ATTN" and flash_attn_version == 4:
+        return None
+    return (f"use --attention-backend {DIFFUSION_GPU_BACKEND} (GPU; or FLASH_ATTN with "
+            f"--attention-config '{{\"flash_attn_version\": 4}}' where FA4 runs) or "
+            f"CPU_ATTN (CPU) to serve {arch} with Fast-dLLM: its model state gives vLLM's "
+            f"attention one causal flag per request (causal prefills and non-causal blocks in "
+            f"one batch), which only TRITON_ATTN, CPU_ATTN and FlashAttention 4 accept; "
+            f"{named.upper()}"
+            + (f" (FlashAttention {flash_attn_version or 'by default 2 or 3'})"
+               if named.upper() == "FLASH_ATTN" else "")
+            + " would raise at the first forward")
 
 
 class FastDLLMConfigError(RuntimeError):
@@ -149,6 +180,12 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "remove max_denoising_steps from --diffusion-config: Fast-dLLM decodes a block "
             "until every slot is committed (at least one per step, so at most the block's "
             "size in steps)")
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    error = diffusion_backend_error(arch, getattr(backend, "name", backend),
+                                    getattr(attention, "flash_attn_version", None))
+    if error:
+        raise CheckpointError(error)
     info = inspect_checkpoint(model_config.model)
     if info.mask_token_id is None:
         raise CheckpointError(f"serve a checkpoint with a mask token: {model_config.model} "
@@ -161,6 +198,7 @@ def verify_and_update_config(vllm_config: Any) -> None:
         raise CheckpointError(f"fix --diffusion-config's canvas_length or {_SETTINGS_FLAG}'s "
                               f"sub_block_size: {exc}") from None
     _require_v2_runner(arch)
+    _name_gpu_backend(attention, arch)
 
     from vllm.config.diffusion import DiffusionConfig
 
@@ -188,6 +226,22 @@ def _require_v2_runner(arch: str | None) -> None:
 
     if not HAS_TRITON:  # vLLM would refuse later with "V1 does not support: diffusion models"
         raise ValueError(V2_RUNNER_UNAVAILABLE.format(arch=arch))
+
+
+def _name_gpu_backend(attention: Any, arch: str | None) -> None:
+    """On a GPU with no backend named: :data:`DIFFUSION_GPU_BACKEND` (vLLM's default order
+    puts FLASH_ATTN or FlashInfer first, which raise on a per-request causal flag)."""
+    from vllm.platforms import current_platform
+
+    if attention is None or getattr(attention, "backend", None) is not None \
+            or not current_platform.is_cuda_alike():
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    attention.backend = AttentionBackendEnum[DIFFUSION_GPU_BACKEND]
+    logger.info("diffspec: Fast-dLLM on vLLM's diffusion path runs %s on attention backend %s "
+                "(it accepts the per-request causal flag; FLASH_ATTN needs FA4 for it)",
+                arch, DIFFUSION_GPU_BACKEND)
 
 
 def _turn_end_ids(info: CheckpointInfo) -> list[int]:

@@ -18,10 +18,16 @@ import torch
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
-__all__ = ["PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy", "logger",
-           "measure_profile", "non_causal_blocks", "on_device"]
+__all__ = ["DRAFT_LOGITS_ROWS", "PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy",
+           "draft_argmax", "logger", "measure_profile", "non_causal_blocks", "on_device"]
 
 PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
+
+# Rows of draft logits a proposer materialises at once. vLLM's memory profile (a dummy
+# forward of max_num_batched_tokens) does not see the drafts' logits; whole, they would be
+# up to max_num_batched_tokens x vocab (8192 x 151936 in bf16: 2.5 GB at Qwen3's
+# vocabulary); in chunks they are at most this many rows (1024 x 151936: 311 MB).
+DRAFT_LOGITS_ROWS = 1024
 
 
 @dataclass
@@ -91,6 +97,20 @@ def non_causal_blocks(
                 f"that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
         per_layer.update(dict.fromkeys(group.layer_names, metadata))
     return NonCausalBlocks(per_layer, slot_mapping, common.positions, query_start)
+
+
+def draft_argmax(model, hidden: torch.Tensor, rows: torch.Tensor,
+                 chunk: int = DRAFT_LOGITS_ROWS) -> list[int] | None:
+    """The argmax token of ``model.compute_logits`` at ``hidden[rows]`` (``rows``: [R]
+    indices), computed ``chunk`` rows at a time (:data:`DRAFT_LOGITS_ROWS`); ``None`` on a
+    tensor-parallel rank that does not hold the gathered logits."""
+    tokens = []
+    for start in range(0, rows.numel(), chunk):
+        logits = model.compute_logits(hidden[rows[start:start + chunk]])  # [<= chunk, vocab]
+        if logits is None:
+            return None
+        tokens.append(logits.argmax(dim=-1))
+    return torch.cat(tokens).tolist() if tokens else []
 
 
 def on_device(runner, array: np.ndarray) -> torch.Tensor:

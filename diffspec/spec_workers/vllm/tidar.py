@@ -20,6 +20,7 @@ from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.vllm.proposer import (
     NonCausalBlocks,
     adaptive_policy,
+    draft_argmax,
     logger,
     measure_profile,
     non_causal_blocks,
@@ -296,10 +297,10 @@ class TiDARProposer:
         if not index:
             return drafts
         model = runner.get_model()
-        logits = model.compute_logits(hidden[on_device(runner, np.asarray(index, dtype=np.int64))])
-        if logits is None:  # a TP rank that does not hold the gathered logits
+        tokens = draft_argmax(model, hidden,
+                              on_device(runner, np.asarray(index, dtype=np.int64)))  # [sum k]
+        if tokens is None:  # a TP rank that does not hold the gathered logits
             return drafts
-        tokens = logits.argmax(dim=-1).tolist()  # [sum k]
         for row, end, count in zip(rows, np.cumsum(counts), counts):
             drafts[row] = tokens[end - count:end]
         return drafts

@@ -14,6 +14,7 @@ import torch
 from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.vllm.proposer import (
     adaptive_policy,
+    draft_argmax,
     logger,
     measure_profile,
     non_causal_blocks,
@@ -143,10 +144,9 @@ class TwoPassProposer:
         with set_forward_context(batch.attn_metadata, runner.vllm_config,
                                  num_tokens=batch.num_tokens, slot_mapping=layer_slots):
             hidden = model.diffusion_hidden_states(on_device(runner, input_ids), batch.positions)
-        logits = model.compute_logits(hidden[on_device(runner, predict)])  # [sum n, vocab]
-        if logits is None:  # a TP rank that does not hold the gathered logits
+        tokens = draft_argmax(model, hidden, on_device(runner, predict))  # [sum n]
+        if tokens is None:  # a TP rank that does not hold the gathered logits
             return [[] for _ in blocks]
-        tokens = logits.argmax(dim=-1).tolist()
         ends = np.cumsum([b.num_drafts for b in blocks])
         return [tokens[end - b.num_drafts:end] for b, end in zip(blocks, ends)]
 

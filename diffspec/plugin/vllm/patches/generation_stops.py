@@ -20,9 +20,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["apply", "with_stop_ids"]
+__all__ = ["TARGETS", "apply", "with_stop_ids"]
+
+TARGETS = (
+    Target("vllm.config.model", "ModelConfig.try_get_generation_config", ("self",),
+           relies_on=(("vllm.v1.engine.input_processor:InputProcessor.__init__",
+                       "self.generation_config_fields = "
+                       "model_config.try_get_generation_config()"),)),
+)
 
 ATTRIBUTE = "diffspec_stop_token_ids"
 

@@ -17,9 +17,16 @@ draft K/V.
 
 from __future__ import annotations
 
+from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["apply"]
+__all__ = ["TARGETS", "apply"]
+
+TARGETS = (
+    Target("vllm.config.vllm", "VllmConfig.num_lookahead_tokens", ("self",), is_property=True,
+           relies_on=(("vllm.v1.core.sched.scheduler:Scheduler.__init__",
+                       "self.num_lookahead_tokens = vllm_config.num_lookahead_tokens"),)),
+)
 
 
 def apply() -> None:

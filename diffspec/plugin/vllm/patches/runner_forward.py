@@ -17,9 +17,21 @@ from __future__ import annotations
 
 import functools
 
+from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["apply"]
+__all__ = ["TARGETS", "apply"]
+
+TARGETS = (
+    Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward",
+           ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
+            "**model_kwargs"),
+           # the runner calls it with keywords only (the patch passes positional calls on)
+           relies_on=(("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+                       "self._model_forward( input_ids=input_ids, positions=positions, "
+                       "intermediate_tensors=intermediate_tensors, "
+                       "inputs_embeds=inputs_embeds, **model_kwargs, )"),)),
+)
 
 
 def apply() -> None:

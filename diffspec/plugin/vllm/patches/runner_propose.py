@@ -14,9 +14,20 @@ from __future__ import annotations
 
 import functools
 
+from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["apply"]
+__all__ = ["TARGETS", "apply"]
+
+TARGETS = (
+    Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids",
+           ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata",
+            "hidden_states", "sample_hidden_states", "aux_hidden_states",
+            "spec_decode_metadata", "common_attn_metadata", "slot_mappings"),
+           relies_on=(("vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
+                       "self._draft_probs: torch.Tensor | None = None ... "
+                       "self._draft_prob_req_ids: list[str] | None = None"),)),
+)
 
 
 def apply() -> None:

@@ -19,11 +19,32 @@ vLLM untouched.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import get_args
 
+from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["apply"]
+__all__ = ["TARGETS", "apply"]
+
+# what this patch relies on in vLLM (checked per listed version: tests/unit/test_engine_sources.py)
+TARGETS = (
+    Target("vllm.engine.arg_utils", "EngineArgs.create_speculative_config",
+           ("self", "target_model_config", "target_parallel_config"),
+           relies_on=(
+               # the user's speculative / attention / compilation settings are read after
+               # this method rewrote them
+               ("vllm.engine.arg_utils:EngineArgs.create_engine_config",
+                "speculative_config = self.create_speculative_config( ... "
+                "attention_config = copy.deepcopy(self.attention_config) ... "
+                "compilation_config = copy.deepcopy(self.compilation_config)"),
+               ("vllm.config.attention:AttentionConfig", "use_non_causal: bool = False"),
+               ("vllm.config.compilation:CompilationConfig",
+                "cudagraph_mode: CUDAGraphMode = None"),
+           )),
+)
+
+logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 
 def _vllm_methods() -> set[str]:
@@ -72,16 +93,21 @@ def _check_engine(target_model_config, target_parallel_config, method: str) -> N
 
 def _require_non_causal(args, method: str) -> None:
     """diffspec's drafters attend non-causally over the paged KV cache: ask vLLM's backend
-    selector for a backend that can (``attention_config.use_non_causal``), so an unfit
-    backend is refused when the model loads, not at the first draft; one the user named is
-    refused here, before anything loads."""
+    selector for a backend that can (``attention_config.use_non_causal``), refuse a named
+    backend diffspec has not checked (:func:`~diffspec.plugin.vllm.config.
+    attention_backend_error`: FlashInfer, for one), and on a GPU name FLASH_ATTN when the
+    user named none, so the selector cannot fall back to an unchecked backend."""
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from diffspec.plugin.vllm.config import GPU_ATTENTION_BACKEND, attention_backend_error
 
     config = args.attention_config
     named = args.attention_backend or getattr(config, "backend", None)
-    if named is not None:
+    name = getattr(named, "name", named)
+    if named is not None and name.upper() != "AUTO":
         try:
-            backend = (AttentionBackendEnum[named] if isinstance(named, str)
+            backend = (AttentionBackendEnum[name.upper()] if isinstance(named, str)
                        else named).get_class()
         except (ImportError, KeyError):  # not on this platform: vLLM's own error follows
             backend = None
@@ -90,8 +116,42 @@ def _require_non_causal(args, method: str) -> None:
                 f"use an attention backend that attends non-causally (CPU_ATTN on CPU, "
                 f"FLASH_ATTN on GPU): method {method!r} drafts with non-causal attention over "
                 f"the paged KV cache, which {backend.get_name()} cannot do")
+        error = attention_backend_error(method, name)
+        if error:
+            raise ValueError(error)
+    elif current_platform.is_cuda_alike() and hasattr(config, "backend"):
+        args.attention_backend = None  # "auto": the one below, not both
+        config.backend = AttentionBackendEnum[GPU_ATTENTION_BACKEND]
+        logger.info("diffspec: method %r runs on attention backend %s (checked for its "
+                    "non-causal draft attention; name another with --attention-backend)",
+                    method, GPU_ATTENTION_BACKEND)
     if hasattr(config, "use_non_causal"):
         config.use_non_causal = True
+
+
+def _cudagraphs(args, method: str, spec: dict) -> None:
+    """Full CUDA graphs off where the method cannot run under them
+    (:func:`~diffspec.plugin.vllm.config.cudagraph_plan`), with one log line."""
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from diffspec.plugin.vllm.config import cudagraph_plan
+
+    if isinstance(args.compilation_config, dict):
+        args.compilation_config = CompilationConfig(**args.compilation_config)
+    compilation = args.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    plan = cudagraph_plan(method, bool(spec.get("adaptive")),
+                          None if mode is None else getattr(mode, "name", str(mode)),
+                          bool(args.enforce_eager), current_platform.is_cuda_alike())
+    if plan is not None:
+        compilation.cudagraph_mode = CUDAGraphMode[plan]
+        logger.warning("diffspec: method %r runs with cudagraph_mode %s (CUDA graphs for "
+                       "the layers between attention calls, attention eager): %s. Cost: "
+                       "kernel launch overhead in attention, most visible at small batches",
+                       method, plan,
+                       "its branches' metadata are built before they run" if method == "tidar"
+                       else "\"adaptive\": true changes the verify length every step")
 
 
 def apply() -> None:
@@ -115,6 +175,12 @@ def apply() -> None:
         if isinstance(method, str) and method in self_spec_methods():
             _check_engine(target_model_config, target_parallel_config, method)
             _require_non_causal(self, method)
+            _cudagraphs(self, method, spec)
+            logger.info(
+                "diffspec: method %r runs as vLLM's custom proposer, which vLLM runs on its "
+                "V1 model runner with async scheduling off (vLLM 0.33 runs other models on "
+                "the V2 runner with async scheduling: expect a lower step rate at small "
+                "batches)", method)
             hf_config = target_model_config.hf_config.to_dict()
             self.speculative_config = translate_speculative_config(
                 spec, target_model_config.model, hf_config)

@@ -17,9 +17,23 @@ from __future__ import annotations
 
 import functools
 
+from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["apply"]
+__all__ = ["TARGETS", "apply"]
+
+TARGETS = (
+    Target("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model", ("self",)),
+    Target("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model", ("self",)),
+    # the proposer's timing forwards (diffspec.spec_workers.vllm.proposer.measure_profile)
+    Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._dummy_run",
+           ("self", "num_tokens", "cudagraph_runtime_mode", "force_attention",
+            "uniform_decode", "allow_microbatching", "skip_eplb", "is_profile",
+            "create_mixed_batch", "remove_lora", "is_graph_capturing", "num_active_loras",
+            "profile_seq_lens", "randomize_inputs"),
+           relies_on=(("vllm.v1.worker.gpu_model_runner:GPUModelRunner._dummy_run",
+                       "sm.fill_(-1)"),)),
+)
 
 
 def _wrap(cls) -> None:

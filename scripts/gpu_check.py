@@ -1,0 +1,344 @@
+"""The GPU check (issue 29, item 4): what diffspec's engine paths assume of a GPU, checked on
+one, with the figures written to a JSON file the results page shows.
+
+    python scripts/gpu_check.py --device cuda --out gpu-check.json   # on an H100 / H200
+    python scripts/gpu_check.py --device cpu --quick --out x.json     # the CPU test of it
+
+Needs PyTorch and transformers only (no vLLM, SGLang or network); ``scripts/gpu_check.sh``
+runs it after the ``gpu`` test tier. Every check asserts what it checks; one that fails is
+recorded with its error and the command exits 1. Checks:
+
+* ``core_rules``: accept (greedy, coupled), confidence unmasking (ties, a confidence equal
+  to the threshold), per-row penalties, the quadratic / block-causal masks and the slot
+  rules on the device, in fp32 and bf16, against the same inputs on CPU: identical
+  decisions.
+* ``tidar_split_attention``: vLLM TiDAR's attention schedule (causal verify, then the
+  branches from the last to the first, each non-causal over the request's paged cache with
+  its K/V written over the slots of its own positions, then the verify K/V written back)
+  against one dense attention under the quadratic mask, on a random paged cache with
+  several requests: same outputs, and the cache left exactly as a plain verify leaves it.
+* ``decoders_bf16``: the five reference decoders (orthrus, linear_self_spec, tidar,
+  fast_dllm, refusion) on their bundled models, on the device in fp32 (equal to CPU fp32)
+  and bf16 (the share of tokens equal to fp32 before the first difference).
+* ``draft_logits_memory``: the logits a draft pass materialises for ``rows`` rows at
+  Qwen3-8B's vocabulary (151936), computed whole and in chunks of 1024 rows: peak memory of
+  each (CUDA) and equal argmax drafts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------- core rules
+
+
+def check_core_rules(device: torch.device, quick: bool) -> dict:
+    from diffspec.core.accept import coupled_accept, greedy_accept
+    from diffspec.core.masks import block_causal_mask, quadratic_mask
+    from diffspec.core.penalties import RequestPenalties, apply_penalties_per_row
+    from diffspec.core.sampling import position_gumbel_noise, process_logits
+    from diffspec.core.slots import score_slots, select_slots, verify_slot_drafts
+    from diffspec.core.unmask import confidence_unmask
+
+    figures: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    for name, dtype in DTYPES.items():
+        logits = torch.randn(4, 6, 64, generator=gen).to(dtype)  # [batch, n + 1, vocab]
+        drafts = logits[:, :5].float().argmax(-1)  # [batch, n]
+        drafts[1, 2] = (drafts[1, 2] + 1) % 64  # a rejection mid-block
+        drafts[3, 0] = (drafts[3, 0] + 1) % 64  # a rejection at the first draft
+        logits[2, 1, :] = 0.0  # an all-equal row: argmax ties go to the lowest index
+        cpu = greedy_accept(drafts, logits)
+        dev = greedy_accept(drafts.to(device), logits.to(device))
+        assert torch.equal(cpu.output_token_ids, dev.output_token_ids.cpu()), f"greedy {name}"
+
+        processed = process_logits(logits.float(), 0.8, 8, 0.9)
+        noise = torch.stack([position_gumbel_noise(7, list(range(10, 16)), 64)] * 4)
+        cpu = coupled_accept(drafts, processed, noise)
+        dev = coupled_accept(drafts.to(device), processed.to(device), noise.to(device))
+        assert torch.equal(cpu.output_token_ids, dev.output_token_ids.cpu()), f"coupled {name}"
+
+        # unmasking: an exact tie between two positions and one confidence equal to the
+        # threshold (strictly greater passes: it must not be committed by the threshold)
+        block = torch.full((2, 8, 16), -30.0)
+        block[0, 2, 5] = block[0, 5, 5] = 5.0  # tie: probability ~1 at positions 2 and 5
+        block[1, :, 3] = 0.0
+        block[1, 4, :] = 0.0  # uniform: confidence exactly 1/16
+        block = block.to(dtype)
+        canvas = torch.full((2, 8), 99, dtype=torch.long)
+        canvas[:, 0] = 1
+        for threshold in (0.0625, 0.5, 1.0):
+            c_out = confidence_unmask(block.float(), canvas, 99, threshold)
+            d_out = confidence_unmask(block.to(device).float(), canvas.to(device), 99, threshold)
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(c_out, d_out)), \
+                f"unmask {name} threshold {threshold}"
+
+        # penalties per verify row (the accepted drafts before a row count as output)
+        verify = torch.randn(2, 4, 64, generator=gen).to(dtype).float()
+        verify_drafts = torch.randint(0, 64, (2, 3), generator=gen)
+        penalties = [RequestPenalties(repetition=1.3, frequency=0.2, presence=0.1,
+                                      logit_bias={5: 2.0}),
+                     RequestPenalties(min_new_tokens=8, stop_token_ids=frozenset({7}))]
+        histories = [[3, 5, 5], [1]]
+        c_pen = apply_penalties_per_row(verify.clone(), verify_drafts, histories, penalties)
+        d_pen = apply_penalties_per_row(verify.to(device), verify_drafts.to(device), histories,
+                                        penalties)
+        assert torch.allclose(c_pen, d_pen.cpu(), atol=1e-5, rtol=1e-5), f"penalties {name}"
+        assert torch.equal(c_pen.argmax(-1), d_pen.argmax(-1).cpu()), f"penalty argmax {name}"
+
+        # slots: plan scores with a tie, a score at the threshold, verify runs
+        first = torch.randn(6, 64, generator=gen).to(dtype)
+        first[4] = first[1]  # tie between slots 1 and 4
+        masked = torch.tensor([True, True, False, True, True, True])
+        c_scores, c_tokens = score_slots(first, masked)
+        d_scores, d_tokens = score_slots(first.to(device), masked.to(device))
+        assert torch.equal(c_tokens, d_tokens.cpu()), f"slot tokens {name}"
+        for threshold in (float(c_scores[1]), 0.99):
+            assert torch.equal(select_slots(c_scores, threshold),
+                               select_slots(c_scores.to(device), threshold).cpu()), \
+                f"select_slots {name}"
+        probs = torch.rand(5, 6, generator=gen).to(dtype).float()
+        probs[0, 3] = 0.4  # exactly the threshold: not accepted
+        ids = torch.randint(0, 64, (5, 6), generator=gen)
+        ids[2, 4:] = -1
+        assert torch.equal(verify_slot_drafts(ids, probs, 0.4),
+                           verify_slot_drafts(ids.to(device), probs.to(device), 0.4).cpu()), \
+            f"verify_slot_drafts {name}"
+    for prefix, n, k in ((0, 0, 4), (5, 3, 4), (17, 7, 8)):
+        c_mask, c_pos = quadratic_mask(prefix, n, k)
+        d_mask, d_pos = quadratic_mask(prefix, n, k, device=device)
+        assert torch.equal(c_mask, d_mask.cpu()) and torch.equal(c_pos, d_pos.cpu())
+    assert torch.equal(block_causal_mask(24, 8), block_causal_mask(24, 8).to(device).cpu())
+    figures["cases"] = "greedy, coupled, unmask x3 thresholds, penalties, slots; fp32, bf16"
+    return figures
+
+
+# ----------------------------------------------------------------------------- TiDAR split
+
+
+def _attend(q, k, v, mask):  # q [T, H, D], k/v [S, H, D], mask [T, S] bool
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def check_tidar_split_attention(device: torch.device, quick: bool) -> dict:
+    """vLLM TiDAR's schedule (diffspec/spec_workers/vllm/tidar.py ``_QuadraticAttention``)
+    against the dense quadratic mask, on a paged cache shared by several requests."""
+    from diffspec.core.masks import quadratic_mask
+
+    gen = torch.Generator().manual_seed(1)
+    heads, dim, page = 4, 32, 16
+    figures: dict = {}
+    for name, dtype in DTYPES.items():
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        # requests: (committed context C, drafts n, masks per branch K)
+        requests = [(37, 3, 4), (5, 0, 4), (64, 7, 8)] if quick else \
+            [(37, 3, 4), (5, 0, 4), (64, 7, 8), (1000, 7, 8), (4090, 15, 16)]
+        num_pages = sum((c + n + 1 + k) // page + 2 for c, n, k in requests) + 3
+        k_cache = torch.randn(num_pages * page, heads, dim, generator=gen).to(dtype).to(device)
+        v_cache = torch.randn(num_pages * page, heads, dim, generator=gen).to(dtype).to(device)
+        pages = torch.randperm(num_pages, generator=gen).tolist()
+        tables, step = [], []
+        for c, n, k in requests:
+            need = (c + n + 1 + k + page - 1) // page
+            tables.append(torch.tensor(pages[:need]))
+            pages = pages[need:]
+            t = (n + 1) * (1 + k)
+            step.append([torch.randn(t, heads, dim, generator=gen).to(dtype).to(device)
+                         for _ in range(3)])  # q, k, v of the step's tokens
+        untouched = torch.tensor(pages) if pages else torch.tensor([], dtype=torch.long)
+
+        def slots(table, positions):  # pool slots of positions
+            positions = torch.as_tensor(positions)
+            return (table[positions // page] * page + positions % page).to(device)
+
+        before = (k_cache.clone(), v_cache.clone())
+        worst = 0.0
+        for r, ((c, n, k), table, (q, kk, vv)) in enumerate(zip(requests, tables, step)):
+            # dense reference: [prefix from the cache, step tokens] under the quadratic mask
+            mask, positions = quadratic_mask(c, n, k, device=device)
+            prefix = slots(table, range(c))
+            keys = torch.cat([k_cache[prefix], kk])
+            values = torch.cat([v_cache[prefix], vv])
+            dense = _attend(q, keys, values, mask)
+            # split: verify causally over the cache, then branches a = n .. 0 non-causally
+            split = torch.empty_like(dense)
+            verify = slots(table, range(c, c + n + 1))
+            k_cache[verify], v_cache[verify] = kk[: n + 1], vv[: n + 1]
+            seen = slots(table, range(c + n + 1))
+            causal = torch.ones(n + 1, c + n + 1, dtype=torch.bool, device=device).tril(c)
+            split[: n + 1] = _attend(q[: n + 1], k_cache[seen], v_cache[seen], causal)
+            for a in range(n, -1, -1):
+                rows = slice(n + 1 + a * k, n + 1 + (a + 1) * k)
+                own = slots(table, range(c + a + 1, c + a + 1 + k))
+                k_cache[own], v_cache[own] = kk[rows], vv[rows]
+                reach = slots(table, range(c + a + 1 + k))
+                split[rows] = _attend(q[rows], k_cache[reach], v_cache[reach], None)
+            # write the verify K/V of d_1 .. d_n back (the branches overwrote them)
+            k_cache[verify], v_cache[verify] = kk[: n + 1], vv[: n + 1]
+            err = float((split.float() - dense.float()).abs().max())
+            worst = max(worst, err)
+            assert err <= tol, f"{name} request {r}: split vs dense max error {err}"
+            # the cache: prefix untouched, verify tokens in their slots (as a plain verify)
+            assert torch.equal(k_cache[prefix], before[0][prefix])
+            assert torch.equal(k_cache[verify], kk[: n + 1])
+        if len(untouched):  # pages of no request: never written
+            free = torch.cat([torch.arange(p * page, (p + 1) * page) for p in untouched.tolist()])
+            assert torch.equal(k_cache[free.to(device)], before[0][free.to(device)])
+        figures[name] = {"requests": requests, "max_abs_error": worst, "tolerance": tol}
+    return figures
+
+
+# ----------------------------------------------------------------------------- decoders
+
+
+DECODERS = ("orthrus", "linear_self_spec", "tidar", "fast_dllm", "refusion")
+
+
+TEXTS = ("the cat sat on the", "one two three four five", "a")
+
+
+def _decode(method: str, dtype: torch.dtype, device: torch.device, max_tokens: int):
+    """Greedy outputs of ``method``'s reference decoder on its bundled model, built and run
+    under ``device`` (weights and every tensor the decoder makes)."""
+    from diffspec.cli import bundled_model_path
+    from diffspec.core.sampling import SamplingParams
+    from diffspec.spec_workers.reference import load_decoder
+    from diffspec.spec_workers.reference.decoder import Request
+
+    with torch.device(device):
+        decoder = load_decoder(method, bundled_model_path(method), dtype=dtype)
+        prompts = [decoder.tokenizer(t, add_special_tokens=False)["input_ids"] or [1]
+                   for t in TEXTS]
+        requests = [Request(p, max_tokens=max_tokens, sampling=SamplingParams())
+                    for p in prompts]  # no stop tokens: every request runs max_tokens
+        return [list(o.token_ids) for o in decoder.decode(requests)]
+
+
+def check_decoders_bf16(device: torch.device, quick: bool) -> dict:
+    figures: dict = {}
+    methods = DECODERS[:2] if quick else DECODERS
+    for method in methods:
+        max_tokens = 16 if quick else 32
+        cpu32 = _decode(method, torch.float32, torch.device("cpu"), max_tokens)
+        dev32 = _decode(method, torch.float32, device, max_tokens)
+        dev16 = _decode(method, torch.bfloat16, device, max_tokens)
+        assert dev32 == cpu32, f"{method}: fp32 on {device} differs from fp32 on CPU"
+        same = total = 0
+        for a, b in zip(dev16, dev32):
+            prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            same, total = same + prefix, total + len(b)
+        rate = same / max(total, 1)
+        figures[method] = {"fp32_equals_cpu": True, "bf16_prefix_match": round(rate, 4),
+                           "tokens": total}
+        # bf16 is not promised exact; a broken bf16 path produces garbage from the start
+        assert rate >= 0.25, f"{method}: bf16 matches fp32 on only {rate:.0%} of tokens"
+    return figures
+
+
+# ----------------------------------------------------------------------------- logits memory
+
+
+def check_draft_logits_memory(device: torch.device, quick: bool) -> dict:
+    """Logits of ``rows`` draft rows at Qwen3-8B's vocabulary, whole vs in 1024-row chunks
+    (what bounding the draft passes' logits buffers saves; issue 29 row 8)."""
+    hidden, vocab = (256, 4096) if quick else (4096, 151936)
+    rows = 2048 if quick else 8192
+    chunk = 1024
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype).to(device)
+    states = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    cuda = device.type == "cuda"
+
+    def peak(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int | None]:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+            return out, torch.cuda.max_memory_allocated() - base
+        return out, None
+
+    whole, whole_bytes = peak(lambda: (states @ weight.T).argmax(-1))
+    chunked, chunk_bytes = peak(lambda: torch.cat(
+        [(states[i:i + chunk] @ weight.T).argmax(-1) for i in range(0, rows, chunk)]))
+    assert torch.equal(whole, chunked), "chunked drafts differ from whole-batch drafts"
+    element = torch.finfo(dtype).bits // 8
+    figures = {"rows": rows, "vocab": vocab, "chunk_rows": chunk,
+               "logits_bytes_whole": rows * vocab * element,
+               "logits_bytes_chunk": chunk * vocab * element,
+               "peak_bytes_whole": whole_bytes, "peak_bytes_chunked": chunk_bytes}
+    if cuda:
+        assert chunk_bytes < whole_bytes, "chunking did not lower the peak"
+    return figures
+
+
+CHECKS: dict[str, Callable[[torch.device, bool], dict]] = {
+    "core_rules": check_core_rules,
+    "tidar_split_attention": check_tidar_split_attention,
+    "decoders_bf16": check_decoders_bf16,
+    "draft_logits_memory": check_draft_logits_memory,
+}
+
+
+def run(device: str, quick: bool, only: list[str] | None = None) -> dict:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available (use --device cpu to test the "
+                         "check itself)")
+    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "torch": torch.__version__, "python": platform.python_version(),
+              "quick": quick, "checks": {}}
+    for name, check in CHECKS.items():
+        if only and name not in only:
+            continue
+        start = time.perf_counter()
+        try:
+            figures, error = check(dev, quick), None
+        except Exception as exc:  # noqa: BLE001 - recorded, the command fails at the end
+            figures, error = {}, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        report["checks"][name] = {"ok": error is None, "seconds": round(
+            time.perf_counter() - start, 2), "figures": figures, "error": error}
+        print(f"[gpu_check] {name}: {'ok' if error is None else 'FAILED'} "
+              f"({report['checks'][name]['seconds']} s)", flush=True)
+        if error:
+            print(error, file=sys.stderr, flush=True)
+    report["ok"] = all(c["ok"] for c in report["checks"].values())
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--out", default="gpu-check.json", help="where the figures go")
+    parser.add_argument("--quick", action="store_true", help="small shapes (the CPU test)")
+    parser.add_argument("--only", nargs="*", choices=list(CHECKS), help="run these checks")
+    args = parser.parse_args(argv)
+    report = run(args.device, args.quick, args.only)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"[gpu_check] {'ok' if report['ok'] else 'FAILED'}; figures in {args.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

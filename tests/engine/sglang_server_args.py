@@ -1,0 +1,74 @@
+"""Resolve SGLang server arguments the way a launch does, and report the outcome.
+
+A script, run under SGLang's own interpreter with the CPU harness's environment
+(:mod:`tests.engine.sglang_cpu`): ``python tests/engine/sglang_server_args.py JOB_JSON``.
+JOB_JSON is ``{name: {"model": path, "server_args": {...}, "fields": [names]}}``; each case
+builds ``ServerArgs(model_path=model, **CPU_ENGINE_KWARGS, **server_args)`` after SGLang's
+``load_plugins()`` (diffspec's plugin included) and runs ``resolve_once()``, SGLang's whole
+argument resolution (which calls diffspec's validation and ``handle_server_args`` hooks),
+without starting an engine. Prints one line: ``RESULT {name: {"error": str | None,
+"fields": {name: repr or value}, "log": [diffspec's log lines]}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+CPU_KWARGS = {  # tests/engine/sglang_generate.py's, minus what a case sets itself
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "mem_fraction_static": 0.3,
+    "dtype": "float32",
+    "max_total_tokens": 8192,
+}
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _case(case: dict) -> dict:
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import ServerArgs
+
+    lines = _Lines()
+    logger = logging.getLogger("diffspec")
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    out = {"error": None, "fields": {}, "log": lines.lines}
+    try:
+        args = ServerArgs(model_path=case["model"], **{**CPU_KWARGS, **case["server_args"]})
+        args.resolve_once()
+        view = resolving_view(args)
+        for name in case.get("fields", []):
+            value = getattr(view, name, None)
+            out["fields"][name] = value if isinstance(value, (bool, int, str, type(None))) \
+                else repr(value)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        logger.removeHandler(lines)
+    return out
+
+
+def main() -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    job = json.loads(Path(sys.argv[1]).read_text())
+    print("RESULT " + json.dumps({name: _case(case) for name, case in job.items()}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The GPU check command (scripts/gpu_check.sh, scripts/gpu_check.py) on CPU: ``--device
+cpu --quick`` runs the checks, each asserting what it checks, writes the figures the
+results page shows, and exits non-zero when a check fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checks_pass_on_cpu_and_write_figures(gpu_check, tmp_path: Path) -> None:
+    out = tmp_path / "gpu-check.json"
+    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--only",
+                           "core_rules", "tidar_split_attention", "draft_logits_memory"])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["ok"], report
+    assert report["device"] == "cpu" and report["quick"]
+    checks = report["checks"]
+    assert set(checks) == {"core_rules", "tidar_split_attention", "draft_logits_memory"}
+    split = checks["tidar_split_attention"]["figures"]
+    assert split["fp32"]["max_abs_error"] <= split["fp32"]["tolerance"]
+    memory = checks["draft_logits_memory"]["figures"]
+    assert memory["logits_bytes_chunk"] < memory["logits_bytes_whole"]
+
+
+def test_a_failing_check_fails_the_command(gpu_check, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(device, quick):
+        raise AssertionError("split vs dense max error 0.4")
+
+    monkeypatch.setitem(gpu_check.CHECKS, "tidar_split_attention", broken)
+    out = tmp_path / "gpu-check.json"
+    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--only",
+                           "core_rules", "tidar_split_attention"])
+    report = json.loads(out.read_text())
+    assert code == 1 and not report["ok"]
+    assert report["checks"]["core_rules"]["ok"]
+    assert "split vs dense max error 0.4" in report["checks"]["tidar_split_attention"]["error"]
+
+
+def test_split_attention_check_catches_a_wrong_schedule(gpu_check, monkeypatch) -> None:
+    """Running the branches first to last (so a branch reads K/V a later branch wrote) is
+    what the check exists to catch."""
+    source = (ROOT / "scripts/gpu_check.py").read_text()
+    assert "for a in range(n, -1, -1):" in source
+    wrong = source.replace("for a in range(n, -1, -1):", "for a in range(n + 1):")
+    namespace: dict = {"__name__": "gpu_check_wrong",
+                       "__file__": str(ROOT / "scripts/gpu_check.py")}
+    exec(compile(wrong, "gpu_check_wrong", "exec"), namespace)  # noqa: S102 - our own file
+    import torch
+
+    with pytest.raises(AssertionError, match="split vs dense max error"):
+        namespace["check_tidar_split_attention"](torch.device("cpu"), True)
+
+
+def test_shell_command_on_cpu(tmp_path: Path) -> None:
+    """The one command: the gpu tier (skipped without CUDA) and the checks' figures."""
+    env = {**os.environ, "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--device", "cpu",
+                           "--quick", "--out", str(tmp_path), "--only", "core_rules"],
+                          capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "gpu-tier.xml").is_file()
+    assert json.loads((tmp_path / "gpu-check.json").read_text())["checks"]["core_rules"]["ok"]

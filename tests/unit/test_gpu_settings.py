@@ -1,0 +1,186 @@
+"""The GPU settings each engine path runs under, without an engine: which attention
+backends and CUDA-graph modes are accepted, set, or refused at start, and that every
+refusal's first words say what to do (issue 29; the matrix is docs/gpu-support.md). The
+same rules run through the engines' own argument objects in
+tests/engine/test_gpu_settings.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec.core.checkpoint import CheckpointError
+from diffspec.plugin.sglang.config import (
+    VERIFY_BACKENDS,
+    attention_backend_error,
+    graphs_off_message,
+)
+from diffspec.plugin.sglang.dllm import dllm_backend_error, dllm_backends
+from diffspec.plugin.vllm.config import attention_backend_error as vllm_backend_error
+from diffspec.plugin.vllm.config import cudagraph_plan
+from diffspec.plugin.vllm.dllm import diffusion_backend_error
+
+pytestmark = pytest.mark.unit
+
+SGLANG_ALGORITHMS = ("ORTHRUS", "LINEAR_SELF_SPEC", "TIDAR")
+
+
+# ------------------------------------------------------------------ SGLang self-spec
+
+
+@pytest.mark.parametrize("algorithm", SGLANG_ALGORITHMS)
+@pytest.mark.parametrize("backend", VERIFY_BACKENDS)
+def test_sglang_verify_backends_run(algorithm: str, backend: str) -> None:
+    assert attention_backend_error(algorithm, (backend, backend), page_size=1) is None
+
+
+@pytest.mark.parametrize("algorithm", SGLANG_ALGORITHMS)
+@pytest.mark.parametrize(("backends", "why"), [
+    (("fa3", "fa3"), "fa3 plans every TARGET_VERIFY batch at the server's"),
+    (("trtllm_mha", "trtllm_mha"), "attention backend trtllm_mha is not one"),
+    (("triton", "fa3"), "fa3 plans"),  # a split backend: both halves must be checked ones
+    (("fa4", "flashinfer"), "attention backend fa4 is not one"),
+])
+def test_sglang_other_backends_are_refused(algorithm: str, backends, why: str) -> None:
+    error = attention_backend_error(algorithm, backends)
+    assert error.startswith("use --attention-backend triton or flashinfer (torch_native on "
+                            f"CPU) with --speculative-algorithm {algorithm}: ")
+    assert why in error
+
+
+def test_sglang_tidar_needs_one_token_pages_on_gpu_backends() -> None:
+    error = attention_backend_error("TIDAR", ("triton", "triton"), page_size=16)
+    assert error.startswith("set --page-size 1 with --speculative-algorithm TIDAR")
+    assert attention_backend_error("TIDAR", ("torch_native", "torch_native"), 16) is None
+    assert attention_backend_error("ORTHRUS", ("triton", "triton"), 16) is None
+
+
+def test_sglang_graphs_off_line_says_why_and_cost() -> None:
+    line = graphs_off_message("ORTHRUS", ["decode", "prefill"])
+    assert "runs without CUDA graphs; turning them off (decode and prefill phase)" in line
+    assert "as --disable-cuda-graph does" in line and "Cost:" in line
+
+
+# ------------------------------------------------------------------ SGLang dLLM
+
+REFUSION_TODO = "use --attention-backend torch_native (which runs without CUDA graphs)"
+FAST_DLLM_TODO = "use --attention-backend flashinfer (torch_native on CPU)"
+
+
+
+@pytest.mark.parametrize(("algorithm", "backends", "first"), [
+    ("ReFusion", ("flashinfer", "flashinfer"), REFUSION_TODO),
+    ("ReFusion", ("triton", "triton"), REFUSION_TODO),
+    ("FastDLLM", ("fa3", "fa3"), FAST_DLLM_TODO),
+    ("FastDLLM", ("triton", "triton"), FAST_DLLM_TODO),
+])
+def test_sglang_dllm_backends_refused(algorithm: str, backends, first: str) -> None:
+    error = dllm_backend_error(algorithm, backends, graphs_on=True)
+    assert error.startswith(f"{first} with --dllm-algorithm {algorithm}: "), error
+    assert "switches to flashinfer while CUDA graphs are on" in error
+
+
+@pytest.mark.parametrize("algorithm", ["FastDLLM", "ReFusion"])
+def test_sglang_dllm_backends_accepted(algorithm: str) -> None:
+    assert "torch_native" in dllm_backends(algorithm)
+    for backend in dllm_backends(algorithm):
+        assert dllm_backend_error(algorithm, (backend, backend)) is None
+
+
+# ------------------------------------------------------------------ vLLM self-spec
+
+
+@pytest.mark.parametrize("method", ["orthrus", "linear_self_spec", "tidar"])
+@pytest.mark.parametrize("named", [None, "auto", "FLASH_ATTN", "CPU_ATTN", "flash_attn"])
+def test_vllm_checked_backends_run(method: str, named) -> None:
+    assert vllm_backend_error(method, named) is None
+
+
+@pytest.mark.parametrize(("method", "named", "why"), [
+    ("tidar", "FLASHINFER", "share one re-planned wrapper"),
+    ("orthrus", "FLASHINFER", "non-causal path out of its default order"),
+    ("linear_self_spec", "TRITON_ATTN", "not on TRITON_ATTN"),
+    ("tidar", "FLEX_ATTENTION", "not on FLEX_ATTENTION"),
+])
+def test_vllm_other_backends_refused(method: str, named: str, why: str) -> None:
+    error = vllm_backend_error(method, named)
+    assert error.startswith(f"use --attention-backend FLASH_ATTN (GPU) or CPU_ATTN (CPU) with "
+                            f"method {method!r}: "), error
+    assert why in error
+
+
+@pytest.mark.parametrize(("method", "adaptive", "mode", "eager", "gpu", "want"), [
+    ("tidar", False, None, False, True, "PIECEWISE"),  # set, with a log line
+    ("tidar", False, None, False, False, None),  # CPU: no CUDA graphs to change
+    ("tidar", False, "PIECEWISE", False, True, None),
+    ("tidar", False, "NONE", False, True, None),
+    ("tidar", False, "FULL", True, True, None),  # --enforce-eager: no graphs at all
+    ("orthrus", False, None, False, True, None),  # fixed width: vLLM's graphs as they are
+    ("orthrus", False, "FULL_AND_PIECEWISE", False, True, None),
+    ("orthrus", True, None, False, True, "PIECEWISE"),  # adaptive: the width varies
+    ("linear_self_spec", True, "PIECEWISE", False, True, None),
+])
+def test_vllm_cudagraph_plan(method, adaptive, mode, eager, gpu, want) -> None:
+    assert cudagraph_plan(method, adaptive, mode, eager, gpu) == want
+
+
+@pytest.mark.parametrize(("method", "adaptive", "mode"), [
+    ("tidar", False, "FULL"), ("tidar", False, "FULL_AND_PIECEWISE"),
+    ("tidar", False, "FULL_DECODE_ONLY"), ("orthrus", True, "FULL_AND_PIECEWISE"),
+])
+def test_vllm_full_graphs_refused(method: str, adaptive: bool, mode: str) -> None:
+    with pytest.raises(CheckpointError) as info:
+        cudagraph_plan(method, adaptive, mode, False, True)
+    assert str(info.value).startswith("set compilation_config's cudagraph_mode to PIECEWISE "
+                                      f"or NONE (or add --enforce-eager, or leave "
+                                      f"cudagraph_mode out) for method {method!r}: ")
+
+
+# ------------------------------------------------------------------ vLLM diffusion path
+
+
+@pytest.mark.parametrize(("named", "fa"), [(None, None), ("auto", None), ("TRITON_ATTN", None),
+                                           ("CPU_ATTN", None), ("FLASH_ATTN", 4)])
+def test_vllm_diffusion_backends_run(named, fa) -> None:
+    assert diffusion_backend_error("LLaDAModelLM", named, fa) is None
+
+
+@pytest.mark.parametrize(("named", "fa"), [("FLASHINFER", None), ("FLASH_ATTN", None),
+                                           ("FLASH_ATTN", 3), ("FLEX_ATTENTION", None)])
+def test_vllm_diffusion_backends_refused(named: str, fa) -> None:
+    error = diffusion_backend_error("LLaDAModelLM", named, fa)
+    assert error.startswith("use --attention-backend TRITON_ATTN (GPU; or FLASH_ATTN with "), error
+    assert "one causal flag per request" in error and named in error
+
+
+# ------------------------------------------------------------------ draft logits memory
+
+
+class _Head:
+    """A stand-in for a vLLM model's ``compute_logits`` that records its batch sizes."""
+
+    def __init__(self, vocab: int, hidden: int, none: bool = False) -> None:
+        self.weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+        self.rows: list[int] = []
+        self.none = none
+
+    def compute_logits(self, states: torch.Tensor) -> torch.Tensor | None:
+        self.rows.append(states.shape[0])
+        return None if self.none else states @ self.weight.T
+
+
+def test_draft_logits_are_computed_in_bounded_chunks() -> None:
+    """A long batch (3000 draft rows, more than DRAFT_LOGITS_ROWS) never materialises more
+    than DRAFT_LOGITS_ROWS rows of logits at once, and drafts the same tokens as one
+    whole-batch computation (issue 29 row 8: vLLM's two-pass and TiDAR proposers)."""
+    from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS, draft_argmax
+
+    head = _Head(vocab=97, hidden=16)
+    hidden = torch.randn(3500, 16, generator=torch.Generator().manual_seed(1))
+    rows = torch.randperm(3500, generator=torch.Generator().manual_seed(2))[:3000]
+    tokens = draft_argmax(head, hidden, rows)
+    assert tokens == (hidden[rows] @ head.weight.T).argmax(-1).tolist()
+    assert max(head.rows) == DRAFT_LOGITS_ROWS and sum(head.rows) == 3000
+    assert len(head.rows) == -(-3000 // DRAFT_LOGITS_ROWS)
+    assert draft_argmax(head, hidden, rows[:0]) == []
+    assert draft_argmax(_Head(97, 16, none=True), hidden, rows) is None  # a TP rank w/o logits
