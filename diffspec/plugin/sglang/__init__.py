@@ -1,8 +1,5 @@
 """SGLang registration (entry point ``sglang.srt.plugins: diffspec``).
 
-SGLang loads plugins once per process (server, scheduler, detokenizer, data-parallel
-workers), so :func:`register` is idempotent. It refuses unsupported SGLang versions, then
-
 * registers the checkpoints' ``model_type`` names with transformers' ``AutoConfig`` (so
   ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load without remote code) and every
   registry family's SGLang model class in SGLang's ``ModelRegistry``
@@ -21,6 +18,8 @@ workers), so :func:`register` is idempotent. It refuses unsupported SGLang versi
   self-speculative passes on SGLang's CPU path) read its K/V once, not once per row
   (:mod:`diffspec.plugin.sglang.decode_rows`, also in ``patches.md``).
 This module imports neither torch nor SGLang at import time.
+
+Design notes: docs/design/plugins.md (section ``diffspec/plugin/sglang/__init__.py``).
 """
 
 from __future__ import annotations

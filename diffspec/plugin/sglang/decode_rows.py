@@ -1,23 +1,6 @@
 """Hook: SGLang's torch-native decode kernel reads a request's K/V once for all of its rows.
 
-On SGLang's torch-native attention backend (its CPU path), the self-speculative worker runs
-both passes of a step as DECODE rows, one per block token, all rows of a request next to
-each other with the request's ``req_pool_indices`` repeated and each row's own key length
-(:meth:`diffspec.spec_workers.sglang.two_pass.TwoPassWorker._decode_rows_batch`): that
-backend's extend kernel attends with a query as long as the whole sequence, its decode
-kernel is linear in the context. But ``TorchNativeAttnBackend._run_sdpa_forward_decode``
-loops over rows: each row gathers its request's whole prefix K/V out of the pool
-(``k_cache[req_to_token[...]]``) and runs its own one-query SDPA, so a step of ``W`` rows
-reads the prefix ``W`` times per pass per layer, and a speculative step grows with the
-context ``2 W`` times as fast as a plain decode step does.
-
-This AROUND hook groups consecutive rows that share a request (``req_pool_indices``
-equal): one gather of the group's longest key range and one SDPA call whose queries are the
-group's rows, each row seeing its first ``seq_len`` keys (a boolean mask, none when the
-group's lengths are equal). The arithmetic is the backend's: the same keys, values, scale
-and GQA, per row. A batch in which no request repeats (every plain SGLang decode, from any
-launch) and the cases it does not handle (encoder lengths, cross-attention, sliding
-windows) run SGLang's loop unchanged.
+Design notes: docs/design/plugins.md (section ``diffspec/plugin/sglang/decode_rows.py``).
 """
 
 from __future__ import annotations

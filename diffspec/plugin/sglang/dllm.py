@@ -1,27 +1,8 @@
 """SGLang dLLM mode for diffspec's diffusion checkpoints: ``--dllm-algorithm FastDLLM``.
 
-:func:`register_dllm` (called by :func:`diffspec.plugin.sglang.register`) adds the
-``FastDLLM`` algorithm (:mod:`diffspec.spec_workers.sglang.fast_dllm`) to SGLang's table of
-dLLM algorithms and hooks ``DllmConfig.from_server_args``, whose table of diffusion
-architectures is a local dict: for an architecture of a registry family that the
-``fast_dllm`` method serves in SGLang, :func:`dllm_config` builds the ``DllmConfig``
-(block size, mask id, the resolved algorithm settings) from the checkpoint and the
-``--dllm-algorithm-config`` YAML; every other architecture goes to SGLang's function
-unchanged (listed in ``diffspec/plugin/patches.md``). ``--dllm-algorithm ReFusion`` (a stock
-Qwen3 architecture) goes to :func:`diffspec.plugin.sglang.refusion.refusion_dllm_config`.
-
-YAML keys: ``threshold`` (0.9), ``block_size`` (Fast-dLLM v2: ``bd_size``; else 32),
-``sub_block_size`` (v2: 8; else the block), ``cache``: ``prefix`` (default: SGLang's
-scheduler recomputes each block over the KV of the blocks before it) or ``dual`` (each step
-runs only the current sub-block, over the KV the block's other slots got from the last
-full-block forward: Fast-dLLM v2's block cache, the reference's ``cache="dual"`` on the
-block-causal layout; :meth:`diffspec.spec_workers.sglang.fast_dllm.FastDLLM.dual_forward`).
-v1's dual cache of a masked suffix has no counterpart: SGLang's layout is block-causal, a
-block never sees the slots after it. The dual cache needs ``--attention-backend
-torch_native``, which reads K/V token by token through ``req_to_token``: paged backends read
-a block as one page (SGLang's dLLM mode makes the page size the block size), in slot order.
-
 This module imports neither torch nor SGLang at import time.
+
+Design notes: docs/design/plugins.md (section ``diffspec/plugin/sglang/dllm.py``).
 """
 
 from __future__ import annotations

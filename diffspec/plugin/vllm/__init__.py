@@ -1,23 +1,6 @@
 """vLLM registration (entry point ``vllm.general_plugins: diffspec``).
 
-vLLM loads general plugins in every process it starts (API server, engine core,
-workers), so :func:`register` is idempotent. It refuses unsupported vLLM versions, then
-
-* registers every registry family's vLLM model class (:data:`diffspec.methods.FAMILIES`,
-  lazy ``"module:Class"`` strings) and the checkpoints' ``model_type`` names with
-  transformers' ``AutoConfig`` (so ``"orthrus"`` / ``"nemotron_labs_diffusion"`` load
-  without remote code);
-* adds vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``) for the architectures
-  the ``fast_dllm`` method serves with a vLLM model class (LLaDA, Dream, Fast-dLLM v2; NLD
-  under ``--diffusion-config``), so they run on vLLM's diffusion path
-  (:mod:`diffspec.plugin.vllm.dllm`);
-* makes diffspec's speculative methods selectable with vLLM's own flag,
-  ``--speculative-config '{"method": "orthrus", "num_speculative_tokens": 31}'``, by
-  applying the patches listed in ``diffspec/plugin/patches.md``
-  (:mod:`diffspec.plugin.vllm.patches`); :mod:`diffspec.plugin.vllm.config` translates
-  and validates the config.
-
-This module imports neither torch, transformers nor vLLM at import time.
+Design notes: docs/design/plugins.md (section ``diffspec/plugin/vllm/__init__.py``).
 """
 
 from __future__ import annotations

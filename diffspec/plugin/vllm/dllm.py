@@ -4,36 +4,9 @@ has in ``vllm/model_executor/models/config.py``), registered in vLLM's
 ``MODELS_CONFIG_MAP`` for every architecture of the ``fast_dllm`` method's families that
 :mod:`diffspec.methods` serves with a vLLM model class (LLaDA, Dream, Fast-dLLM v2, NLD).
 
-vLLM treats a model as a diffusion LM when its HF config has ``canvas_length``
-(``ModelConfig.is_diffusion``), runs it on the V2 model runner with the diffusion scheduler
-when ``vllm_config.diffusion_config`` is set, and takes the block from
-``--diffusion-config '{"canvas_length": N}'``. These checkpoints carry no ``canvas_length``,
-so the hook fills both in. Selection, as for vLLM's own diffusion models: by the
-checkpoint (LLaDA, Dream and Fast-dLLM v2 are diffusion-only, so always) and, for NLD,
-whose class is also its causal model, by ``--diffusion-config`` (without it NLD is served
-causally, untouched by this hook). The block is ``canvas_length``, else the checkpoint's
-trained block (Fast-dLLM v2 ``bd_size``, NLD ``block_size``), else 32, checked against the
-checkpoint as the reference decoder checks it.
-
-diffspec's server-wide settings go in ``--additional-config '{"diffspec": {"fast_dllm":
-{...}}}'`` (:data:`OPTIONS`: ``threshold`` 0.9, ``sub_block_size`` (Fast-dLLM v2: 8, else the
-block), ``cache`` (``prefix`` only)); a request may set its own threshold with
-``extra_args={"fast_dllm_threshold": t}``. The hook writes the resolved settings back
-there (plus ``block_size``, ``mask_token_id``, ``logits_shift``) for the workers' model
-state, and the reference decoder's stop tokens (the checkpoint's EOS ids and its chat
-template's turn-end token) to ``hf_config.diffspec_stop_token_ids``, which the
-``generation_stops`` patch adds to the generation config's EOS list: vLLM's own stop check
-(and so the model state, which reads the same ``SamplingParams``) then ends an instruct
-answer at its turn end (LLaDA's ``<|eot_id|>`` 126348, not its EOS 126081; Dream's
-``<|im_end|>`` 151645, not 151643), as the SGLang path and the reference decoder do.
-
-Every refusal's first words say what to do. Options are checked before the V2-runner
-check, so a wrong setting is reported on any build. vLLM builds its config as a pydantic
-dataclass, which rewraps a ``ValueError`` raised by a hook as "1 validation error for
-VllmConfig"; the registered hook re-raises the refusals as :class:`FastDLLMConfigError`
-(not a ``ValueError``), so the error vLLM prints starts with what to do.
-
 This module imports neither torch nor vLLM at import time.
+
+Design notes: docs/design/plugins.md (section ``diffspec/plugin/vllm/dllm.py``).
 """
 
 from __future__ import annotations
