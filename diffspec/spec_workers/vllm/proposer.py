@@ -22,6 +22,7 @@ __all__ = ["DRAFT_LOGITS_ROWS", "PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive
            "draft_argmax", "logger", "measure_profile", "non_causal_blocks", "on_device"]
 
 PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
+PROFILE_CONTEXT = 256  # context tokens per request in the start-up profile's forwards
 
 # Rows of draft logits a proposer materialises at once. vLLM's memory profile (a dummy
 # forward of max_num_batched_tokens) does not see the drafts' logits; whole, they would be
@@ -175,7 +176,13 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
     model_config = config.model_config
     tp = get_tp_group()
     device = torch.device(runner.device)
-    grid = profile_grid(max(1, min(max_tokens, runner.max_num_tokens)))
+    max_len, max_seqs = model_config.max_model_len, config.scheduler_config.max_num_seqs
+    # a dummy forward of T tokens is min(T, max_num_seqs) requests, the last holding the
+    # remainder; each request's context is CONTEXT tokens (or its query, if longer), never
+    # past the model's length: vLLM's dummy default (every context = T) reads past a
+    # request's block table once T > max_model_len (a segfault in CPU attention)
+    grid = [t for t in profile_grid(max(1, min(max_tokens, runner.max_num_tokens)))
+            if _dummy_query_len(t, max_seqs) <= max_len]
     key = {
         "engine": "vllm", "engine_version": vllm.__version__, "torch": torch.__version__,
         "checkpoint": checkpoint_identity(model_config.model, model_config.hf_config.to_dict()),
@@ -188,7 +195,8 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
 
     @torch.inference_mode()
     def forward(tokens: int) -> None:
-        hidden, _ = runner._dummy_run(tokens, force_attention=True)
+        context = min(max_len, max(PROFILE_CONTEXT, _dummy_query_len(tokens, max_seqs)))
+        hidden, _ = runner._dummy_run(tokens, force_attention=True, profile_seq_lens=context)
         model.compute_logits(hidden[:tokens])
 
     def measure() -> dict[int, float]:
@@ -209,6 +217,13 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
             logger.info("%s", write_cached_profile(key, measured, time.perf_counter() - start))
         points = tp.broadcast_object(measured if rank0 else None)
     policy.set_profile(LatencyProfile(points))
+
+
+def _dummy_query_len(tokens: int, max_seqs: int) -> int:
+    """The longest query of vLLM's dummy forward of ``tokens`` tokens (``_dummy_run``:
+    ``min(tokens, max_seqs)`` requests of ``tokens // n``, the last with the remainder)."""
+    n = max(1, min(tokens, max_seqs))
+    return tokens // n + tokens % n
 
 
 def _device_name(device: torch.device) -> str:
