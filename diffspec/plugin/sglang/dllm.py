@@ -62,8 +62,11 @@ def register_dllm() -> None:
     from diffspec.spec_workers.sglang.refusion import ReFusion
 
     FastDLLM.supported_architectures = dllm_architectures()
-    algo_name_to_cls.setdefault(ALGORITHM, FastDLLM)
-    algo_name_to_cls.setdefault(REFUSION, ReFusion)
+    for name, cls in ((ALGORITHM, FastDLLM), (REFUSION, ReFusion)):
+        # SGLang's launch-time hook (DllmAlgorithm.configure_server_args, called by
+        # handle_dllm_inference): installed here so the workers import nothing of the plugin
+        cls.configure_server_args = classmethod(_launch_check(name))
+        algo_name_to_cls.setdefault(name, cls)
     register_around("dllm", _from_server_args)
     _registered = True
 
@@ -186,6 +189,15 @@ def dllm_backend_error(algorithm: str, backends, graphs_on: bool = False) -> str
               if graphs_on else "")
     return (f"{todo} with --dllm-algorithm {algorithm}: attention backend "
             f"{', '.join(wrong)}{graphs} is not one it runs on: {why}")
+
+
+def _launch_check(algorithm: str):
+    """``configure_server_args`` of the dLLM algorithm ``algorithm``."""
+    def configure_server_args(cls, server_args) -> None:
+        """Refuse an attention backend the algorithm does not run on
+        (:func:`dllm_backend_error`)."""
+        configure_dllm_server_args(algorithm, server_args)
+    return configure_server_args
 
 
 def configure_dllm_server_args(algorithm: str, server_args) -> None:

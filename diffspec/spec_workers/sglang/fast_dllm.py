@@ -54,15 +54,6 @@ class FastDLLM(DllmAlgorithm):
     # ------------------------------------------------------------------ SGLang hooks
 
     @classmethod
-    def configure_server_args(cls, server_args) -> None:
-        """SGLang's launch-time hook (``handle_dllm_inference``): refuse an attention
-        backend FastDLLM does not run on
-        (:func:`diffspec.plugin.sglang.dllm.dllm_backend_error`)."""
-        from diffspec.plugin.sglang.dllm import configure_dllm_server_args
-
-        configure_dllm_server_args("FastDLLM", server_args)
-
-    @classmethod
     def validate_request(cls, req: Any) -> str | None:
         """Refuse a request whose sampling FastDLLM would ignore (SGLang aborts it alone)."""
         return fast_dllm_request_error(req.sampling_params)

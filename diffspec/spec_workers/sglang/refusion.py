@@ -85,15 +85,6 @@ class ReFusion(DllmAlgorithm):
         self._last_output = None  # the logits output of the latest forward (to the scheduler)
 
     @classmethod
-    def configure_server_args(cls, server_args) -> None:
-        """SGLang's launch-time hook (``handle_dllm_inference``): refuse an attention
-        backend ReFusion does not run on
-        (:func:`diffspec.plugin.sglang.dllm.dllm_backend_error`)."""
-        from diffspec.plugin.sglang.dllm import configure_dllm_server_args
-
-        configure_dllm_server_args("ReFusion", server_args)
-
-    @classmethod
     def validate_request(cls, req) -> str | None:
         cfg = req.dllm_config
         return refusion_request_error(req, cfg.block_size, int(cfg.algorithm_config["slot_size"]),
