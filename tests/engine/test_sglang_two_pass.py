@@ -38,13 +38,18 @@ import numpy as np
 import pytest
 
 from diffspec.assets import ASSETS_DIR
-from diffspec.testing.checkpoints import add_eos_token
+from tests.engine.common import (
+    assert_clear_error,
+    assert_equals_ar,
+    prefix_requests,
+    set_eos_inside_a_block,
+    sglang_tokens_per_verify_step,
+)
 from tests.engine.conftest import require_sglang
 from tests.engine.sglang_cpu import run_generate_job
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 WIDTH = 32  # --speculative-num-draft-tokens: the anchor + 31 drafts, the checkpoints' block
 SYNTH_ORTHRUS = ASSETS_DIR / "synth-orthrus"
 SPEC = {"speculative_algorithm": "ORTHRUS", "speculative_num_draft_tokens": WIDTH,
@@ -85,33 +90,6 @@ def _near_context_end_requests() -> list[dict]:
     steps' 32-token blocks reach up to 28 positions past the context."""
     prompt = _synth_requests()[3]["input_ids"]
     return [{"input_ids": prompt, "max_new_tokens": 509 - len(prompt), "ignore_eos": True}]
-
-
-def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
-    """Make a token the AR model emits mid-generation an EOS of the checkpoint
-    (generation_config.json), so a greedy request stops inside a draft block."""
-    from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
-
-    lm = load_orthrus(path).lm
-    out = ar_generate(lm, [Request(requests[1]["input_ids"], 45)])[0].token_ids
-    k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
-    add_eos_token(path, out[k])
-    return out[k]
-
-
-def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
-    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
-    prompt plus 90 of those tokens, so its cached prefix is mostly KV of generated tokens,
-    written by speculative verify passes."""
-    from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
-
-    prompt = list(range(100, 110))
-    out = ar_generate(load_orthrus(path).lm, [Request(prompt, 90)])[0].token_ids
-    seed = [{"input_ids": prompt, "max_new_tokens": 100, "ignore_eos": True}]
-    reuse = [{"input_ids": prompt + out, "max_new_tokens": 20, "ignore_eos": True}]
-    return seed, reuse
 
 
 def _option_requests(path: Path) -> list[dict]:
@@ -162,7 +140,11 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {"orthrus": write_orthrus(root / "orthrus"), "nld": write_nld(root / "nld"),
              "qwen3": write_qwen3(root / "qwen3"),
              "llama_orthrus": write_llama_orthrus(root / "llama_orthrus", block_size=WIDTH)}
-    _set_eos_inside_a_block(paths["orthrus"], _greedy_requests())
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+
+    # a greedy request stops on an EOS inside a draft block
+    set_eos_inside_a_block(paths["orthrus"], load_orthrus(paths["orthrus"]).lm,
+                           _greedy_requests()[1]["input_ids"], 45)
     return paths
 
 
@@ -170,7 +152,12 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every offline engine run of this module, in one subprocess."""
     require_sglang()
-    prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+
+    # the reuse request's cached prefix is mostly K/V of generated tokens, written by
+    # speculative verify passes
+    prefix_seed, prefix_reuse = prefix_requests("sglang", load_orthrus(ckpts["orthrus"]).lm,
+                                                list(range(100, 110)))
     batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
                "prefix_reuse": prefix_reuse, "sampled": _sampled_requests(),
                "options": _option_requests(ckpts["orthrus"]), "refused": _refused_requests()}
@@ -229,13 +216,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize("family", ["orthrus", "nld"])
 def test_greedy_equals_sglang_ar(engine, family: str) -> None:
-    ar = engine["runs"][f"{family}_ar"]["greedy"]
-    spec = engine["runs"][f"{family}_spec"]["greedy"]
-    assert spec["outputs"] == ar["outputs"]
-    assert spec["finish_reasons"] == ar["finish_reasons"]
-    if family == "orthrus":  # the batch really has both endings
-        assert set(ar["finish_reasons"]) == {"stop", "length"}
-    assert all(m["spec_verify_ct"] for m in spec["meta"])  # every request was speculated
+    assert_equals_ar(engine["runs"][f"{family}_ar"]["greedy"],
+                     engine["runs"][f"{family}_spec"]["greedy"], both_endings=family == "orthrus")
 
 
 def test_near_the_context_end_equals_ar(engine) -> None:
@@ -333,26 +315,12 @@ def test_llama_orthrus_greedy_equals_sglang_ar(engine, ckpts) -> None:
 
     ar = engine["runs"]["llama_orthrus_ar"]["greedy"]
     spec = engine["runs"]["llama_orthrus_spec"]["greedy"]
-    assert spec["outputs"] == ar["outputs"]
-    assert spec["finish_reasons"] == ar["finish_reasons"]
+    assert_equals_ar(ar, spec)
     assert "length" in ar["finish_reasons"]  # budgets end mid-block (none a multiple of 32)
-    assert all(m["spec_verify_ct"] for m in spec["meta"])  # every request was speculated
     path = ckpts["llama_orthrus"]
     accepted = _accepted_drafts_per_step(load_orthrus(path), BlockDrafter, path,
                                          _greedy_requests(), spec)
     assert sum(accepted) > 0  # the diffusion view's drafts are really accepted
-
-
-def _tokens_per_verify_step(metas: list[dict]) -> float:
-    """(accepted drafts + verify steps) / verify steps over requests, from their own
-    ``meta_info`` counters: what SGLang's ``avg_spec_accept_length`` should say about
-    them."""
-    from diffspec.serving import spec_decode_counters_from_sglang
-
-    counters = [spec_decode_counters_from_sglang(m) for m in metas]
-    steps = sum(c.drafts for c in counters)
-    assert steps > 0, "no verify step at all"
-    return 1 + sum(c.accepted for c in counters) / steps
 
 
 def test_avg_spec_accept_length_in_server_info(engine) -> None:
@@ -366,7 +334,7 @@ def test_avg_spec_accept_length_in_server_info(engine) -> None:
         metas = [m for batch in engine["runs"][run].values() for m in batch["meta"]
                  if m is not None]  # None: a refused request
         assert engine["server_info"][run]["avg_spec_accept_length"] == pytest.approx(
-            _tokens_per_verify_step(metas)), run
+            sglang_tokens_per_verify_step(metas)), run
     assert engine["server_info"]["synth_spec"]["avg_spec_accept_length"] > 10
     assert engine["server_info"]["orthrus_ar"]["avg_spec_accept_length"] is None
 
@@ -477,11 +445,7 @@ def test_refused_options_abort_only_their_request(engine) -> None:
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:
-    import re
-
-    message = engine["config_errors"][case]
-    assert message is not None, f"{case}: the server arguments were accepted"
-    assert re.search(match, message, re.DOTALL), message
+    assert_clear_error(engine["config_errors"], case, match)
 
 
 _REGISTRATION_PROBE = """
@@ -573,7 +537,7 @@ def test_launch_server_reports_acceptance_length(ckpts, engine, tmp_path: Path) 
             assert out["output_ids"] == want
             metas.append(out["meta_info"])
         accept_length = sglang_accept_length(server.url)
-    assert accept_length == pytest.approx(_tokens_per_verify_step(metas))
+    assert accept_length == pytest.approx(sglang_tokens_per_verify_step(metas))
     # the same requests offline (another batch composition): the same verify steps
     offline = engine["runs"]["orthrus_spec"]["greedy"]["meta"][:3]
     assert [m["spec_correct_drafts_histogram"] for m in metas] == [

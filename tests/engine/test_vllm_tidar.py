@@ -25,23 +25,24 @@ and builds engine configs that must fail. The checks:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from diffspec.assets import ASSETS_DIR
-from diffspec.testing.checkpoints import add_eos_token
+from tests.engine.common import (
+    assert_clear_error,
+    assert_equals_ar,
+    prefix_requests,
+    run_vllm_job,
+    set_eos_inside_a_block,
+)
 from tests.engine.conftest import require_engine
-from tests.engine.vllm_generate import RESULT_PREFIX
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 SYNTH_TIDAR = ASSETS_DIR / "synth-tidar"  # trained tiny TiDAR: block_size 8, shifted drafts
 NLD_BLOCK = 8  # the tiny NLD's block: 7 drafts (unshifted), branches of 8 masks
 LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 256, "enable_prefix_caching": True,
@@ -94,31 +95,6 @@ def _ar_lm(path: Path):
     return load_quadratic(path).lm
 
 
-def _set_eos_inside_a_block(path: Path, request: dict) -> int:
-    """Make a token the AR model emits mid-generation (first seen there) an EOS of the
-    checkpoint, so a greedy request stops inside a draft block."""
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
-
-    out = ar_generate(_ar_lm(path), [Request(request["prompt_token_ids"],
-                                             request["max_tokens"])])[0].token_ids
-    k = next(k for k in range(19, len(out)) if out[k] not in out[:k] and k % 8 not in (0, 7))
-    add_eos_token(path, out[k])
-    return out[k]
-
-
-def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
-    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
-    prompt plus 90 of them, served after it: it hits prefix-cached blocks of generated
-    tokens, i.e. blocks whose slots branches and rejected drafts were written to."""
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
-
-    prompt = list(range(100, 110))
-    out = ar_generate(_ar_lm(path), [Request(prompt, 90)])[0].token_ids
-    seed = [{"prompt_token_ids": prompt, "max_tokens": 100, "ignore_eos": True}]
-    reuse = [{"prompt_token_ids": prompt + out, "max_tokens": 20, "ignore_eos": True}]
-    return seed, reuse
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
@@ -128,33 +104,21 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shutil.copytree(SYNTH_TIDAR, synth)
     paths = {"synth": synth, "nld": write_nld(root / "nld", block_size=NLD_BLOCK),
              "orthrus": write_orthrus(root / "orthrus"), "qwen3": write_qwen3(root / "qwen3")}
-    _set_eos_inside_a_block(synth, _synth_requests()[2])
+    # a greedy request stops on an EOS inside a draft block (neither its first nor last slot)
+    request = _synth_requests()[2]
+    set_eos_inside_a_block(synth, _ar_lm(synth), request["prompt_token_ids"],
+                           request["max_tokens"], first=19, where=lambda k: k % 8 not in (0, 7))
     return paths
-
-
-def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 1500) -> dict:
-    requests = tmp / "requests.json"
-    requests.write_text("[]")
-    job_file = tmp / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
-        capture_output=True, text=True, timeout=timeout, check=False,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the forward counter's rpc
-             "DIFFSPEC_CACHE_DIR": str(tmp / "cache")},  # measured latency profiles
-    )
-    engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
-    assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    return {**json.loads(line[len(RESULT_PREFIX):]), "log": proc.stdout + proc.stderr}
 
 
 @pytest.fixture(scope="module")
 def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every engine run of this module, in one subprocess (one vLLM import)."""
     require_engine("vllm")
-    prefix_seed, prefix_reuse = _prefix_requests(ckpts["synth"])
+    # the reuse request hits cached blocks whose slots branches and rejected drafts were
+    # written to
+    prefix_seed, prefix_reuse = prefix_requests("vllm", _ar_lm(ckpts["synth"]),
+                                                list(range(100, 110)))
     synth = {"greedy": _synth_requests(), "prefix_seed": prefix_seed,
              "prefix_reuse": prefix_reuse, "alone": [_synth_requests()[4]],
              "sampled": _sampled_requests()}
@@ -201,7 +165,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                      "speculative_config": adaptive(tmp / "bad-profile.json")},
         },
     }
-    return _run_script(ckpts["synth"], job, tmp)
+    return run_vllm_job(ckpts["synth"], job, tmp, timeout=1500,
+                        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # forward counter rpc
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -209,13 +174,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize("family", ["synth", "nld"])
 def test_greedy_equals_vllm_ar(engine, family: str) -> None:
-    ar = engine["runs"][f"{family}_ar"]["greedy"]
-    spec = engine["runs"][f"{family}_spec"]["greedy"]
-    assert spec["outputs"] == ar["outputs"]
-    assert spec["finish_reasons"] == ar["finish_reasons"]
-    if family == "synth":  # the batch really has both endings
-        assert set(ar["finish_reasons"]) == {"stop", "length"}
-    assert all(steps for steps in spec["spec_steps"])  # every request was speculated
+    assert_equals_ar(engine["runs"][f"{family}_ar"]["greedy"],
+                     engine["runs"][f"{family}_spec"]["greedy"], both_endings=family == "synth")
 
 
 def test_prefix_cache_reuse_equals_ar(engine) -> None:
@@ -311,11 +271,7 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:
-    import re
-
-    message = engine["config_errors"][case]
-    assert message is not None, f"{case}: the engine config was built"
-    assert re.search(match, message, re.DOTALL), message
+    assert_clear_error(engine["config_errors"], case, match)
 
 
 def test_spec_decode_counters(engine) -> None:

@@ -28,24 +28,25 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from diffspec.assets import ASSETS_DIR
+from diffspec.assets import SYNTH_ORTHRUS_DIR
 from diffspec.serving import spec_decode_counters
-from diffspec.testing.checkpoints import add_eos_token
+from tests.engine.common import (
+    assert_clear_error,
+    assert_equals_ar,
+    prefix_requests,
+    run_vllm_job,
+    set_eos_inside_a_block,
+)
 from tests.engine.conftest import require_engine
-from tests.engine.vllm_generate import RESULT_PREFIX
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 NUM_DRAFTS = 31
-SYNTH_ORTHRUS = ASSETS_DIR / "synth-orthrus"  # the tiny Orthrus trained on synthetic text
 LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 256, "enable_prefix_caching": True}
 SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed", "disable_log_stats": False}
 # Sampling with a low temperature and top-p (about 8 tokens kept per position by the tiny
@@ -74,19 +75,6 @@ def _sampled_requests() -> list[dict]:
     prompt = [31]
     return [{"prompt_token_ids": prompt, "max_tokens": SAMPLED_TOKENS,
              "temperature": TEMPERATURE, "top_p": TOP_P, "seed": seed} for seed in range(NUM_SEEDS)]
-
-
-def _set_eos_inside_a_block(path: Path, requests: list[dict]) -> int:
-    """Make a token the AR model emits mid-generation an EOS of the checkpoint
-    (generation_config.json), so a greedy request stops inside a draft block."""
-    from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
-
-    lm = load_orthrus(path).lm
-    out = ar_generate(lm, [Request(requests[1]["prompt_token_ids"], 45)])[0].token_ids
-    k = next(k for k in range(12, len(out)) if out[k] not in out[:k])
-    add_eos_token(path, out[k])
-    return out[k]
 
 
 def _synth_requests() -> list[dict]:
@@ -146,41 +134,12 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("self_spec_ckpts")
     paths = {"orthrus": write_orthrus(root / "orthrus"), "nld": write_nld(root / "nld"),
              "qwen3": write_qwen3(root / "qwen3")}
-    _set_eos_inside_a_block(paths["orthrus"], _greedy_requests())
-    return paths
-
-
-def _run_script(model: Path, job: dict, tmp: Path, timeout: int = 1200) -> dict:
-    requests = tmp / "requests.json"
-    requests.write_text("[]")
-    job_file = tmp / "job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
-        capture_output=True, text=True, timeout=timeout, check=False,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-             "DIFFSPEC_CACHE_DIR": str(tmp / "cache")},  # measured latency profiles
-    )
-    engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
-    assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    return {**json.loads(line[len(RESULT_PREFIX):]), "log": proc.stdout + proc.stderr,
-            "cache": str(tmp / "cache")}
-
-
-def _prefix_requests(path: Path) -> tuple[list[dict], list[dict]]:
-    """(seed, reuse): a request that generates 100 tokens, then one whose prompt is its
-    prompt plus 90 of those tokens. Served after it, the second hits prefix-cached blocks
-    made of generated tokens, i.e. blocks whose slots the diffusion view wrote draft K/V
-    into before verify passes overwrote them."""
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.decoder import Request, ar_generate
 
-    prompt = list(range(100, 110))
-    out = ar_generate(load_orthrus(path).lm, [Request(prompt, 90)])[0].token_ids
-    seed = [{"prompt_token_ids": prompt, "max_tokens": 100, "ignore_eos": True}]
-    reuse = [{"prompt_token_ids": prompt + out, "max_tokens": 20, "ignore_eos": True}]
-    return seed, reuse
+    # a greedy request stops on an EOS inside a draft block
+    set_eos_inside_a_block(paths["orthrus"], load_orthrus(paths["orthrus"]).lm,
+                           _greedy_requests()[1]["prompt_token_ids"], 45)
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +166,12 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     default = {**LLM_KWARGS, **SPEC_KWARGS, "speculative_config": {"method": "orthrus"}}
 
-    prefix_seed, prefix_reuse = _prefix_requests(ckpts["orthrus"])
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+
+    # the reuse request hits cached blocks whose slots the diffusion view wrote draft K/V
+    # into before verify passes overwrote them
+    prefix_seed, prefix_reuse = prefix_requests("vllm", load_orthrus(ckpts["orthrus"]).lm,
+                                                list(range(100, 110)))
     orthrus_batches = {"greedy": _greedy_requests(), "prefix_seed": prefix_seed,
                        "prefix_reuse": prefix_reuse, "sampled": _sampled_requests(),
                        "options": _option_requests(ckpts["orthrus"]),
@@ -222,18 +186,16 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": nld_batches},
             {"name": "nld_spec", "model": str(ckpts["nld"]), "llm": spec("linear_self_spec"),
              "batches": nld_batches},
-            *([{"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "llm": spec("orthrus"),
-                "batches": {"greedy": _synth_requests()}}] if SYNTH_ORTHRUS.is_dir() else []),
-            *([{"name": f"synth_adaptive_{p}", "model": str(SYNTH_ORTHRUS), "llm": adaptive(p),
-                "batches": {"greedy": _synth_requests()}} for p in ("free", "compute")]
-              if SYNTH_ORTHRUS.is_dir() else []),
+            {"name": "synth_spec", "model": str(SYNTH_ORTHRUS_DIR), "llm": spec("orthrus"),
+             "batches": {"greedy": _synth_requests()}},
+            *({"name": f"synth_adaptive_{p}", "model": str(SYNTH_ORTHRUS_DIR), "llm": adaptive(p),
+               "batches": {"greedy": _synth_requests()}} for p in ("free", "compute")),
             # the default (adaptive, on a profile the engine measures), twice: the second
             # start takes the profile from the cache; AR on the same model to compare
-            *([{"name": name, "model": str(SYNTH_ORTHRUS), "llm": llm,
-                "batches": {"greedy": _synth_requests()}}
-               for name, llm in (("synth_ar", LLM_KWARGS), ("synth_default", default),
-                                 ("synth_default_again", default))]
-              if SYNTH_ORTHRUS.is_dir() else []),
+            *({"name": name, "model": str(SYNTH_ORTHRUS_DIR), "llm": llm,
+               "batches": {"greedy": _synth_requests()}}
+              for name, llm in (("synth_ar", LLM_KWARGS), ("synth_default", default),
+                                ("synth_default_again", default))),
         ],
         "config_errors": {
             "too_many_drafts": {"speculative_config": {"method": "orthrus",
@@ -254,7 +216,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                                            "num_speculative_tokens": 4}},
         },
     }
-    return _run_script(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_self_spec"))
+    return run_vllm_job(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_two_pass"))
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -262,13 +224,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.parametrize("family", ["orthrus", "nld"])
 def test_greedy_equals_vllm_ar(engine, family: str) -> None:
-    ar = engine["runs"][f"{family}_ar"]["greedy"]
-    spec = engine["runs"][f"{family}_spec"]["greedy"]
-    assert spec["outputs"] == ar["outputs"]
-    assert spec["finish_reasons"] == ar["finish_reasons"]
-    if family == "orthrus":  # the batch really has both endings
-        assert set(ar["finish_reasons"]) == {"stop", "length"}
-    assert all(steps for steps in spec["spec_steps"])  # every request was speculated
+    assert_equals_ar(engine["runs"][f"{family}_ar"]["greedy"],
+                     engine["runs"][f"{family}_spec"]["greedy"], both_endings=family == "orthrus")
 
 
 def test_prefix_cache_reuse_of_speculated_blocks_equals_ar(engine) -> None:
@@ -292,8 +249,6 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
     from diffspec.core.checkpoint import inspect_checkpoint
     from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 
-    if family == "synth" and not SYNTH_ORTHRUS.is_dir():
-        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
     if family == "nld":
         from diffspec.model_executors.reference.nld import load_nld as load
         from diffspec.spec_workers.reference.linear_self_spec import (
@@ -302,7 +257,7 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
     else:
         from diffspec.model_executors.reference.orthrus import load_orthrus as load
         from diffspec.spec_workers.reference.decoder import BlockDrafter as Drafter
-    path = SYNTH_ORTHRUS if family == "synth" else ckpts[family]
+    path = SYNTH_ORTHRUS_DIR if family == "synth" else ckpts[family]
     model = load(path)
     stop = inspect_checkpoint(path).eos_token_ids
     spec = engine["runs"][f"{family}_spec"]["greedy"]
@@ -413,11 +368,7 @@ def test_seeded_sampling_is_reproducible(engine) -> None:
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:
-    import re
-
-    message = engine["config_errors"][case]
-    assert message is not None, f"{case}: the engine config was built"
-    assert re.search(match, message, re.DOTALL), message
+    assert_clear_error(engine["config_errors"], case, match)
 
 
 def _proposed_drafts(requests: list[dict], spec_steps: list[list[int]]) -> int:
@@ -438,8 +389,6 @@ def test_offline_spec_decode_counters(engine, family: str) -> None:
     its requests' own per-step metrics (which
     :func:`test_acceptance_per_step_equals_reference_decoder` pins to the reference
     decoder): one count per verify step, the accepted drafts, the drafts proposed."""
-    if family == "synth" and not SYNTH_ORTHRUS.is_dir():
-        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
     metrics = engine["metrics"][f"{family}_spec"]["greedy"]
     steps = engine["runs"][f"{family}_spec"]["greedy"]["spec_steps"]
     requests = _synth_requests() if family == "synth" else _greedy_requests()[:len(steps)]
@@ -496,8 +445,6 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
     the full block, as fixed K does (it may stop short where the estimated gain of the
     last drafts is vanishing), where every token costs the same it drafts nothing (plain
     AR steps, no verify step counted); the output is AR's either way."""
-    if not SYNTH_ORTHRUS.is_dir():
-        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
     fixed = engine["runs"]["synth_spec"]["greedy"]
     free = engine["runs"]["synth_adaptive_free"]["greedy"]
     compute = engine["runs"]["synth_adaptive_compute"]["greedy"]
@@ -521,8 +468,6 @@ def test_default_is_adaptive_measured_at_start_and_reused(engine) -> None:
     profile of its own forwards at start-up and caches it (one log line with its cost), the
     second start with the same configuration reuses the file; the policy chooses the drafts
     per step (its log line), and greedy output equals AR on both starts."""
-    if not SYNTH_ORTHRUS.is_dir():
-        pytest.skip(f"{SYNTH_ORTHRUS} (the trained tiny Orthrus) is not there")
     import re
 
     ar = engine["runs"]["synth_ar"]["greedy"]["outputs"]

