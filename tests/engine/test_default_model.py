@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import require_engine
+from tests.engine.common import default_model as prepare_default_model
 from tests.engine.vllm_generate import RESULT_PREFIX
 
 HERE = Path(__file__).resolve().parent
@@ -26,17 +26,13 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_model() -> tuple[Path, Path]:
-    from diffspec.default_model import DefaultModelError, base_checkpoint, prepare_default
+    from diffspec.default_model import base_checkpoint
 
-    try:
-        orthrus = prepare_default(log=lambda line: print(line, file=sys.stderr))
-    except DefaultModelError as exc:
-        pytest.skip(f"default model not available here: {exc}")
+    orthrus = prepare_default_model()
     return base_checkpoint(), orthrus
 
 
 def test_default_orthrus_equals_vllm_ar(default_model, tmp_path: Path) -> None:
-    require_engine("vllm")
     from transformers import AutoTokenizer
 
     base, orthrus = default_model

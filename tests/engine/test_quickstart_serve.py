@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from diffspec.serving import port_is_free
-from tests.engine.conftest import require_engine
+from tests.engine.common import default_model as prepare_default_model
 
 REPO = Path(__file__).resolve().parents[2]
 READY_S = 600  # model cached: vLLM CPU starts in ~1-2 min on 2 cores
@@ -28,12 +28,7 @@ STOP_S = 60  # SIGTERM -> everything gone
 
 @pytest.fixture(scope="module")
 def default_model() -> Path:
-    from diffspec.default_model import DefaultModelError, prepare_default
-
-    try:
-        return prepare_default(log=lambda line: print(line, file=sys.stderr))
-    except DefaultModelError as exc:
-        pytest.skip(f"default model not available here: {exc}")
+    return prepare_default_model()
 
 
 def _alive(procs: list) -> list:
@@ -50,7 +45,6 @@ def _alive(procs: list) -> list:
 
 
 def test_quickstart_serve_stops_on_sigterm(default_model: Path) -> None:
-    require_engine("vllm")
     import psutil
 
     from diffspec.serving import free_port
@@ -146,7 +140,6 @@ def _readme_vllm_command() -> str:
 
 
 def test_readme_vllm_command_as_written(default_model: Path) -> None:
-    require_engine("vllm")
     import shlex
 
     from diffspec.default_model import cache_root

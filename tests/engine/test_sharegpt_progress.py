@@ -12,22 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.engine.conftest import require_engine
+from tests.engine.common import default_model
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write a haiku about the sea.", "What is 2 + 2?"]
 
 
 def test_generate_prints_progress_lines(tmp_path: Path) -> None:
-    require_engine("vllm")
-    from diffspec.default_model import DefaultModelError, prepare_base
-
-    try:
-        base = prepare_base(log=lambda line: print(line, file=sys.stderr))
-    except DefaultModelError as exc:
-        pytest.skip(f"default model not available here: {exc}")
+    base = default_model(base_only=True)
     sharegpt = tmp_path / "sharegpt.json"
     sharegpt.write_text(json.dumps([
         {"id": str(i), "conversations": [{"from": "human", "value": p},
