@@ -1,5 +1,6 @@
-"""Fast-dLLM on vLLM's diffusion path, every part that runs without an engine (the engine
-tests, ``tests/engine/test_vllm_fast_dllm.py``, run the real V2 runner and diffusion
+"""Engine tier: Fast-dLLM on vLLM's diffusion path, every part that runs on vLLM's own
+classes without an engine process (vLLM must be installed, hence this tier; the engine
+runs, ``tests/engine/test_vllm_fast_dllm.py``, run the real V2 runner and diffusion
 scheduler on CPU through the test harness ``tests/engine/vllm_v2_cpu.py``: mixed-length
 batches, per-request thresholds, stop tokens, chunked prefill, a canvas cut by the token
 budget, forward counts):
@@ -27,7 +28,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+from tests.engine.conftest import require_engine
+
+require_engine("vllm")  # the whole module: skipped, or failed where CI requires vLLM
 
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_NLD_DIR
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
