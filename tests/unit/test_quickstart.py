@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,21 @@ def test_read_acceptance_refuses_malformed_lists(tmp_path: Path, value: object) 
         read_acceptance(_heads(tmp_path, acceptance_per_position=value))
 
 
-def test_the_shipped_heads_json_reads() -> None:
+def test_the_shipped_heads_give_the_quickstart_its_k() -> None:
+    """The shipped heads carry their measured acceptance, one entry per draft of the block,
+    each the share of steps that accepted every draft up to it (so never rising): the
+    quickstart recommends K from it (on a profile where the best K is inside the block),
+    not the full-block fallback."""
     from diffspec.default_model import DEFAULT_HEADS_DIR
 
     acceptance = read_acceptance(DEFAULT_HEADS_DIR)  # raises if malformed
-    assert acceptance is None or len(acceptance) >= 1
+    block = json.loads((DEFAULT_HEADS_DIR / "heads.json").read_text())["block_size"]
+    assert acceptance is not None, "the shipped heads.json has no acceptance_per_position"
+    assert len(acceptance) == block - 1, acceptance
+    assert acceptance[0] > 0.5 and all(a >= b for a, b in pairwise(acceptance))
+    knee = LatencyProfile({1: 0.010, 3: 0.010, 4: 0.020, 8: 0.060})
+    k, why = choose_draft_count(block, acceptance, None, lambda: knee)
+    assert 1 <= k < block - 1 and "(recommended)" in why, why
 
 
 # -------------------------------------------------------------------------------- K

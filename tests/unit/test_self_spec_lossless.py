@@ -286,6 +286,24 @@ def test_rejection_sampling_matches_ar_distribution(small_vocab):
     assert _chi_square_pvalue(counts, exact, n) > 1e-3
 
 
+def test_unseeded_sampling_matches_ar_distribution(small_vocab):
+    """Unseeded sampled requests (the default ``accept``: rejection sampling on torch's
+    global generator, drafts d ~ q): the first two tokens over 1000 runs fit the exact AR
+    law, with drafts both accepted and rejected."""
+    prompt, n = [1, 2, 3], 1000
+    exact = _exact_two_token_probs(small_vocab.lm, prompt, SamplingParams(temperature=1.0))
+    torch.manual_seed(0)
+    requests = [Request(prompt, 3, SamplingParams(temperature=1.0)) for _ in range(n)]
+    outs = speculative_generate(small_vocab.lm, BlockDrafter(small_vocab), requests, 3)
+    counts = torch.zeros_like(exact)
+    for out in outs:
+        counts[out.token_ids[0], out.token_ids[1]] += 1
+    assert _chi_square_pvalue(counts, exact, n) > 1e-3
+    accepted = sum(out.num_accepted_tokens for out in outs)
+    drafted = sum(out.num_draft_tokens for out in outs)
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+
 def test_rejection_distribution_test_can_fail(small_vocab):
     """Negative control: a drafter that misreports q is caught by the same test."""
     prompt, n = [1, 2, 3], 1000
@@ -294,19 +312,13 @@ def test_rejection_distribution_test_can_fail(small_vocab):
     assert _chi_square_pvalue(counts, exact, n) < 1e-3
 
 
-def test_unseeded_sampling_runs(synth):
-    requests = [Request(p, 20, SamplingParams(temperature=1.0), synth.eos)
-                for p in synth.prompts]
-    spec = speculative_generate(synth.lm, synth.drafter, requests, 15)
-    assert all(len(s.token_ids) == sum(s.accept_lengths) > 0 for s in spec)
-
-
 # ----------------------------------------------------------------------------- bf16
 
 
 def test_bf16_greedy_match_rate_report(synth, record_property, capsys):
     """bf16 reorders reductions (the K-wide verify GEMM), so equality is not promised:
-    the match rate is recorded and printed, not asserted to be 100%."""
+    the match rate is recorded and printed, not asserted to be 100%; a floor far below
+    what it measures (1.0 on x86 CPUs) catches a bf16 path that is broken outright."""
     orthrus = orthrus_from_base(SYNTH_QWEN3_DIR, block_size=16, dtype=torch.bfloat16)
     model = Model(orthrus.lm, BlockDrafter(orthrus), orthrus.eos_token_ids, synth.prompts)
     requests = [Request(p, 40, GREEDY, model.eos) for p in model.prompts]
@@ -323,4 +335,4 @@ def test_bf16_greedy_match_rate_report(synth, record_property, capsys):
     with capsys.disabled():
         print(f"\n[bf16 orthrus greedy] {identical}/{len(ar)} requests identical to bf16 AR, "
               f"token match rate (common prefix / AR tokens) {rate:.3f}")
-    assert 0.0 <= rate <= 1.0 and all(s.token_ids for s in spec)
+    assert rate >= 0.5 and all(s.token_ids for s in spec)
