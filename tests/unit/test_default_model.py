@@ -10,11 +10,9 @@ import zipfile
 from dataclasses import replace
 from pathlib import Path
 
+import gguf  # the test extra has it (and accelerate, which convert_gguf needs)
 import numpy as np
 import pytest
-
-gguf = pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
 
 from diffspec.default_model import (
     SMOLLM2,

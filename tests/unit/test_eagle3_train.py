@@ -10,10 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import torch
 
 from diffspec.train import TrainConfig
 from training.eagle3 import (

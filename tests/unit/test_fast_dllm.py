@@ -566,8 +566,6 @@ def test_trained_model(name: str) -> None:
     from diffspec.testing.synthetic_dllm import evaluate_fast_dllm
 
     path = SYNTH_DIR / name
-    if not (path / "model.safetensors").is_file():
-        pytest.skip(f"{name} is not bundled")
     rows = {(r["cache"], r["threshold"]): r
             for r in evaluate_fast_dllm(path, num_prompts=4, max_tokens=48)}
     reference = rows[("none", 1.0)]

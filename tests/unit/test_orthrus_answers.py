@@ -7,9 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch
 
 from diffspec.train import TrainConfig
 from diffspec.train.orthrus import (

@@ -517,7 +517,6 @@ def test_orthrus_trains_under_two_processes(tiny_qwen3, token_data, tmp_path):
 # --------------------------------------------------------------------- shipped checkpoint
 
 
-@pytest.mark.skipif(not SYNTH_ORTHRUS_DIR.is_dir(), reason="synth-orthrus not built yet")
 def test_shipped_synth_orthrus_drafts_are_accepted_and_lossless():
     from safetensors.torch import load_file
 
