@@ -12,9 +12,6 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
 from training import gpu_run
 
 BASE = Path(__file__).resolve().parents[2] / "diffspec" / "assets" / "synth-qwen3"
