@@ -109,13 +109,13 @@ def _run(job: dict, tmp_path: Path, env: dict[str, str], timeout: int) -> object
 def _run_v2(job: dict, tmp_path: Path) -> dict:
     """Run ``job`` in vLLM on its V2 runner (the CPU harness); fails, when CI requires vLLM,
     if the harness cannot run here."""
-    from tests.engine.conftest import _missing, require_engine
+    from tests.engine.conftest import require_engine, skip_or_fail
     from tests.engine.vllm_v2_cpu import triton_interpreter_missing, vllm_v2_cpu_env
 
     require_engine("vllm")
     why = triton_interpreter_missing()
     if why:
-        _missing("vllm", why)
+        skip_or_fail("vllm", why)
     return _run(job, tmp_path, vllm_v2_cpu_env(_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")),
                 1800)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.engine.common import run_vllm_job
 from tests.engine.conftest import require_engine
-from tests.engine.test_vllm_two_pass import _run_script
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -116,7 +116,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                                        "num_speculative_tokens": BLOCK_SIZE}},
         },
     }
-    return _run_script(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_llama"))
+    return run_vllm_job(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_llama"))
 
 
 @pytest.mark.parametrize("run", ["spec", "materialized_spec"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.conftest import _missing, require_engine
+from tests.engine.conftest import require_engine, skip_or_fail
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     why = triton_interpreter_missing()
     if why:
-        _missing("vllm", why)
+        skip_or_fail("vllm", why)
     from diffspec.assets import SYNTH_QWEN3_DIR
 
     requests = [{"prompt_token_ids": p, "max_tokens": m, "ignore_eos": True}
