@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diffspec.default_model import sha256_file
+
 CARRY_INDEX = "carry.json"
 PROMPTS_FILE = "prompts.json.gz"
 BUNDLE = "bundle.tgz"
@@ -29,14 +31,6 @@ SMOLLM2_MASK_ID = 16  # `<empty_output>`, as the shipped heads (TRAINING.md)
 
 def _log(msg: str) -> None:
     print(f"[gpu_run {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------- carried parts

@@ -192,16 +192,21 @@ sys.meta_path.insert(0, _AfterSglKernel())
 '''
 
 
-def _fallback_ops_dir(stub: Path) -> Path:
-    """A folder with the ``sitecustomize`` that supplies the missing CPU ops."""
-    folder = stub / "sitecustomize"
+def sitecustomize_dir(folder: Path, text: str) -> Path:
+    """``folder`` holding a ``sitecustomize.py`` of ``text`` (written atomically when it
+    differs, so concurrent test processes never read half a file)."""
     target = folder / "sitecustomize.py"
-    if not target.is_file() or target.read_text() != _SITECUSTOMIZE:
+    if not target.is_file() or target.read_text() != text:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".sitecustomize.{os.getpid()}"
-        tmp.write_text(_SITECUSTOMIZE)
+        tmp.write_text(text)
         tmp.rename(target)
     return folder
+
+
+def _fallback_ops_dir(stub: Path) -> Path:
+    """A folder with the ``sitecustomize`` that supplies the missing CPU ops."""
+    return sitecustomize_dir(stub / "sitecustomize", _SITECUSTOMIZE)
 
 
 def sglang_cpu_env(

@@ -17,15 +17,10 @@ import logging
 import sys
 from pathlib import Path
 
-CPU_KWARGS = {  # tests/engine/sglang_generate.py's, minus what a case sets itself
-    "device": "cpu",
-    "attention_backend": "torch_native",
-    "sampling_backend": "pytorch",
-    "disable_cuda_graph": True,
-    "mem_fraction_static": 0.3,
-    "dtype": "float32",
-    "max_total_tokens": 8192,
-}
+from sglang_generate import CPU_ENGINE_KWARGS  # a script: its own folder is on sys.path
+
+# the engine runs' CPU settings, minus what a case sets itself
+CPU_KWARGS = {k: v for k, v in CPU_ENGINE_KWARGS.items() if k not in ("log_level", "random_seed")}
 
 
 class _Lines(logging.Handler):

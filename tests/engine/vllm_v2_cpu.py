@@ -38,6 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.engine.sglang_cpu import sitecustomize_dir
+
 __all__ = ["V2_FLAG", "run_vllm_generate", "triton_interpreter_missing", "vllm_v2_cpu_env"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,14 +94,7 @@ def _sitecustomize_dir() -> Path:
     """A folder holding the harness's ``sitecustomize`` (written once, cached)."""
     root = Path(os.environ.get("DIFFSPEC_CACHE_DIR")
                 or Path(tempfile.gettempdir()) / "diffspec-cache")
-    folder = root / "vllm-v2-cpu"
-    target = folder / "sitecustomize.py"
-    if not target.is_file() or target.read_text() != _SITECUSTOMIZE:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".sitecustomize.{os.getpid()}"
-        tmp.write_text(_SITECUSTOMIZE)
-        tmp.rename(target)
-    return folder
+    return sitecustomize_dir(root / "vllm-v2-cpu", _SITECUSTOMIZE)
 
 
 def vllm_v2_cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:

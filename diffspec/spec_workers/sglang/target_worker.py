@@ -111,6 +111,36 @@ class TargetModelSpecWorker(BaseSpecWorker):
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         raise NotImplementedError
 
+    @staticmethod
+    def _prefilled(result: GenerationBatchResult, batch, state: SpecInput,
+                   on_publish) -> GenerationBatchResult:
+        """A prefill's result, carrying ``state`` to the request's first decode step, with
+        the committed lengths (the prompt's K/V) published to the scheduler."""
+        result.next_draft_input = state
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    @staticmethod
+    def _decoded(out: torch.Tensor, accept_lens: torch.Tensor, new_seq_lens: torch.Tensor,
+                 state: SpecInput, width: int, on_publish) -> GenerationBatchResult:
+        """A decode step's result: ``out`` ``[bs, width]`` the emitted tokens of each
+        request then -1, ``accept_lens`` ``[bs]`` how many, ``state`` carried to the next
+        step; the committed lengths are published to the scheduler."""
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=None,
+            next_token_ids=out.clamp(min=0).reshape(-1),
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=state,
+            speculative_num_draft_tokens=width,
+            speculative_output_stride=width,
+            num_non_draft_tokens_per_req=1,
+        )
+
     def _decode(self, batch, on_publish) -> GenerationBatchResult:
         raise NotImplementedError
 

@@ -136,13 +136,9 @@ class TiDARWorker(TargetModelSpecWorker):
         if n == 0:  # nothing to pre-draft: SGLang's own prefill
             result = self._target_worker.forward_batch_generation(batch)
             bonus = result.next_token_ids.reshape(-1).to(torch.int64)
-            result.next_draft_input = TiDARDraftInput(
+            return self._prefilled(result, batch, TiDARDraftInput(
                 bonus_tokens=bonus, drafts=bonus.new_zeros((bonus.numel(), 0)),
-                new_seq_lens=batch.seq_lens)
-            result.new_seq_lens = batch.seq_lens
-            if on_publish is not None:
-                on_publish(result.new_seq_lens)
-            return result
+                new_seq_lens=batch.seq_lens), on_publish)
         bs, k = len(batch.reqs), branch_size(n, self.logits_shift)
         prefix_lens = [int(x) for x in batch.prefix_lens]  # cached prompt tokens
         extend_lens = [int(x) for x in batch.extend_lens]  # prompt tokens in this forward
@@ -190,13 +186,9 @@ class TiDARWorker(TargetModelSpecWorker):
         skip = 0 if self.logits_shift else 1
         drafts = self._logits(branch[:, skip: skip + n]).argmax(dim=-1)  # [bs, n]
 
-        result.next_draft_input = TiDARDraftInput(
+        return self._prefilled(result, batch, TiDARDraftInput(
             bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
-            drafts=drafts, new_seq_lens=batch.seq_lens)
-        result.new_seq_lens = batch.seq_lens
-        if on_publish is not None:
-            on_publish(result.new_seq_lens)
-        return result
+            drafts=drafts, new_seq_lens=batch.seq_lens), on_publish)
 
     # ----------------------------------------------------------------------------- decode
 
@@ -243,19 +235,8 @@ class TiDARWorker(TargetModelSpecWorker):
                        else drafts.new_zeros((bs, 0)))
         self.timings.stop(start, bs * t, kind="verify")
 
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        return GenerationBatchResult(
-            logits_output=None,
-            next_token_ids=out.clamp(min=0).reshape(-1),
-            accept_lens=accept_lens,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=TiDARDraftInput(bonus_tokens=bonus, drafts=next_drafts,
-                                             new_seq_lens=new_seq_lens),
-            speculative_num_draft_tokens=w,
-            speculative_output_stride=w,
-            num_non_draft_tokens_per_req=1,
-        )
+        return self._decoded(out, accept_lens, new_seq_lens, TiDARDraftInput(
+            bonus_tokens=bonus, drafts=next_drafts, new_seq_lens=new_seq_lens), w, on_publish)
 
     def _step_slots(self, batch, committed: torch.Tensor, n: int,
                     t: int) -> torch.Tensor:  # [bs, T]

@@ -46,13 +46,9 @@ class TwoPassWorker(TargetModelSpecWorker):
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         result = self._target_worker.forward_batch_generation(batch)
-        result.next_draft_input = SpecDraftInput(
+        return self._prefilled(result, batch, SpecDraftInput(
             bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
-            new_seq_lens=batch.seq_lens)
-        result.new_seq_lens = batch.seq_lens
-        if on_publish is not None:
-            on_publish(result.new_seq_lens)
-        return result
+            new_seq_lens=batch.seq_lens), on_publish)
 
     @torch.inference_mode()
     def _decode(self, batch, on_publish) -> GenerationBatchResult:
@@ -109,18 +105,8 @@ class TwoPassWorker(TargetModelSpecWorker):
         if self.adaptive is not None:
             for rid, emitted in zip(rids, accept_lens.tolist(), strict=True):
                 self.adaptive.observe(rid, emitted)
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        return GenerationBatchResult(
-            logits_output=None,
-            next_token_ids=out.clamp(min=0).reshape(-1),
-            accept_lens=accept_lens,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=SpecDraftInput(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
-            speculative_num_draft_tokens=w,
-            speculative_output_stride=w,
-            num_non_draft_tokens_per_req=1,
-        )
+        return self._decoded(out, accept_lens, new_seq_lens, SpecDraftInput(
+            bonus_tokens=bonus, new_seq_lens=new_seq_lens), w, on_publish)
 
     def _draft(
         self,
