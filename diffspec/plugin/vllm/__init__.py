@@ -36,6 +36,7 @@ def register() -> None:
     from diffspec.plugin.hf_configs import register_model_types
     from diffspec.plugin.vllm.dllm import register_config_hooks
     from diffspec.plugin.vllm.patches import apply_all
+    from diffspec.plugin.vllm.refusion import register_refusion_hook
 
     architectures = {}
     for family in FAMILIES.values():
@@ -48,6 +49,8 @@ def register() -> None:
     # hook leaves NLD (a causal family) alone unless --diffusion-config is given
     register_config_hooks([arch for family in METHODS[DIFFUSION_METHOD].families
                            for arch in FAMILIES[family].vllm_models])
+    # ReFusion's stock Qwen3 checkpoints on the same path, with --diffusion-config only
+    register_refusion_hook()
     apply_all(vllm.__version__)
     _registered = True
     logger.info(

@@ -33,6 +33,7 @@ PATCHES: dict[str, tuple[str, ...]] = {
     "cpu_expand_kernel": ("0.32", "0.33"),
     "generation_stops": ("0.32", "0.33"),
     "warm_up_profile": ("0.32", "0.33"),
+    "refusion_requests": ("0.32", "0.33"),
 }
 
 

@@ -1,0 +1,530 @@
+"""ReFusion on vLLM's diffusion path (the diffusion scheduler, the V2 model runner):
+:class:`ReFusionModelState` and its :class:`ReFusionSampler`, which decodes every request
+of a step with the reference's plan-and-infill rounds on vLLM's paged KV cache.
+
+Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/refusion.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import islice
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappings_by_layer
+from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+from diffspec.core.slots import (
+    committed_slot_lengths,
+    first_stop_in_slots,
+    score_slots,
+    select_slots,
+    verify_slot_drafts,
+)
+from diffspec.spec_workers.vllm.fast_dllm import _ignored_sampling, request_stops
+from diffspec.spec_workers.vllm.tidar import _decoder_forward
+
+__all__ = ["ReFusionModelState", "ReFusionSampler"]
+
+logger = logging.getLogger("vllm.diffspec")
+
+PREFILL, DECODE, DONE = 0, 1, 2  # a request's phase
+
+
+@dataclass
+class _Seq:
+    """One attention sequence of an engine forward: ``input_ids`` at ``positions``, whose
+    K/V go to the request's cache entries ``kv_start ..`` and which attends causally to
+    entries ``0 .. kv_start + n - 1``. Sequences of one request that share entries run in
+    separate attention calls (``phase``); ``final``: the entry their K/V are also copied to."""
+
+    batch: int  # the request's row in this step's input batch (its block table row)
+    input_ids: Tensor  # [n]
+    positions: Tensor  # [n]
+    kv_start: int
+    phase: int = 0
+    final: int | None = None
+
+
+# A request's decoder: yields the sequences of its next forward, is sent their fp32 logits.
+_Decoder = Generator[list[_Seq], list[Tensor], None]
+
+
+@dataclass
+class _Request:
+    """One request in flight (host side), kept by its vLLM slot."""
+
+    max_tokens: int
+    stops: tuple[int, ...]
+    phase: int = PREFILL
+    # set when its decoding step starts
+    batch: int = -1
+    prompt_len: int = 0  # cache entries before the generation (the prompt, causal)
+    committed: int = 0  # cache entries of the generation holding committed tokens
+    masked: list[int] = field(default_factory=list)  # masked slots of the serial block
+    slot_tokens: dict[int, list[int]] = field(default_factory=dict)
+    stopped: bool = False
+
+    @property
+    def kv_len(self) -> int:
+        return self.prompt_len + self.committed
+
+
+class ReFusionModelState(DefaultModelState):
+    """vLLM model state of a ReFusion checkpoint: the prompt is vLLM's causal prefill; the
+    canvas forward of the next step is the first plan, and the sampler runs the rest."""
+
+    num_new_sampled_tokens_per_step: int = 0  # a canvas forward samples no bonus token
+
+    def __init__(self, vllm_config: VllmConfig, model: nn.Module, encoder_cache: Any,
+                 device: torch.device) -> None:
+        super().__init__(vllm_config, model, encoder_cache, device)
+        extra = vllm_config.additional_config if isinstance(
+            vllm_config.additional_config, dict) else {}
+        settings = (extra.get("diffspec") or {}).get("refusion")
+        if vllm_config.diffusion_config is None or not settings:
+            raise ValueError(
+                "load diffspec's vLLM plugin in every vLLM process (it is the "
+                "vllm.general_plugins entry point 'diffspec'): ReFusion's settings were not "
+                "resolved by its config hook (diffspec.plugin.vllm.refusion)")
+        self.slot_size = int(settings["slot_size"])
+        self.num_blocks = int(settings["num_blocks"])
+        self.slot_threshold = float(settings["slot_threshold"])
+        self.token_threshold = float(settings["token_threshold"])
+        self.mask_token_id = int(settings["mask_token_id"])
+        self.canvas = int(vllm_config.diffusion_config.canvas_length)
+        # vLLM hashes a request's generated blocks into the prefix cache (0.33 whenever
+        # drafts are scheduled, async scheduling always): their K/V must then be what a
+        # causal prefill of that text writes, not ReFusion's commit-order K/V
+        self.reencode = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.vllm_config = vllm_config
+        self.requests: dict[int, _Request] = {}  # vLLM slot -> request
+        self.slot_of: dict[str, int] = {}
+        self.forwards: dict[str, int] = {}  # request id -> engine forwards it took part in
+        # per canvas step: (the request ids it decoded, the forwards they shared after it)
+        self.decode_steps: list[tuple[list[str], int]] = []
+        self._attn: tuple[Any, ...] | None = None  # this step's block table, groups, config
+
+    def get_supported_generation_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
+        return ReFusionSampler(sampler, self), None
+
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        super().add_request(req_index, new_req_data)
+        self.slot_of[new_req_data.req_id] = req_index
+        self.forwards.setdefault(new_req_data.req_id, 0)
+
+    def remove_request(self, req_id: str) -> None:
+        super().remove_request(req_id)
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.requests.pop(slot, None)
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        for req_id in input_batch.req_ids[: input_batch.num_reqs]:
+            self.forwards[req_id] = self.forwards.get(req_id, 0) + 1
+        return super().prepare_inputs(input_batch, req_states)
+
+    def prepare_attn(self, input_batch: Any, cudagraph_mode: CUDAGraphMode, block_tables: Any,
+                     slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
+                     *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """vLLM's causal metadata; keeps the step's block table for the sampler's forwards."""
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("ReFusion on vLLM needs one KV cache group (a plain Qwen3)")
+        self._attn = (block_tables[0][: input_batch.num_reqs].clone(), attn_groups,
+                      kv_cache_config)
+        return super().prepare_attn(input_batch, cudagraph_mode, block_tables, slot_mappings,
+                                    attn_groups, kv_cache_config, *args, **kwargs)
+
+    # ------------------------------------------------------------------ engine forwards
+
+    def forward(self, seqs: list[_Seq]) -> list[Tensor]:
+        """One eager forward of the model over ``seqs`` on the paged KV cache; returns each
+        sequence's fp32 logits ``[n, vocab]``."""
+        from vllm.forward_context import set_forward_context
+
+        block_table, groups, kv_config = self._attn
+        block_size = kv_config.kv_cache_groups[0].kv_cache_spec.block_size
+        device = self.device
+        sizes = [len(s.input_ids) for s in seqs]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        input_ids = torch.cat([s.input_ids for s in seqs]).to(device)
+        positions = torch.cat([s.positions for s in seqs]).to(device)
+
+        def slots(s: _Seq, first: int) -> Tensor:  # [n] the cache slots of entries first ..
+            entry = first + torch.arange(len(s.input_ids), device=device)
+            return (block_table[s.batch, entry // block_size].long() * block_size
+                    + entry % block_size)
+
+        phases = []  # (token index, metadata, slot mapping by layer), last phase first
+        for p in sorted({s.phase for s in seqs}, reverse=True):
+            part = [i for i, s in enumerate(seqs) if s.phase == p]
+            index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in part]).to(device)
+            query = torch.tensor([0, *np.cumsum([sizes[i] for i in part])], dtype=torch.int32)
+            seq_lens = torch.tensor([seqs[i].kv_start + sizes[i] for i in part],
+                                    dtype=torch.int32)
+            mapping = torch.cat([slots(seqs[i], seqs[i].kv_start) for i in part])
+            metadata = build_attn_metadata(
+                attn_groups=groups, num_reqs=len(part), num_tokens=len(index),
+                query_start_loc_gpu=query.to(device), query_start_loc_cpu=query,
+                max_query_len=max(sizes[i] for i in part), seq_lens=seq_lens.to(device),
+                max_seq_len=int(seq_lens.max()),
+                block_tables=(block_table[[seqs[i].batch for i in part]],),
+                slot_mappings=mapping[None], kv_cache_config=kv_config,
+                seq_lens_cpu_upper_bound=seq_lens, positions=positions[index],
+                is_prefilling=torch.ones(len(part), dtype=torch.bool))
+            phases.append((index, metadata, build_slot_mappings_by_layer(mapping[None],
+                                                                         kv_config)))
+        copies = [i for i, s in enumerate(seqs) if s.final is not None]
+        final = None
+        if copies:
+            index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in copies])
+            final = (index.to(device), torch.cat([slots(seqs[i], seqs[i].final)
+                                                  for i in copies]))
+        model = self.model
+        _, metadata, mapping = phases[0]
+        with set_forward_context(metadata, self.vllm_config, num_tokens=len(input_ids),
+                                 slot_mapping=mapping), \
+                _phased_attention(model, phases if len(phases) > 1 or final else None, final):
+            hidden = _decoder_forward(model.model, input_ids, positions)
+            logits = model.compute_logits(hidden).float()
+        return list(logits.split(sizes))
+
+
+@contextmanager
+def _phased_attention(model: nn.Module, phases: list | None, final: tuple | None
+                      ) -> Iterator[None]:
+    """Swap every layer's ``Attention`` for a :class:`_PhasedAttention` (``phases`` None:
+    one attention call per layer, the forward context's)."""
+    if phases is None:
+        yield
+        return
+    inner = model.model
+    holders = [layer.self_attn for layer in islice(inner.layers, inner.start_layer,
+                                                   inner.end_layer)]
+    originals = [h.attn for h in holders]
+    try:
+        for holder, attn in zip(holders, originals):
+            holder.attn = _PhasedAttention(attn, phases, final)
+        yield
+    finally:
+        for holder, attn in zip(holders, originals):
+            holder.attn = attn
+
+
+class _PhasedAttention(nn.Module):
+    """One layer's attention as one call per phase (the parallel-completion rows of a
+    request share its cache entries after the committed ones: each row writes its K/V
+    there and attends, row 0 last, so row 0's K/V stay in place), then the K/V of the other
+    rows are written to their commit-order entries (``final``)."""
+
+    def __init__(self, attn: nn.Module, phases: list, final: tuple | None) -> None:
+        super().__init__()
+        object.__setattr__(self, "attn", attn)  # not a submodule: the layer still owns it
+        self.phases = phases
+        self.final = final
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> Tensor:
+        # query: [T, heads * head_dim]; key, value: [T, kv_heads * head_dim]
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+
+        attn, name = self.attn, self.attn.layer_name
+        out = torch.empty((query.shape[0], attn.num_heads * attn.head_size_v),
+                          dtype=query.dtype, device=query.device)
+        context = get_forward_context()
+        saved = context.attn_metadata[name], context.slot_mapping[name]
+        try:
+            for index, metadata, mapping in self.phases:
+                context.attn_metadata[name], context.slot_mapping[name] = (metadata[name],
+                                                                           mapping[name])
+                out[index] = attn(query[index], key[index], value[index])
+            if self.final is not None:
+                index, slots = self.final
+                context.slot_mapping[name] = slots
+                unified_kv_cache_update(key[index].view(-1, attn.num_kv_heads, attn.head_size),
+                                        value[index].view(-1, attn.num_kv_heads,
+                                                          attn.head_size_v), name)
+        finally:
+            context.attn_metadata[name], context.slot_mapping[name] = saved
+        return out
+
+
+# ------------------------------------------------------------------------------ sampler
+
+
+class ReFusionSampler:
+    """Replaces vLLM's sampler for ReFusion (``ModelState.custom_sampler``): after a
+    request's prefill its canvas (draft tokens) is all masks; on its canvas step the
+    request's whole generation is decoded (with the other decoding requests of the step,
+    several per forward) and emitted."""
+
+    def __init__(self, sampler: Any, state: ReFusionModelState) -> None:
+        self.sampling_states = sampler.sampling_states
+        self.logprob_token_ids_state = sampler.logprob_token_ids_state
+        self.req_states = sampler.req_states
+        self.penalties_state = SimpleNamespace(output_bin_counts=None)  # no penalties
+        self.compute_nans = False
+        self.state = state
+        n, width = state.max_num_reqs, state.canvas
+        self._sampled = torch.zeros(n, width, dtype=torch.int32, device=state.device)
+        self._num_sampled = torch.zeros(n, dtype=torch.int32, device=state.device)
+        self._num_rejected = torch.zeros(n, dtype=torch.int32, device=state.device)
+
+    def add_request(self, req_idx: int, sampling_params: Any) -> None:
+        ignored = _ignored_sampling(sampling_params)
+        if ignored:
+            logger.warning("ReFusion decodes greedily with its own slot rules; ignoring %s",
+                           ", ".join(ignored))
+        self.sampling_states.add_request(req_idx, sampling_params)
+        self.logprob_token_ids_state.add_request(req_idx, sampling_params)
+        self.state.requests[req_idx] = _Request(
+            max_tokens=int(sampling_params.max_tokens),
+            stops=tuple(request_stops(sampling_params)))
+
+    def apply_staged_writes(self) -> None:
+        self.sampling_states.apply_staged_writes()
+        self.logprob_token_ids_state.apply_staged_writes()
+
+    def __call__(self, logits: Tensor, input_batch: Any,
+                 draft_logits: Tensor | None = None) -> SamplerOutput:
+        # logits: [num_logits, vocab]; a canvas step has its scheduled rows, a prefill none
+        state, S = self.state, self.state.slot_size
+        num_reqs = input_batch.num_reqs
+        slots = input_batch.idx_mapping_np[:num_reqs].tolist()
+        cu = input_batch.cu_num_logits_np[: num_reqs + 1]
+        query = np.diff(input_batch.query_start_loc_np[: num_reqs + 1])
+        emit = np.zeros(num_reqs, dtype=np.int32)
+        rejected = np.zeros(num_reqs, dtype=np.int32)
+        sampled = torch.zeros(num_reqs, state.canvas, dtype=torch.long)
+        decoding: list[tuple[int, _Request]] = []
+        for i, s in enumerate(slots):
+            req = state.requests.get(s)
+            rows = int(cu[i + 1] - cu[i])
+            if req is None:  # a dummy (profiling) request
+                continue
+            if req.phase == PREFILL:
+                done = (input_batch.num_computed_prefill_tokens_np[i]
+                        + input_batch.num_scheduled_tokens[i] >= input_batch.prefill_len_np[i])
+                if rows == 0 and done:
+                    req.phase = DECODE
+                continue
+            rejected[i] = int(query[i])  # unless it decodes below
+            if req.phase == DONE:  # a step scheduled before the finish was seen
+                continue
+            gen_len = _gen_len(req.max_tokens, S)
+            if rows < gen_len:
+                computed = int(input_batch.num_computed_tokens_np[i])
+                if computed + rows < state.max_model_len:
+                    continue  # cut for the token budget: rescheduled whole
+                raise RuntimeError(
+                    f"ReFusion got {rows} canvas slots for a request that needs {gen_len} "
+                    f"(max_model_len {state.max_model_len}): the request checks of "
+                    f"diffspec.plugin.vllm.refusion should have refused it; is diffspec's "
+                    f"vLLM plugin loaded in the front-end process?")
+            req.batch, req.prompt_len = i, int(input_batch.num_computed_tokens_np[i])
+            decoding.append((i, req))
+        if decoding:
+            firsts = [logits[int(cu[i]): int(cu[i + 1])] for i, _ in decoding]
+            self._decode([r for _, r in decoding], firsts, input_batch)
+            outputs = [_tokens(req) for _, req in decoding]
+            if state.reencode:
+                self._reencode([r for _, r in decoding], outputs, input_batch)
+            for (i, req), tokens in zip(decoding, outputs):
+                emit[i], rejected[i] = len(tokens), int(query[i]) - len(tokens)
+                sampled[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+                req.phase = DONE
+        self._write_canvases(slots)
+        return self._output(num_reqs, sampled, emit, rejected)
+
+    def _decode(self, reqs: list[_Request], firsts: list[Tensor], input_batch: Any) -> None:
+        """Every request's rounds to the end; one engine forward per round holds the
+        sequences of every request that has a forward to run."""
+        decoders = [self._rounds(r, f) for r, f in zip(reqs, firsts)]
+        wants: dict[int, list[_Seq]] = {}
+
+        def advance(k: int, value: list[Tensor] | None) -> None:
+            try:
+                wants[k] = decoders[k].send(value) if value is not None else next(decoders[k])
+            except StopIteration:
+                wants.pop(k, None)
+
+        for k in range(len(decoders)):
+            advance(k, None)
+        req_ids, forwards = input_batch.req_ids, 0
+        while wants:
+            forwards += 1
+            ready = list(wants)
+            seqs = [s for k in ready for s in wants[k]]
+            outs = iter(self.state.forward(seqs))
+            for k in ready:
+                rid = req_ids[reqs[k].batch]
+                self.state.forwards[rid] = self.state.forwards.get(rid, 0) + 1
+                advance(k, [next(outs) for _ in wants[k]])
+        self.state.decode_steps.append(([req_ids[r.batch] for r in reqs], forwards))
+
+    def _reencode(self, reqs: list[_Request], outputs: list[list[int]],
+                  input_batch: Any) -> None:
+        """One causal forward over every request's output in position order after its
+        prompt: the K/V a causal prefill of that text writes, which is what vLLM's prefix
+        cache may hand a later prompt holding it (one forward more than the reference)."""
+        seqs = [_Seq(r.batch, torch.tensor(out), r.prompt_len + torch.arange(len(out)),
+                     r.prompt_len) for r, out in zip(reqs, outputs)]
+        self.state.forward(seqs)
+        for r in reqs:
+            rid = input_batch.req_ids[r.batch]
+            self.state.forwards[rid] = self.state.forwards.get(rid, 0) + 1
+
+    # -------------------------------------------------------------- one request's rounds
+
+    def _rounds(self, req: _Request, first: Tensor) -> _Decoder:
+        """The request's serial blocks, round after round (the reference's loop);
+        ``first``: the canvas forward's logits, the first round's plan."""
+        S, blocks = self.state.slot_size, self.state.num_blocks
+        per_block = _gen_len(req.max_tokens, S) // S // blocks
+        plan: Tensor | None = first
+        for serial in range(blocks):
+            req.masked = list(range(serial * per_block, (serial + 1) * per_block))
+            while req.masked:
+                yield from self._round(req, plan)
+                plan = None
+            if req.stopped:
+                break
+
+    def _round(self, req: _Request, plan: Tensor | None) -> _Decoder:
+        """Plan, global verify, parallel completion: commits at least one slot."""
+        st, S, b = self.state, self.state.slot_size, req.batch
+        mask = st.mask_token_id
+
+        # plan: the masked slots (original order, true positions) over the committed KV
+        masked = torch.tensor(req.masked)  # [m]
+        positions = req.prompt_len + masked[:, None] * S + torch.arange(S)  # [m, S]
+        if plan is None:  # (the first plan is the canvas forward: masks from the prompt on)
+            [plan] = yield [_Seq(b, torch.full((positions.numel(),), mask), positions.view(-1),
+                                 req.kv_len)]
+        logits = plan[: positions.numel()].float().view(len(masked), S, -1)  # [m, S, V]
+        scores, _ = score_slots(logits[:, 0])
+        chosen = select_slots(scores, st.slot_threshold).nonzero().flatten().cpu()
+        slots, positions = masked[chosen], positions[chosen]  # [k], [k, S]
+        drafts = logits[chosen].argmax(dim=-1).cpu()  # [k, S]
+
+        # global verify: the drafts one after another, causally, writing their KV in place
+        [out] = yield [_Seq(b, drafts.view(-1), positions.view(-1), req.kv_len)]
+        accepted = self._accept(drafts, out.view(len(slots), S, -1), 0)
+        stop_at = first_stop_in_slots(drafts, accepted, req.stops)
+        keep, stopped = committed_slot_lengths(accepted, stop_at, S)
+        if keep:
+            lead = len(keep)
+            self._commit(req, slots[:lead], drafts[:lead], keep, stopped)
+            return
+
+        # parallel completion: one row per chosen slot, each over the committed KV only
+        tokens, rows = drafts.clone(), len(slots)
+        keep, stopped, start = [S] * rows, False, 0
+        while int(accepted.min()) < S:
+            open_ = torch.arange(S)[None] >= accepted[:, None]  # [rows, S]
+            outs = yield self._rows(req, torch.where(open_, mask, tokens), positions, start)
+            proposed = torch.stack([o[-(S - start):] for o in outs]).argmax(-1).cpu()
+            tokens[:, start:] = torch.where(open_[:, start:], proposed, tokens[:, start:])
+            outs = yield self._rows(req, tokens, positions, start)
+            logits = torch.stack([o[-(S - start):] for o in outs])  # [rows, S - start, V]
+            accepted = self._accept(tokens, logits, start, accepted)
+            stop_at = first_stop_in_slots(tokens, accepted, req.stops)
+            if bool((stop_at >= 0).any()):  # rows after the first stop are dropped
+                stopped, rows = True, int((stop_at >= 0).nonzero()[0]) + 1
+                tokens, positions, accepted = tokens[:rows], positions[:rows], accepted[:rows]
+                keep = [S] * (rows - 1) + [int(stop_at[rows - 1]) + 1]
+                accepted[-1] = S
+                slots = slots[:rows]
+            start = int(accepted.min())
+        self._commit(req, slots, tokens, keep, stopped)
+
+    def _rows(self, req: _Request, tokens: Tensor, positions: Tensor, start: int
+              ) -> list[_Seq]:
+        """The completion forward's sequences. One row: its window ``[start:]`` over the
+        committed KV and its own first ``start`` entries. Several rows: each row whole, in
+        its own attention call over the committed KV (they share the entries after it),
+        and rows ``r >= 1`` copied to their commit-order entries (row ``r`` after ``r``
+        full slots: only the last row may be cut, by a stop)."""
+        b, L, S = req.batch, req.kv_len, self.state.slot_size
+        if len(tokens) == 1:
+            return [_Seq(b, tokens[0, start:], positions[0, start:], L + start)]
+        return [_Seq(b, tokens[r], positions[r], L, phase=r, final=L + r * S if r else None)
+                for r in range(len(tokens))]
+
+    def _accept(self, tokens: Tensor, logits: Tensor, start: int,
+                accepted: Tensor | None = None) -> Tensor:  # [rows]
+        """Token-threshold acceptance of ``tokens`` [rows, S] from the causal logits of
+        the window ``[start:]`` ([rows, S - start, V]), as the reference's ``_verify``."""
+        probs = torch.ones(tokens.shape, dtype=torch.float32)
+        window = tokens[:, start + 1:]
+        probs[:, start + 1:] = torch.softmax(logits[:, :-1].float(), -1).gather(
+            -1, window[..., None].to(logits.device))[..., 0].cpu()
+        return verify_slot_drafts(tokens, probs, self.state.token_threshold, accepted)
+
+    @staticmethod
+    def _commit(req: _Request, slots: Tensor, tokens: Tensor, keep: list[int],
+                stopped: bool) -> None:
+        """Committed slots' KV is in place, in this order: move the length."""
+        for slot, row, k in zip(slots.tolist(), tokens.tolist(), keep):
+            req.slot_tokens[slot] = row[:k]
+            req.masked.remove(slot)
+            req.committed += k
+        if stopped:  # nothing after the stop slot will be generated
+            req.stopped = True
+            last = int(slots[-1])
+            req.masked = [s for s in req.masked if s < last]
+
+    # ------------------------------------------------------------------ engine plumbing
+
+    def _write_canvases(self, slots: list[int]) -> None:
+        """Every live request's canvas (its next draft tokens) is all masks."""
+        live = [s for s in slots if s in self.state.requests]
+        if live:
+            draft = self.req_states.draft_tokens
+            index = torch.tensor(live, dtype=torch.long, device=draft.device)
+            draft[index, : self.state.canvas] = self.state.mask_token_id
+
+    def _output(self, num_reqs: int, sampled: Tensor, emit: np.ndarray,
+                rejected: np.ndarray) -> SamplerOutput:
+        out = self._sampled[:num_reqs]
+        out.copy_(sampled.to(out.dtype))
+        num_sampled = self._num_sampled[:num_reqs]
+        num_sampled.copy_(torch.from_numpy(emit))
+        num_rejected = self._num_rejected[:num_reqs]
+        num_rejected.copy_(torch.from_numpy(rejected))
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None, num_nans=None,
+                             num_sampled=num_sampled, num_rejected=num_rejected)
+
+    def get_logprobs_dims(self, *_: Iterable[Any], **__: Any) -> Any:
+        raise NotImplementedError("ReFusion returns no logprobs")
+
+
+def _gen_len(max_tokens: int, slot_size: int) -> int:
+    """``max_tokens`` rounded up to whole slots (the reference's ``layout``)."""
+    return -(-max_tokens // slot_size) * slot_size
+
+
+def _tokens(req: _Request) -> list[int]:
+    """The slots in original order, cut after the first stop and at ``max_tokens``."""
+    tokens: list[int] = []
+    slot = 0
+    while slot in req.slot_tokens:  # only slots after a stop are never generated
+        tokens += req.slot_tokens[slot]
+        slot += 1
+    for i, t in enumerate(tokens):
+        if t in req.stops:
+            return tokens[: i + 1][: req.max_tokens]
+    return tokens[: req.max_tokens]
