@@ -22,6 +22,35 @@ if [ -z "$python" ]; then
   done
 fi
 "$python" -c 'import sys; assert sys.version_info >= (3, 11), "diffspec needs Python >= 3.11"'
+# The SGLang venv (when asked for) is built in the background while the first one
+# installs: the two are independent, and most of each install is waiting on downloads.
+sglang_venv="${DIFFSPEC_SGLANG_VENV:-}"
+# Only the dependencies install in the background (read from pyproject.toml); diffspec's
+# own editable install runs after the first venv's, since both write diffspec.egg-info here.
+build_sglang_venv() {
+  rm -rf "$sglang_venv"
+  "$python" -m venv "$sglang_venv"
+  "$sglang_venv/bin/python" - > "$sglang_venv/requirements.txt" <<'PY'
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+print("\n".join(project["dependencies"] + extras["sglang"] + extras["test"]))
+PY
+  "$sglang_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -r "$sglang_venv/requirements.txt"
+}
+sglang_pid=""
+start=$(date +%s)
+if [ -n "$sglang_venv" ]; then
+  for tool in gcc nm; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+      echo "warning: '$tool' not found; the SGLang engine tests need it to build their" \
+           "libcuda stub (apt-get install gcc binutils)" >&2
+    fi
+  done
+  build_sglang_venv &
+  sglang_pid=$!
+fi
 rm -rf "$venv"
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
@@ -40,17 +69,11 @@ if [ "$extras" != "test" ]; then
 fi
 echo "diffspec installed in $venv ($("$venv/bin/python" -c 'import diffspec; print(diffspec.__version__)'))"
 
-sglang_venv="${DIFFSPEC_SGLANG_VENV:-}"
-if [ -n "$sglang_venv" ]; then
-  for tool in gcc nm; do
-    if ! command -v "$tool" >/dev/null 2>&1; then
-      echo "warning: '$tool' not found; the SGLang engine tests need it to build their" \
-           "libcuda stub (apt-get install gcc binutils)" >&2
-    fi
-  done
-  rm -rf "$sglang_venv"
-  "$python" -m venv "$sglang_venv"
-  start=$(date +%s)
+if [ -n "$sglang_pid" ]; then
+  if ! wait "$sglang_pid"; then
+    echo "bootstrap: building the SGLang venv $sglang_venv failed (see the pip output above)" >&2
+    exit 1
+  fi
   "$sglang_venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[sglang,test]"
-  echo "diffspec[sglang] installed in $sglang_venv ($(( $(date +%s) - start )) s)"
+  echo "diffspec[sglang] installed in $sglang_venv (built beside $venv, $(( $(date +%s) - start )) s in all)"
 fi
