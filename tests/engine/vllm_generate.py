@@ -24,8 +24,9 @@ engine config and records the error it raises. Without JOB_JSON there is one pla
 Prints one JSON object after RESULT_PREFIX: {"runs": {run: {batch: {"outputs": [[token
 ids]], "finish_reasons": [...], "spec_steps": [[accepted drafts per verify step] | null],
 "forwards": {"model": n, "drafter": n} (with count_forwards), "runner": {"classes": [model
-runner class and its bases, "module.Name"], "kernels": {kernel: launches}} (with
-probe_runner)}},
+runner class and its bases, "module.Name"], "kernels": {kernel: launches}, "speculator": the
+V2 runner's speculator class or null, "draft_forwards": its forwards so far (diffspec's)}
+(with probe_runner)}},
 "metrics": {run: {batch: {counter: value after the batch}}}, "config_errors": {name:
 message | null}, "plugin_registered": bool, "vllm_version": str}; the top level also
 repeats "outputs" and "finish_reasons" of the first batch of the first run.
@@ -108,7 +109,11 @@ def _probe_runner(worker) -> dict:
     except ImportError:
         kernels = {}
     classes = [f"{c.__module__}.{c.__qualname__}" for c in type(worker.model_runner).__mro__]
-    return {"classes": classes, "kernels": kernels}
+    speculator = getattr(worker.model_runner, "speculator", None)
+    return {"classes": classes, "kernels": kernels,
+            "speculator": None if speculator is None else
+            f"{type(speculator).__module__}.{type(speculator).__qualname__}",
+            "draft_forwards": getattr(speculator, "num_forwards", None)}
 
 
 def _generate(llm, requests: list[dict]) -> dict:

@@ -124,6 +124,17 @@ def test_vllm_cudagraph_plan(method, adaptive, mode, eager, gpu, want) -> None:
     assert cudagraph_plan(method, adaptive, mode, eager, gpu) == want
 
 
+@pytest.mark.parametrize(("mode", "eager", "gpu", "want"), [
+    (None, False, True, "PIECEWISE"), (None, False, False, None), ("PIECEWISE", False, True, None),
+    ("NONE", False, True, None), ("FULL", True, True, None),
+])
+def test_vllm_v2_runner_cudagraph_plan(mode, eager, gpu, want) -> None:
+    """On vLLM's V2 model runner the two-pass methods run PIECEWISE graphs at most (V9)."""
+    assert cudagraph_plan("orthrus", False, mode, eager, gpu, v2_runner=True) == want
+    if mode is None and gpu:
+        assert cudagraph_plan("orthrus", False, mode, eager, gpu) is None  # V1: vLLM's own
+
+
 @pytest.mark.parametrize(("method", "adaptive", "mode"), [
     ("tidar", False, "FULL"), ("tidar", False, "FULL_AND_PIECEWISE"),
     ("tidar", False, "FULL_DECODE_ONLY"), ("orthrus", True, "FULL_AND_PIECEWISE"),
@@ -134,6 +145,14 @@ def test_vllm_full_graphs_refused(method: str, adaptive: bool, mode: str) -> Non
     assert str(info.value).startswith("set compilation_config's cudagraph_mode to PIECEWISE "
                                       f"or NONE (or add --enforce-eager, or leave "
                                       f"cudagraph_mode out) for method {method!r}: ")
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_vllm_v2_runner_full_graphs_refused(mode: str) -> None:
+    with pytest.raises(CheckpointError) as info:
+        cudagraph_plan("linear_self_spec", False, mode, False, True, v2_runner=True)
+    assert str(info.value).startswith("set compilation_config's cudagraph_mode to PIECEWISE ")
+    assert "V2 model runner" in str(info.value)
 
 
 # ------------------------------------------------------------------ vLLM diffusion path

@@ -202,6 +202,23 @@ def test_plan_blocks() -> None:
     assert short == DraftBlock(row=0, anchor=5, start=9, num_drafts=22)
 
 
+def test_plan_v2_blocks() -> None:
+    """The V2 runner's speculator: same block rule as V1 (model length, slots held), no
+    max_tokens cut (the runner verifies its fixed count; the scheduler drops the excess)."""
+    from diffspec.spec_workers.vllm.two_pass import DraftBlock, plan_v2_blocks
+
+    blocks = plan_v2_blocks(num_sampled=[2, 0, 1, 1, 1], anchor_positions=[9, 3, 19, 99, 60],
+                            num_slots=[64, 32, 64, 128, 64], num_drafts=31, max_model_len=120)
+    assert blocks == [
+        DraftBlock(row=0, anchor=-1, start=9, num_drafts=31),
+        # row 1: a prefill chunk (nothing sampled): no block
+        DraftBlock(row=2, anchor=-1, start=19, num_drafts=31),  # max_tokens is not its rule
+        DraftBlock(row=3, anchor=-1, start=99, num_drafts=20),  # max_model_len - 1 - p
+        DraftBlock(row=4, anchor=-1, start=60, num_drafts=3),  # slots 61 .. 63 held
+    ]
+    assert plan_v2_blocks([1], [63], [64], 7, 512) == []  # no slot past the anchor
+
+
 # ------------------------------------------------------------------ model types
 
 

@@ -199,7 +199,7 @@ def attention_backend_error(method: str, named: str | None) -> str | None:
 
 
 def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager: bool,
-                   on_gpu: bool) -> str | None:
+                   on_gpu: bool, v2_runner: bool = False) -> str | None:
     """The ``cudagraph_mode`` a self-speculative launch must run with: ``"PIECEWISE"``
     (to set: the user set none) or ``None`` (leave it). Raises :class:`CheckpointError`
     for a mode with full CUDA
@@ -207,8 +207,11 @@ def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager:
     before the branches run, would share FLASH_ATTN's persistent FA3 scheduler metadata,
     which full graphs keep in one buffer) and any method with ``"adaptive": true`` (the
     verify length changes per step: vLLM's own rule for dynamic speculative decoding on
-    the V1 runner is PIECEWISE, config/vllm.py ``_maybe_override_dynamic_sd_cudagraph_mode``)."""
-    if enforce_eager or not (method == "tidar" or adaptive):
+    the V1 runner is PIECEWISE, config/vllm.py ``_maybe_override_dynamic_sd_cudagraph_mode``)
+    and any method on vLLM's V2 model runner (``v2_runner``: its draft pass builds
+    attention metadata on the target's builders between the verify graphs' replays, not
+    run on a GPU yet)."""
+    if enforce_eager or not (method == "tidar" or adaptive or v2_runner):
         return None
     if mode is None:
         return "PIECEWISE" if on_gpu else None
@@ -217,6 +220,9 @@ def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager:
     why = ("its branches' attention metadata are built before they run and would share the "
            "FA3 scheduler metadata that full CUDA graphs keep in one persistent buffer"
            if method == "tidar" else
+           "on vLLM's V2 model runner its draft pass builds attention metadata on the "
+           "target's builders, whose persistent buffers full graphs replay (not checked on "
+           "a GPU)" if v2_runner else
            "\"adaptive\": true changes the verify length from step to step (vLLM runs "
            "dynamic speculative decoding on the V1 runner with PIECEWISE graphs too)")
     raise CheckpointError(

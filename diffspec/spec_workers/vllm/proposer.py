@@ -19,7 +19,8 @@ import torch
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 __all__ = ["DRAFT_LOGITS_ROWS", "PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy",
-           "draft_argmax", "logger", "measure_profile", "non_causal_blocks", "on_device"]
+           "draft_argmax", "logger", "measure_profile", "non_causal_blocks",
+           "non_causal_metadata", "on_device"]
 
 PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
 PROFILE_CONTEXT = 256  # context tokens per request in the start-up profile's forwards
@@ -53,43 +54,58 @@ def non_causal_blocks(
     lengths: np.ndarray,  # [B] tokens per block
     method: str,
 ) -> NonCausalBlocks:
-    """Attention metadata for blocks ``starts[i] .. starts[i] + lengths[i] - 1`` of request
-    ``rows[i]``: each block sees the request's K/V of positions ``0 .. starts[i] - 1`` (its
-    paged cache, through the block table) and itself, non-causally; its K/V go to the slots
-    of its own positions. Refuses a backend that stays causal."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
+    """:func:`non_causal_metadata` for blocks of the V1 runner's input batch rows ``rows``."""
     groups = runner.attn_groups
     if len(groups) != 1:
         raise RuntimeError(f"method {method!r} supports models with one KV cache group (full "
                            f"attention in every layer); this one has {len(groups)}")
     table = runner.input_batch.block_table[0]
-    page = table.block_size
-    query_start = np.zeros(len(rows) + 1, dtype=np.int32)  # [B + 1]
+    tables = table.get_device_tensor(runner.input_batch.num_reqs)[
+        on_device(runner, np.asarray(rows, dtype=np.int64))]
+    return non_causal_metadata(groups[0], tables, table.block_size, starts, lengths, method,
+                               runner.device)
+
+
+def non_causal_metadata(
+    groups: list,  # the attention groups of the model's one KV cache group
+    tables: torch.Tensor,  # [B, max blocks] each block's request's block table, on the device
+    page: int,  # tokens per KV block
+    starts: list[int],  # [B] position of each block's first token
+    lengths: np.ndarray,  # [B] tokens per block
+    method: str,
+    device,
+) -> NonCausalBlocks:
+    """Attention metadata for blocks ``starts[i] .. starts[i] + lengths[i] - 1`` whose
+    requests have block tables ``tables[i]``: each block sees its request's K/V of positions
+    ``0 .. starts[i] - 1`` (the paged cache) and itself, non-causally; its K/V go to the
+    slots of its own positions. Built by the target's own attention builders (the V1 and V2
+    runners' groups alike); refuses a backend that stays causal."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    query_start = np.zeros(len(starts) + 1, dtype=np.int32)  # [B + 1]
     np.cumsum(lengths, out=query_start[1:])
-    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
-    token_rows = np.repeat(rows, lengths)  # [T]
-    pages = table.block_table.np[token_rows, positions // page].astype(np.int64)  # [T]
-    slots = pages * page + positions % page  # [T]
+    positions = torch.from_numpy(np.concatenate(
+        [np.arange(s, s + n) for s, n in zip(starts, lengths)])).to(device)  # [T]
+    token_rows = torch.from_numpy(np.repeat(np.arange(len(starts)), lengths)).to(device)
+    pages = tables[token_rows, positions // page].to(torch.int64)  # [T]
+    slot_mapping = pages * page + positions % page  # [T]
     seq_lens = (np.asarray(starts) + lengths).astype(np.int32)  # [B]
-    slot_mapping = on_device(runner, slots)
     common = CommonAttentionMetadata(
-        query_start_loc=on_device(runner, query_start),
+        query_start_loc=torch.from_numpy(query_start).to(device),
         query_start_loc_cpu=torch.from_numpy(query_start),
-        seq_lens=on_device(runner, seq_lens),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
         seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-        num_reqs=len(rows),
+        num_reqs=len(starts),
         num_actual_tokens=int(query_start[-1]),
         max_query_len=int(lengths.max()),
         max_seq_len=int(seq_lens.max()),
-        block_table_tensor=table.get_device_tensor(runner.input_batch.num_reqs)[
-            on_device(runner, np.asarray(rows, dtype=np.int64))],
+        block_table_tensor=tables,
         slot_mapping=slot_mapping,
         causal=False,
-        positions=on_device(runner, positions),
+        positions=positions,
     )
     per_layer = {}
-    for group in groups[0]:
+    for group in groups:
         metadata = group.build_metadata_for_drafting(common, draft_index=0)
         if getattr(metadata, "causal", None) is not False:
             raise RuntimeError(
@@ -97,7 +113,7 @@ def non_causal_blocks(
                 f"over the paged KV cache, which method {method!r} drafts with; pick one "
                 f"that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
         per_layer.update(dict.fromkeys(group.layer_names, metadata))
-    return NonCausalBlocks(per_layer, slot_mapping, common.positions, query_start)
+    return NonCausalBlocks(per_layer, slot_mapping, positions, query_start)
 
 
 def draft_argmax(model, hidden: torch.Tensor, rows: torch.Tensor,

@@ -21,7 +21,7 @@ from diffspec.spec_workers.vllm.proposer import (
     on_device,
 )
 
-__all__ = ["DraftBlock", "TwoPassProposer", "plan_blocks"]
+__all__ = ["DraftBlock", "TwoPassProposer", "chunks", "plan_blocks", "plan_v2_blocks"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,26 @@ def plan_blocks(
             n = min(n, num_left[row] - 1)
         if n > 0:
             blocks.append(DraftBlock(row, emitted[-1], committed - 1, n))
+    return blocks
+
+
+def plan_v2_blocks(
+    num_sampled: list[int],  # [num_reqs] tokens the step emitted (0: a prefill chunk)
+    anchor_positions: list[int],  # [num_reqs] the new anchor's position (committed - 1)
+    num_slots: list[int],  # [num_reqs] KV slots the request holds (blocks x block size)
+    num_drafts: int,  # drafts per request this step (the V2 runner's count)
+    max_model_len: int,
+) -> list[DraftBlock]:
+    """The blocks the V2 runner's speculator drafts this step
+    (:mod:`~diffspec.spec_workers.vllm.two_pass_v2`): one per request that emitted a token,
+    cut to the model's length and the slots the request holds (``anchor`` -1: the anchors
+    stay on the device). No ``max_tokens`` cut: the V2 runner verifies ``num_drafts`` per
+    request whatever the block holds, and vLLM's scheduler drops tokens past ``max_tokens``."""
+    blocks = []
+    for row, (emitted, p) in enumerate(zip(num_sampled, anchor_positions)):
+        n = min(num_drafts, max_model_len - 1 - p, num_slots[row] - 1 - p)
+        if emitted > 0 and n > 0:
+            blocks.append(DraftBlock(row, -1, p, n))
     return blocks
 
 
@@ -120,7 +140,7 @@ class TwoPassProposer:
         if self.adaptive is not None:
             blocks = _adapt(self.adaptive, batch.req_ids, sampled_token_ids, blocks)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for chunk in _chunks(blocks, self.max_forward_tokens):
+        for chunk in chunks(blocks, self.max_forward_tokens):
             chunk_drafts = self.timings.time(sum(b.num_drafts + 1 for b in chunk),
                                              lambda: self._draft(runner, chunk))  # noqa: B023
             for block, tokens in zip(chunk, chunk_drafts):
@@ -164,7 +184,7 @@ def _adapt(policy, req_ids: list[str], sampled_token_ids: list[list[int]],
     return [replace(b, num_drafts=k) for b, k in zip(blocks, counts) if k > 0]
 
 
-def _chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:
+def chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:
     """Split ``blocks`` into forwards of at most ``max_tokens`` tokens each."""
     chunks: list[list[DraftBlock]] = []
     size = max_tokens

@@ -34,6 +34,7 @@ PATCHES: dict[str, tuple[str, ...]] = {
     "generation_stops": ("0.32", "0.33"),
     "warm_up_profile": ("0.32", "0.33"),
     "refusion_requests": ("0.32", "0.33"),
+    "v2_speculator": ("0.32", "0.33"),
 }
 
 

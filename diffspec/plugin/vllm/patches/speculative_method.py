@@ -38,6 +38,9 @@ TARGETS = (
                 "speculative_config = self.create_speculative_config( ... "
                 "attention_config = copy.deepcopy(self.attention_config) ... "
                 "compilation_config = copy.deepcopy(self.compilation_config)"),
+               ("vllm.engine.arg_utils:EngineArgs.create_engine_config",
+                "speculative_config = self.create_speculative_config( ... "
+                "async_scheduling=self.async_scheduling"),
                ("vllm.config.attention:AttentionConfig", "use_non_causal: bool = False"),
                ("vllm.config.compilation:CompilationConfig",
                 "cudagraph_mode: CUDAGraphMode = None"),
@@ -79,16 +82,51 @@ def _merged_flags(args) -> dict | None:
 
 def _check_engine(target_model_config, target_parallel_config, method: str) -> None:
     """Engine options the self-speculative drafter cannot run under."""
-    from vllm import envs
-
     if target_parallel_config.pipeline_parallel_size > 1:
         raise ValueError(f"method {method!r} runs the whole model in its draft pass; pipeline "
                          f"parallelism is not supported (use tensor parallelism)")
     if getattr(target_parallel_config, "decode_context_parallel_size", 1) > 1:
         raise ValueError(f"method {method!r} does not support decode context parallelism")
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise ValueError(f"method {method!r} runs in vLLM's V1 model runner; unset "
-                         f"VLLM_USE_V2_MODEL_RUNNER")
+
+
+def _v2_runner() -> bool:
+    """Whether vLLM will run the V2 model runner: only when VLLM_USE_V2_MODEL_RUNNER=1 (left
+    unset, vLLM picks the V1 runner for a ``custom_class`` speculative config)."""
+    from vllm import envs
+
+    return envs.VLLM_USE_V2_MODEL_RUNNER is True
+
+
+def _restrict_v2(args, target_parallel_config, method: str, spec: dict) -> dict:
+    """What the V2 runner's speculator (patch ``v2_speculator``) runs under, checked here
+    before any weights load: TiDAR refused, one tensor-parallel rank, a fixed draft count
+    (``"adaptive"`` off), async scheduling off (docs/gpu-support.md, V9 / V10). Returns
+    ``spec`` with ``"adaptive": false``."""
+    from diffspec.plugin.vllm.patches.v2_speculator import v2_refusal
+
+    refusal = v2_refusal(method)
+    if refusal:
+        raise ValueError(refusal)
+    if target_parallel_config.tensor_parallel_size > 1:
+        raise ValueError(f"set tensor_parallel_size to 1, or unset VLLM_USE_V2_MODEL_RUNNER "
+                         f"(the V1 runner serves method {method!r} with tensor parallelism): "
+                         f"diffspec's V2-runner speculator is checked on one rank only")
+    if spec.get("adaptive") or spec.get("latency_profile"):
+        raise ValueError(
+            f"set \"adaptive\": false (or leave it out) and remove \"latency_profile\" for "
+            f"method {method!r} on vLLM's V2 model runner, or unset VLLM_USE_V2_MODEL_RUNNER: "
+            f"the V2 runner verifies num_speculative_tokens drafts per request every step (its "
+            f"scheduler fixes the count), so a per-step draft count has nothing to change")
+    if args.async_scheduling:
+        raise ValueError(
+            f"add --no-async-scheduling (or leave it out) for method {method!r} on vLLM's V2 "
+            f"model runner: diffspec's V2 speculator is checked with synchronous scheduling "
+            f"only (vLLM's CPU serving; docs/gpu-support.md, V10)")
+    args.async_scheduling = False
+    logger.info("diffspec: method %r runs as a speculator of vLLM's V2 model runner "
+                "(VLLM_USE_V2_MODEL_RUNNER=1) with num_speculative_tokens drafts every step "
+                "(no adaptive draft counts) and async scheduling off", method)
+    return {**spec, "adaptive": False}
 
 
 def _require_non_causal(args, method: str) -> None:
@@ -129,7 +167,7 @@ def _require_non_causal(args, method: str) -> None:
         config.use_non_causal = True
 
 
-def _cudagraphs(args, method: str, spec: dict) -> None:
+def _cudagraphs(args, method: str, spec: dict, v2: bool) -> None:
     """Full CUDA graphs off where the method cannot run under them
     (:func:`~diffspec.plugin.vllm.config.cudagraph_plan`), with one log line."""
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
@@ -143,7 +181,8 @@ def _cudagraphs(args, method: str, spec: dict) -> None:
     mode = getattr(compilation, "cudagraph_mode", None)
     plan = cudagraph_plan(method, bool(spec.get("adaptive")),
                           None if mode is None else getattr(mode, "name", str(mode)),
-                          bool(args.enforce_eager), current_platform.is_cuda_alike())
+                          bool(args.enforce_eager), current_platform.is_cuda_alike(),
+                          v2_runner=v2)
     if plan is not None:
         compilation.cudagraph_mode = CUDAGraphMode[plan]
         logger.warning("diffspec: method %r runs with cudagraph_mode %s (CUDA graphs for "
@@ -151,6 +190,8 @@ def _cudagraphs(args, method: str, spec: dict) -> None:
                        "kernel launch overhead in attention, most visible at small batches",
                        method, plan,
                        "its branches' metadata are built before they run" if method == "tidar"
+                       else "its V2-runner draft pass builds attention metadata on the "
+                       "target's builders between graph replays" if v2
                        else "\"adaptive\": true changes the verify length every step")
 
 
@@ -174,13 +215,18 @@ def apply() -> None:
         method = None if spec is None else spec.get("method")
         if isinstance(method, str) and method in self_spec_methods():
             _check_engine(target_model_config, target_parallel_config, method)
+            v2 = _v2_runner()
+            if v2:
+                spec = _restrict_v2(self, target_parallel_config, method, spec)
             _require_non_causal(self, method)
-            _cudagraphs(self, method, spec)
-            logger.info(
-                "diffspec: method %r runs as vLLM's custom proposer, which vLLM runs on its "
-                "V1 model runner with async scheduling off (vLLM 0.33 runs other models on "
-                "the V2 runner with async scheduling: expect a lower step rate at small "
-                "batches)", method)
+            _cudagraphs(self, method, spec, v2)
+            if not v2:
+                logger.info(
+                    "diffspec: method %r runs as vLLM's custom proposer, which vLLM runs on "
+                    "its V1 model runner with async scheduling off (vLLM 0.33 runs other "
+                    "models on the V2 runner with async scheduling: expect a lower step rate "
+                    "at small batches; VLLM_USE_V2_MODEL_RUNNER=1 runs orthrus / "
+                    "linear_self_spec on the V2 runner)", method)
             hf_config = target_model_config.hf_config.to_dict()
             self.speculative_config = translate_speculative_config(
                 spec, target_model_config.model, hf_config)

@@ -1,0 +1,209 @@
+"""Engine tier: Orthrus and NLD linear self-speculation as speculators of vLLM's V2 model
+runner (``VLLM_USE_V2_MODEL_RUNNER=1``: patch ``v2_speculator`` builds
+``diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator`` in the runner's
+``init_speculator``), run in real vLLM on CPU through the test-only harness
+:mod:`tests.engine.vllm_v2_cpu` (Triton's interpreter runs the runner's kernels).
+
+One subprocess, two engines (the bundled trained ``synth-orthrus`` and ``synth-nld``, fp32,
+7 drafts per step, KV blocks of 16 tokens): the V2 runner's own scheduler, input
+preparation, sampler, rejection sampler and paged KV cache; the draft pass reads that cache.
+The checks:
+
+* greedy, one batch of mixed prompt lengths with ``max_tokens`` ending mid-block and one
+  prompt prefilled in chunks while the others decode: tokens equal plain AR (the reference
+  decoder, which ``tests/engine/test_vllm_v2_runner.py`` shows equal to vLLM's AR on both
+  runners), every request speculated, and each verify step accepts what the reference
+  speculative decoder accepts with the same blocks (so the drafts are the diffusion view's,
+  over the right K/V);
+* seeded sampling (the V2 runner's sampler, per-request seeds): the same seeded requests
+  twice give the same samples, and a batch of one-token prompts passes a chi-square test
+  against the exact AR sequence probabilities;
+* the launches the V2 path refuses at engine-config time, each with what to do first:
+  TiDAR, ``"adaptive": true``, async scheduling.
+
+The interpreter is slow: few requests, few tokens (about 4 minutes on the 2-core CI box).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from diffspec.assets import SYNTH_NLD_DIR, SYNTH_ORTHRUS_DIR
+from tests.engine.common import assert_clear_error, verify_steps
+from tests.engine.conftest import require_engine, skip_or_fail
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+NUM_DRAFTS = 7
+LLM_KWARGS = {"block_size": 16, "max_num_batched_tokens": 48, "probe_runner": True,
+              "per_request_spec_decode_metrics": "detailed", "disable_log_stats": False}
+SPECULATOR = "diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator"
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+MODELS = {"orthrus": SYNTH_ORTHRUS_DIR, "nld": SYNTH_NLD_DIR}
+METHODS = {"orthrus": "orthrus", "nld": "linear_self_spec"}
+# sampling: low temperature and top-p (a handful of tokens per position on the tiny model)
+TEMPERATURE, TOP_P, NUM_SEEDS, SAMPLED_TOKENS = 0.05, 0.9, 200, 3
+
+
+def _greedy_requests() -> list[dict]:
+    """Mixed prompt lengths; max_tokens none of them a multiple of the 8-token step; the
+    last prompt (two synthetic prompts, 74 tokens) is prefilled in chunks of the 48-token
+    budget while the others decode."""
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+
+    tokenizer = build_tokenizer()
+    prompts = [tokenizer(p).input_ids for p in sample_prompts(5, seed=1234)]
+    prompts = [prompts[0][:9], prompts[1], prompts[2][:20], prompts[3] + prompts[4]]
+    return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, (21, 13, 30, 19))]
+
+
+def _seeded_requests() -> list[dict]:
+    return [{"prompt_token_ids": [41, 57], "max_tokens": 12, "temperature": 0.8, "top_p": 0.95,
+             "seed": 500 + i, "ignore_eos": True} for i in range(2)]
+
+
+def _sampled_requests() -> list[dict]:
+    return [{"prompt_token_ids": [31], "max_tokens": SAMPLED_TOKENS, "temperature": TEMPERATURE,
+             "top_p": TOP_P, "seed": seed, "ignore_eos": True} for seed in range(NUM_SEEDS)]
+
+
+def _spec(method: str, **extra) -> dict:
+    return {"speculative_config": {"method": method, "num_speculative_tokens": NUM_DRAFTS,
+                                   **extra}}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every V2 run of this module, in one subprocess under the harness."""
+    require_engine("vllm")
+    from tests.engine.vllm_v2_cpu import run_vllm_generate, triton_interpreter_missing
+
+    why = triton_interpreter_missing()
+    if why:
+        skip_or_fail("vllm", why)
+    orthrus = {"greedy": _greedy_requests(), "seeded": _seeded_requests(),
+               "seeded_again": _seeded_requests(), "sampled": _sampled_requests()}
+    job = {
+        "runs": [
+            {"name": "orthrus", "model": str(SYNTH_ORTHRUS_DIR),
+             "llm": {**LLM_KWARGS, **_spec("orthrus")}, "batches": orthrus},
+            {"name": "nld", "model": str(SYNTH_NLD_DIR),
+             "llm": {**LLM_KWARGS, **_spec("linear_self_spec")},
+             "batches": {"greedy": _greedy_requests()}},
+        ],
+        "config_errors": {
+            "tidar": {"model": str(SYNTH_NLD_DIR), **_spec("tidar")},
+            "adaptive": _spec("orthrus", adaptive=True),
+            "async_scheduling": {**_spec("orthrus"), "engine_args": {"async_scheduling": True}},
+        },
+    }
+    return run_vllm_generate(SYNTH_ORTHRUS_DIR, [], tmp_path_factory.mktemp("vllm_v2_spec"),
+                             job, v2=True, timeout=1500)
+
+
+def test_the_v2_runner_drafted_with_diffspecs_speculator(engine) -> None:
+    for family in MODELS:
+        runner = engine["runs"][family]["greedy"]["runner"]
+        assert V2_RUNNER in runner["classes"]
+        assert runner["speculator"] == SPECULATOR
+        assert runner["draft_forwards"] > 0
+        assert runner["kernels"]  # the V2 runner's Triton kernels ran
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_greedy_equals_ar(engine, family: str) -> None:
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.spec_workers.reference.decoder import Request, ar_generate
+
+    model = _load(family)
+    stop = inspect_checkpoint(MODELS[family]).eos_token_ids
+    spec = engine["runs"][family]["greedy"]
+    refs = ar_generate(model.lm, [Request(r["prompt_token_ids"], r["max_tokens"],
+                                          stop_token_ids=stop) for r in _greedy_requests()])
+    assert spec["outputs"] == [r.token_ids for r in refs]
+    assert all(verify_steps(spec)), verify_steps(spec)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_acceptance_per_step_equals_reference_decoder(engine, family: str) -> None:
+    """vLLM's first token comes from the prefill; from then on each verify step drafts the
+    reference decoder's block on ``prompt + [first token]`` and accepts as many drafts, as
+    long as the reference drafts a whole block (the V2 runner verifies its fixed 7 drafts
+    up to ``max_tokens``, where the reference drafts fewer). The trained checkpoints'
+    drafts are accepted in runs."""
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
+
+    model = _load(family)
+    stop = inspect_checkpoint(MODELS[family]).eos_token_ids
+    spec = engine["runs"][family]["greedy"]
+    compared = 0
+    for request, out, steps in zip(_greedy_requests(), spec["outputs"], spec["spec_steps"]):
+        ref = speculative_generate(
+            model.lm, _drafter(family, model),
+            [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
+                     stop_token_ids=stop)], NUM_DRAFTS)[0]
+        generated = 1  # the prefill's token
+        for accepted, ref_length in zip(steps, ref.accept_lengths):
+            if request["max_tokens"] - generated - 1 < NUM_DRAFTS:
+                break  # the reference's block is cut by max_tokens here
+            assert accepted + 1 == ref_length
+            generated += accepted + 1
+            compared += 1
+    assert compared >= 4
+    accepted = [a for steps in spec["spec_steps"] for a in steps]
+    assert sum(accepted) / len(accepted) > 2
+
+
+def test_seeded_sampling_is_reproducible(engine) -> None:
+    runs = engine["runs"]["orthrus"]
+    assert runs["seeded"]["outputs"] == runs["seeded_again"]["outputs"]
+    assert runs["seeded"]["outputs"][0] != runs["seeded"]["outputs"][1]  # really sampled
+    assert all(verify_steps(runs["seeded"]))
+
+
+def test_seeded_sampling_matches_the_ar_distribution(engine) -> None:
+    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
+
+    run = engine["runs"]["orthrus"]["sampled"]
+    samples = [tuple(o) for o in run["outputs"]]
+    assert all(verify_steps(run))
+    prompt = _sampled_requests()[0]["prompt_token_ids"]
+    next_probs = lm_next_probs(_load("orthrus").lm, prompt, TEMPERATURE, top_p=TOP_P)
+    probs = sequence_probabilities(next_probs, set(samples))
+    assert len(set(samples)) > 1
+    result = chi_square_test(samples, probs, NUM_SEEDS)
+    assert result.pvalue > 1e-3, result
+
+
+@pytest.mark.parametrize(("case", "match"), [
+    ("tidar", r"^\w+: unset VLLM_USE_V2_MODEL_RUNNER \(or set it to 0\) for method 'tidar': "
+              r"it runs on vLLM's V1 model runner only\. TiDAR drafts inside the verify "
+              r"forward.*cannot add tokens to that forward"),
+    ("adaptive", r"^\w+: set \"adaptive\": false \(or leave it out\) and remove "
+                 r"\"latency_profile\" for method 'orthrus' on vLLM's V2 model runner"),
+    ("async_scheduling", r"^\w+: add --no-async-scheduling \(or leave it out\) for method "
+                         r"'orthrus' on vLLM's V2 model runner"),
+])
+def test_v2_refusals(engine, case: str, match: str) -> None:
+    assert_clear_error(engine["config_errors"], case, match)
+
+
+def _load(family: str):
+    if family == "nld":
+        from diffspec.model_executors.reference.nld import load_nld
+
+        return load_nld(MODELS[family])
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+
+    return load_orthrus(MODELS[family])
+
+
+def _drafter(family: str, model):
+    if family == "nld":
+        from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
+
+        return LinearSelfSpecDrafter(model)
+    from diffspec.spec_workers.reference.decoder import BlockDrafter
+
+    return BlockDrafter(model)
