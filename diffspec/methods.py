@@ -202,6 +202,9 @@ FAMILIES: Mapping[str, Family] = _frozen({f.name: f for f in (
 )})
 
 _SPEC = "diffspec.spec_workers"
+# vLLM runner of the two-pass methods (docs/vllm.md)
+_V2_NOTE = ("vLLM's V1 model runner; its V2 runner with VLLM_USE_V2_MODEL_RUNNER=1, checked on "
+            "CPU through the engine tests' Triton-interpreter harness")
 METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
     Method("ar", "plain autoregressive decoding, one token per forward (the lossless oracle)",
            lossless=True, origin="engine", reference=f"{_SPEC}.reference.decoder:ar_decoder",
@@ -220,7 +223,8 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
     Method("orthrus", "Orthrus: diffusion-view drafts verified by the AR view (two "
            "forwards per step)", lossless=True, origin="diffspec", families=("orthrus",),
            reference=f"{_SPEC}.reference.orthrus:decoder",
-           vllm=EngineEntry(_SPEC_FLAG, "orthrus", f"{_SPEC}.vllm.two_pass:TwoPassProposer"),
+           vllm=EngineEntry(_SPEC_FLAG, "orthrus", f"{_SPEC}.vllm.two_pass:TwoPassProposer",
+                            note=_V2_NOTE),
            sglang=EngineEntry(_ALGO_FLAG, "ORTHRUS", f"{_SPEC}.sglang.two_pass:TwoPassWorker"),
            defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
            bundled="synth-orthrus", trained_block=True),
@@ -228,7 +232,7 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            "causal verify (two forwards per step)", lossless=True, origin="diffspec",
            families=("nld",), reference=f"{_SPEC}.reference.linear_self_spec:decoder",
            vllm=EngineEntry(_SPEC_FLAG, "linear_self_spec",
-                            f"{_SPEC}.vllm.two_pass:TwoPassProposer"),
+                            f"{_SPEC}.vllm.two_pass:TwoPassProposer", note=_V2_NOTE),
            sglang=EngineEntry(_ALGO_FLAG, "LINEAR_SELF_SPEC",
                               f"{_SPEC}.sglang.two_pass:TwoPassWorker"),
            defaults=_frozen({"num_draft_tokens": None}), forwards_per_step=2,
@@ -236,7 +240,8 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
     Method("tidar", "TiDAR / NLD quadratic: draft and verify in one forward (structured "
            "mask)", lossless=True, origin="diffspec", families=("tidar", "nld"),
            reference=f"{_SPEC}.reference.tidar:decoder",
-           vllm=EngineEntry(_SPEC_FLAG, "tidar", f"{_SPEC}.vllm.tidar:TiDARProposer"),
+           vllm=EngineEntry(_SPEC_FLAG, "tidar", f"{_SPEC}.vllm.tidar:TiDARProposer",
+                            note="V1 model runner only: refused on the V2 runner"),
            sglang=EngineEntry(_ALGO_FLAG, "TIDAR", f"{_SPEC}.sglang.tidar:TiDARWorker"),
            defaults=_frozen({"num_draft_tokens": None}), bundled="synth-tidar",
            trained_block=True),

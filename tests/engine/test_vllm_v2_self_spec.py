@@ -21,7 +21,8 @@ The checks:
 * the launches the V2 path refuses at engine-config time, each with what to do first:
   TiDAR, ``"adaptive": true``, async scheduling.
 
-The interpreter is slow: few requests, few tokens (about 4 minutes on the 2-core CI box).
+The interpreter is slow: few requests, few tokens; the one subprocess took 7.5 minutes on the
+shared 2-core box (two engine starts of about 2 minutes each, the 60-request sampled batch).
 """
 
 from __future__ import annotations
