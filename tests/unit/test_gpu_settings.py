@@ -129,7 +129,7 @@ def test_vllm_cudagraph_plan(method, adaptive, mode, eager, gpu, want) -> None:
     ("NONE", False, True, None), ("FULL", True, True, None),
 ])
 def test_vllm_v2_runner_cudagraph_plan(mode, eager, gpu, want) -> None:
-    """On vLLM's V2 model runner the two-pass methods run PIECEWISE graphs at most (V9)."""
+    """On vLLM's V2 model runner the two-pass methods run PIECEWISE graphs at most (V11)."""
     assert cudagraph_plan("orthrus", False, mode, eager, gpu, v2_runner=True) == want
     if mode is None and gpu:
         assert cudagraph_plan("orthrus", False, mode, eager, gpu) is None  # V1: vLLM's own

@@ -100,7 +100,7 @@ def _v2_runner() -> bool:
 def _restrict_v2(args, target_parallel_config, method: str, spec: dict) -> dict:
     """What the V2 runner's speculator (patch ``v2_speculator``) runs under, checked here
     before any weights load: TiDAR refused, one tensor-parallel rank, a fixed draft count
-    (``"adaptive"`` off), async scheduling off (docs/gpu-support.md, V9 / V10). Returns
+    (``"adaptive"`` off), async scheduling off (docs/gpu-support.md, V11 / V12). Returns
     ``spec`` with ``"adaptive": false``."""
     from diffspec.plugin.vllm.patches.v2_speculator import v2_refusal
 
@@ -121,7 +121,7 @@ def _restrict_v2(args, target_parallel_config, method: str, spec: dict) -> dict:
         raise ValueError(
             f"add --no-async-scheduling (or leave it out) for method {method!r} on vLLM's V2 "
             f"model runner: diffspec's V2 speculator is checked with synchronous scheduling "
-            f"only (vLLM's CPU serving; docs/gpu-support.md, V10)")
+            f"only (vLLM's CPU serving; docs/gpu-support.md, V12)")
     args.async_scheduling = False
     logger.info("diffspec: method %r runs as a speculator of vLLM's V2 model runner "
                 "(VLLM_USE_V2_MODEL_RUNNER=1) with num_speculative_tokens drafts every step "
