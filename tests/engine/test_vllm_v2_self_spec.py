@@ -21,8 +21,8 @@ The checks:
 * the launches the V2 path refuses at engine-config time, each with what to do first:
   TiDAR, ``"adaptive": true``, async scheduling.
 
-The interpreter is slow: few requests, few tokens; the one subprocess took 7.5 minutes on the
-shared 2-core box (two engine starts of about 2 minutes each, the 60-request sampled batch).
+The interpreter is slow: few requests, few tokens; the one subprocess takes about 3 minutes on
+the 2-core box (7.5 when other jobs share it): two engine starts and a 60-request sampled batch.
 """
 
 from __future__ import annotations
