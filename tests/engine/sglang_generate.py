@@ -23,6 +23,11 @@ Prints one line: RESULT_PREFIX + {"runs": {run: {batch: {"outputs": [[ids]],
 cached_tokens, ...}]}}}, "server_info": {run: {"avg_spec_accept_length": ...}},
 "config_errors": {name: message | null}, "sglang_version": str}.
 
+A run with "logits_rows": N sets diffspec's SGLang logits chunk to N rows in the scheduler
+and reports, under server_info's "logits_meter", the largest vocabulary-wide tensor its
+decode steps allocated and the most tokens a step's forward ran
+(:mod:`diffspec.testing.sglang_logits`).
+
 A run with "count_forwards" also reports, per batch, "forwards": the model forwards the
 engine ran for it, by forward mode ({"EXTEND": 1, "TARGET_VERIFY": 7}), "tokens": the
 tokens those forwards processed (``input_ids``), by forward mode, and under
@@ -48,6 +53,7 @@ from diffspec.testing.sglang_forwards import (
     forward_counts,
     install_forward_counter,
 )
+from diffspec.testing.sglang_logits import LOGITS_METER_ENV, install_logits_meter, logits_meter
 
 RESULT_PREFIX = "DIFFSPEC_RESULT "
 CPU_ENGINE_KWARGS = {
@@ -78,11 +84,15 @@ def _run(run: dict) -> tuple[dict, dict]:
     metrics = tempfile.mkdtemp(prefix="diffspec-prom-") if run.get("prometheus") else None
     if metrics is not None:  # prometheus_client's multiprocess mode, as --enable-metrics sets
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics
+    meter = tempfile.mkdtemp(prefix="diffspec-logits-") if run.get("logits_rows") else None
+    if meter is not None:
+        os.environ[LOGITS_METER_ENV] = f"{meter}:{run['logits_rows']}"
     try:
         engine = sglang.Engine(model_path=run["model"], **kwargs)
     finally:
         os.environ.pop(FORWARD_COUNT_ENV, None)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        os.environ.pop(LOGITS_METER_ENV, None)
     try:
         outputs = {}
         for name, requests in run.get("batches", {}).items():
@@ -101,6 +111,8 @@ def _run(run: dict) -> tuple[dict, dict]:
         server = {"avg_spec_accept_length": state.get("avg_spec_accept_length")}
         if metrics is not None:
             server["diffspec_metrics"] = _diffspec_metrics(metrics)
+        if meter is not None:
+            server["logits_meter"] = logits_meter(meter)
     finally:
         engine.shutdown()
     return outputs, server
@@ -194,5 +206,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-elif __name__ == "__mp_main__" and os.environ.get(FORWARD_COUNT_ENV):
-    install_forward_counter(os.environ[FORWARD_COUNT_ENV])
+elif __name__ == "__mp_main__":
+    if os.environ.get(FORWARD_COUNT_ENV):
+        install_forward_counter(os.environ[FORWARD_COUNT_ENV])
+    if os.environ.get(LOGITS_METER_ENV):
+        install_logits_meter(os.environ[LOGITS_METER_ENV])

@@ -16,7 +16,16 @@ from sglang.srt.distributed import (
 from sglang.srt.runtime_context import get_parallel
 from torch import nn
 
-__all__ = ["DiffusionViewMixin", "DraftBlocks", "full_output"]
+__all__ = ["LOGITS_ROWS", "DiffusionViewMixin", "DraftBlocks", "argmax_in_chunks", "full_output"]
+
+# Rows of fp32 logits diffspec's SGLang passes materialise at once (issue 29, row 8): the
+# draft logits here, the verify rows' and TIDAR's branch rows' in
+# diffspec/spec_workers/sglang/target_worker.py (``StepLogits``). Whole, they would be every
+# step row x vocabulary, outside SGLang's memory accounting (TIDAR: (n + 1)(1 + K') rows per
+# request; 48 requests x 72 rows x 151936 x 4 bytes: 2.1 GB); in chunks at most
+# LOGITS_ROWS x vocab (1024 x 151936 x 4 bytes: 622 MB), or one request's verify rows if
+# they are more. Read at each call (a test sets it small).
+LOGITS_ROWS = 1024
 
 
 @dataclass
@@ -80,15 +89,41 @@ class DiffusionViewMixin:
     def diffusion_draft_logits(self, blocks: DraftBlocks) -> torch.Tensor:
         """Logits ``[B, width - 1, vocab]`` that predict the ``width - 1`` drafts of each
         block: block rows ``0 .. width - 2`` when shifted (Orthrus), ``1 .. width - 1``
-        when not (NLD)."""
+        when not (NLD). All at once: the worker drafts with :meth:`diffusion_draft_tokens`."""
+        hidden = self._draft_hidden(blocks)  # [B, W - 1, hidden]
+        return self._draft_head(hidden.reshape(-1, hidden.shape[-1])).view(
+            *hidden.shape[:2], -1)
+
+    def diffusion_draft_tokens(self, blocks: DraftBlocks) -> torch.Tensor:
+        """The greedy drafts ``[B, width - 1]``: the argmax of :meth:`diffusion_draft_logits`,
+        computed :data:`LOGITS_ROWS` rows at a time."""
+        hidden = self._draft_hidden(blocks)  # [B, W - 1, hidden]
+        return argmax_in_chunks(self._draft_head, hidden.reshape(-1, hidden.shape[-1])).view(
+            hidden.shape[:2])
+
+    def _draft_hidden(self, blocks: DraftBlocks) -> torch.Tensor:  # [B, W - 1, hidden]
         hidden = self.diffusion_hidden_states(blocks).view(blocks.num_blocks, blocks.width, -1)
-        hidden = hidden[:, :-1] if self.draft_logits_shift else hidden[:, 1:]
+        return hidden[:, :-1] if self.draft_logits_shift else hidden[:, 1:]
+
+    def _draft_head(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab]
         # the head's rows are this rank's vocabulary shard (ParallelLMHead): gather them,
         # in rank order, as SGLang's LogitsProcessor does for the AR logits
-        logits = torch.matmul(hidden, self.lm_head.weight.t())  # [B, W - 1, padded vocab / tp]
+        logits = torch.matmul(hidden, self.lm_head.weight.t())  # [R, padded vocab / tp]
         if get_parallel().tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits.contiguous(), dim=-1)
         return logits[..., : self.config.vocab_size].float()  # drop the head's padding rows
+
+
+def argmax_in_chunks(logits_of, hidden: torch.Tensor,
+                     rows: int | None = None) -> torch.Tensor:  # [R] int64
+    """``logits_of(hidden).argmax(-1)`` for ``hidden`` ``[R, hidden]``, computed ``rows``
+    rows at a time (default :data:`LOGITS_ROWS`, read now): at most ``rows x vocab`` logits
+    exist at once. Every tensor-parallel rank makes the same calls (the same rows)."""
+    rows = LOGITS_ROWS if rows is None else rows
+    if hidden.shape[0] <= rows:
+        return logits_of(hidden).argmax(dim=-1)
+    return torch.cat([logits_of(hidden[i:i + rows]).argmax(dim=-1)
+                      for i in range(0, hidden.shape[0], rows)])
 
 
 def full_output(linear: nn.Module, out: torch.Tensor) -> torch.Tensor:

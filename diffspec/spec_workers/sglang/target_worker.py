@@ -10,6 +10,7 @@ adaptive policy and its Prometheus counters; and the per-request refusals.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,12 +22,15 @@ from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 from diffspec.core.accept import AcceptOutput, greedy_accept, rejection_sample_accept
 from diffspec.core.sampling import process_logits
+from diffspec.model_executors.sglang import views
 from diffspec.spec_workers.sglang.requests import refuse_unsupported_requests
 
-__all__ = ["SpecDraftInput", "TargetModelSpecWorker", "accept", "adaptive_policy",
-           "choice_metrics", "remaining", "request_penalties"]
+__all__ = ["SpecDraftInput", "StepLogits", "TargetModelSpecWorker", "accept",
+           "adaptive_policy", "choice_metrics", "remaining", "request_penalties",
+           "step_logits"]
 
 logger = logging.getLogger("diffspec")
+
 
 
 @dataclass
@@ -298,7 +302,7 @@ def request_penalties(req, vocab_size: int):
 
 def accept(
     drafts: torch.Tensor,  # [bs, W - 1] draft token ids
-    logits: torch.Tensor,  # [bs, W, vocab] AR logits of [anchor, drafts] (modified in place)
+    logits: torch.Tensor | StepLogits,  # [bs, W, vocab] AR logits of [anchor, drafts]
     batch,  # SGLang's ScheduleBatch (its reqs and sampling_info)
     committed: torch.Tensor,  # [bs] C: the anchor's position
     padding: torch.Tensor | None = None,  # [bs, W - 1] True: a block's padding, no draft
@@ -312,9 +316,13 @@ def accept(
     drafts (``q = one-hot(d)``), which accepts ``d`` with probability ``p(d)`` and
     resamples from ``p`` without ``d`` at a rejection, so each emitted token follows the
     request's temperature / top-k / top-p / min-p distribution (a greedy row's ``p`` is
-    one-hot, so it stays exact match)."""
+    one-hot, so it stays exact match). A logits tensor is modified in place; a
+    :class:`StepLogits` is computed and accepted :data:`~diffspec.model_executors.sglang.views.LOGITS_ROWS`
+    rows (whole requests) at a time."""
     from diffspec.core.penalties import apply_penalties_per_row, needs_penalties
 
+    if isinstance(logits, StepLogits):  # computed and accepted a chunk of requests at a time
+        return _accept_in_chunks(drafts, logits, batch, committed, padding)
     sampling_info = batch.sampling_info
     vocab = logits.shape[-1]
     penalties = [request_penalties(req, vocab) for req in batch.reqs]
@@ -374,3 +382,126 @@ def seeded_targets(
         sampled = sampling_from_probs_torch(probs, sampling_seed=seeds, positions=positions)
     greedy = rows(sampling_info.top_ks) <= 1
     return torch.where(greedy, greedy_ids, sampled.reshape(-1).to(torch.int64)).view(bs, w)
+
+
+# ------------------------------------------------------------------ logits, a chunk at a time
+
+
+@dataclass
+class StepLogits:
+    """The fp32 logits ``[bs, T, vocab]`` of a step's forward, held as its final hidden
+    states and computed only for the rows asked, by the model's own logits processor
+    (SGLang's ``LogitsProcessor._get_logits``: its LM head, logit scale, soft cap and
+    tensor-parallel gather, what the forward would have computed for every row). Callers
+    ask for at most :data:`~diffspec.model_executors.sglang.views.LOGITS_ROWS` rows (or one
+    request's) at once: issue 29, row 8."""
+
+    model: object  # the served model (its logits_processor, lm_head, config)
+    hidden: torch.Tensor  # [bs, T, hidden] final hidden states (after the norm)
+    metadata: object  # SGLang's LogitsMetadata of the forward
+    whole: torch.Tensor | None = None  # [bs, T, vocab] under DP attention (see step_logits)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.hidden.shape[:2], int(self.model.config.vocab_size))
+
+    def columns(self, index: slice) -> StepLogits:
+        """The logits of step columns ``index`` (no copy)."""
+        return StepLogits(self.model, self.hidden[:, index], self.metadata,
+                          None if self.whole is None else self.whole[:, index])
+
+    def requests(self, index: slice) -> torch.Tensor:  # [r, T, vocab] fp32
+        """The logits of requests ``index``, computed now (all their rows at once)."""
+        if self.whole is not None:
+            return self.whole[index]
+        hidden = self.hidden[index]
+        return self._logits(hidden.reshape(-1, hidden.shape[-1])).view(
+            *hidden.shape[:2], -1)
+
+    def argmax(self, requests: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """``argmax`` of the logits at ``[requests, columns]`` (index tensors that broadcast
+        to ``[bs, k]``), ``LOGITS_ROWS`` rows at a time: ``[bs, k]``."""
+        if self.whole is not None:
+            return self.whole[requests, columns].argmax(dim=-1)
+        hidden = self.hidden[requests, columns]  # [bs, k, hidden]
+        return views.argmax_in_chunks(self._logits, hidden.reshape(-1, hidden.shape[-1])
+                                      ).view(hidden.shape[:2])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] fp32
+        vocab = int(self.model.config.vocab_size)
+        logits = self.model.logits_processor._get_logits(
+            hidden, self.model.lm_head, self.metadata, use_logits_buffer=False)
+        return logits[:, :vocab].float()
+
+
+def step_logits(model, forward: Callable[[], object], bs: int, t: int) -> StepLogits:
+    """Run ``forward()``, a forward of ``model`` over ``bs x t`` step tokens, with the
+    model's logits processor handing back the final hidden states instead of computing
+    every row's logits, and return them as :class:`StepLogits`. Under DP attention the
+    processor gathers the rows of every rank in one collective, so there the logits of all
+    rows are computed at once, as SGLang does."""
+    from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessorOutput
+
+    processor = model.logits_processor
+    seen: dict = {}
+
+    def hidden_only(input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):
+        if isinstance(logits_metadata, ForwardBatch):
+            logits_metadata = LogitsMetadata.from_forward_batch(logits_metadata)
+        seen["hidden"], seen["metadata"] = hidden_states, logits_metadata
+        return LogitsProcessorOutput(next_token_logits=None)
+
+    processor.forward = hidden_only  # an instance attribute: nn.Module calls it
+    try:
+        forward()
+    finally:
+        del processor.forward
+    logits = StepLogits(model, seen["hidden"].view(bs, t, -1), seen["metadata"])
+    if getattr(processor, "do_tensor_parallel_all_gather_dp_attn", False):
+        logits.whole = logits.requests(slice(None))
+    return logits
+
+
+_PER_REQUEST = ("temperatures", "top_ps", "top_ks", "min_ps", "sampling_seed")
+
+
+class _Requests:
+    """Requests ``part`` of SGLang's batch (its ``reqs``, and its sampling info's
+    per-request tensors; the batch-wide flags, such as ``is_all_greedy``, stay the whole
+    batch's, so every part takes the path the whole batch takes)."""
+
+    def __init__(self, whole, part: slice, sampling: bool = False) -> None:
+        self._whole, self._part, self._sampling = whole, part, sampling
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = getattr(self._whole, name)
+        if not self._sampling and name == "reqs":
+            return value[self._part]
+        if not self._sampling and name == "sampling_info":
+            return None if value is None else _Requests(value, self._part, sampling=True)
+        if self._sampling and name in _PER_REQUEST and value is not None:
+            return value[self._part]
+        return value
+
+
+def _accept_in_chunks(drafts: torch.Tensor, logits: StepLogits, batch,
+                      committed: torch.Tensor, padding: torch.Tensor | None) -> AcceptOutput:
+    """:func:`accept` on whole requests at a time, ``LOGITS_ROWS`` verify rows (or one
+    request) per part. Every rule is per request (its penalties, its greedy argmax, its
+    seeded draws at its positions), so the result equals one call over the batch; unseeded
+    sampling draws from the global generator in another order when the batch spans
+    several parts (the same distribution)."""
+    bs, w, _ = logits.shape
+    per = max(1, views.LOGITS_ROWS // max(w, 1))
+    if per >= bs:
+        return accept(drafts, logits.requests(slice(None)), batch, committed, padding)
+    outputs, accepted = [], []
+    for start in range(0, bs, per):
+        part = slice(start, start + per)
+        out = accept(drafts[part], logits.requests(part), _Requests(batch, part),
+                     committed[part], None if padding is None else padding[part])
+        outputs.append(out.output_token_ids)
+        accepted.append(out.num_accepted)
+    return AcceptOutput(torch.cat(outputs), torch.cat(accepted))

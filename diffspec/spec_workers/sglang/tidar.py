@@ -29,13 +29,16 @@ from diffspec.model_executors.sglang.quadratic import (
     prefill_branch_layout,
     verify_step_layout,
 )
+from diffspec.model_executors.sglang.views import argmax_in_chunks
 from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.sglang.target_worker import (
     SpecDraftInput,
+    StepLogits,
     TargetModelSpecWorker,
     accept,
     adaptive_policy,
     choice_metrics,
+    step_logits,
 )
 
 __all__ = ["TiDARDraftInput", "TiDARWorker"]
@@ -184,7 +187,8 @@ class TiDARWorker(TargetModelSpecWorker):
         result.logits_output.hidden_states = None
         branch = hidden[num_prompt:].view(bs, k, -1)  # [bs, K', hidden] branch 0
         skip = 0 if self.logits_shift else 1
-        drafts = self._logits(branch[:, skip: skip + n]).argmax(dim=-1)  # [bs, n]
+        rows = branch[:, skip: skip + n]  # [bs, n, hidden]
+        drafts = argmax_in_chunks(self._logits, rows.reshape(-1, rows.shape[-1])).view(bs, n)
 
         return self._prefilled(result, batch, TiDARDraftInput(
             bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
@@ -218,8 +222,11 @@ class TiDARWorker(TargetModelSpecWorker):
             logits = self._forward_step(batch, input_ids, positions, slots, committed,
                                         layout.new_mask)  # [bs, T, vocab]
 
-        # accept on the verify rows (the AR logits of [anchor, d_1 .. d_n])
-        accepted = accept(drafts, logits[:, : n + 1], batch, committed)
+        # accept on the verify rows (the AR logits of [anchor, d_1 .. d_n]); a quadratic
+        # step's logits are computed for these rows and the next drafts' only, in chunks
+        verify = (logits.columns(slice(0, n + 1)) if isinstance(logits, StepLogits)
+                  else logits[:, : n + 1])
+        accepted = accept(drafts, verify, batch, committed)
         accept_lens = accepted.num_emitted.to(torch.int32)  # [bs] accepted + 1
         out = accepted.output_token_ids  # [bs, n + 1]: emitted tokens, then -1
         new_seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
@@ -231,7 +238,7 @@ class TiDARWorker(TargetModelSpecWorker):
         # next drafts: branch a pre-drafted exactly this outcome
         branch_rows = layout.draft_rows[accepted.num_accepted]  # [bs, k]
         batch_index = torch.arange(bs, device=self.device)[:, None]  # [bs, 1]
-        next_drafts = (logits[batch_index, branch_rows].argmax(dim=-1) if k  # [bs, k]
+        next_drafts = (logits.argmax(batch_index, branch_rows) if k  # [bs, k]
                        else drafts.new_zeros((bs, 0)))
         self.timings.stop(start, bs * t, kind="verify")
 
@@ -272,7 +279,7 @@ class TiDARWorker(TargetModelSpecWorker):
         slots: torch.Tensor,  # [bs, T] KV-pool slots the step writes (_step_slots)
         committed: torch.Tensor,  # [bs] C
         new_mask: torch.Tensor,  # [T, T] among the step's tokens (verify_step_layout)
-    ) -> torch.Tensor:  # [bs, T, vocab] fp32 logits
+    ) -> StepLogits:  # [bs, T, vocab] fp32 logits, computed when asked
         bs, t = input_ids.shape
         positions = positions.clamp(max=self._max_position)
         state = batch.spec_info
@@ -305,13 +312,12 @@ class TiDARWorker(TargetModelSpecWorker):
                                   new_mask], dim=1) for c in committed.tolist()])
             attention = MaskedAttention(self.model_runner.attn_backend, layout)
             with forward_context(ForwardContext(attn_backend=attention)):
-                result = self._target_worker.forward_batch_generation(
-                    batch=None, forward_batch=forward_batch, is_verify=True)
-        else:
-            result = self._target_worker.forward_batch_generation(
-                batch=None, forward_batch=forward_batch, is_verify=True)
-        logits = result.logits_output.next_token_logits  # [bs * T, padded vocab]
-        return logits[:, : self._vocab].float().view(bs, t, self._vocab)
+                return step_logits(self.model_runner.model, lambda: (
+                    self._target_worker.forward_batch_generation(
+                        batch=None, forward_batch=forward_batch, is_verify=True)), bs, t)
+        return step_logits(self.model_runner.model, lambda: (
+            self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)), bs, t)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
         """The LM head on final hidden states (the model's logits processor computes the

@@ -15,12 +15,14 @@ from diffspec.model_executors.sglang.views import DraftBlocks
 from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.sglang.target_worker import (
     SpecDraftInput,
+    StepLogits,
     TargetModelSpecWorker,
     accept,
     adaptive_policy,
     choice_metrics,
     logger,
     remaining,
+    step_logits,
 )
 
 __all__ = ["TwoPassWorker"]
@@ -32,7 +34,7 @@ class TwoPassWorker(TargetModelSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker) -> None:
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         model = self.model_runner.model
-        if not hasattr(model, "diffusion_draft_logits"):
+        if not hasattr(model, "diffusion_draft_tokens"):
             raise TypeError(
                 f"--speculative-algorithm {self.method.upper()} needs a model with a diffusion "
                 f"view; {type(model).__name__} has none (check config.json architectures)")
@@ -125,10 +127,9 @@ class TwoPassWorker(TargetModelSpecWorker):
         block[:, 0] = anchors
         forward_batch = self._step_batch(batch, block, positions, slots, causal=False,
                                          block_lens=num_drafts + 1)
-        draft_logits = self._run_model(forward_batch, lambda: (
-            self.model_runner.model.diffusion_draft_logits(DraftBlocks(
-                block.reshape(-1), positions.reshape(-1), w, forward_batch))))  # [bs, W-1, V]
-        return draft_logits.argmax(dim=-1)
+        return self._run_model(forward_batch, lambda: (  # argmax a chunk of rows at a time
+            self.model_runner.model.diffusion_draft_tokens(DraftBlocks(
+                block.reshape(-1), positions.reshape(-1), w, forward_batch))))  # [bs, W - 1]
 
     def _step_batch(
         self,
@@ -220,16 +221,16 @@ class TwoPassWorker(TargetModelSpecWorker):
         verify_ids: torch.Tensor,  # [bs, W]
         positions: torch.Tensor,  # [bs, W]
         slots: torch.Tensor,  # [bs, W] KV-pool slots of positions C .. C + W - 1
-    ) -> torch.Tensor:  # [bs, W, vocab] fp32 logits
+    ) -> torch.Tensor | StepLogits:  # [bs, W, vocab] fp32 logits
+        """The verify forward; its logits are computed by the accept rules, a chunk of
+        requests at a time (:class:`StepLogits`)."""
         bs, w = verify_ids.shape
         if w == 1:  # nothing drafted this step (adaptive k = 0): a plain decode step
             return self._decode_forward(batch, verify_ids[:, 0], slots[:, 0])
         forward_batch = self._step_batch(batch, verify_ids, positions, slots)
         if self._torch_native:  # decode rows: more rows than the runner's decode buffers
-            logits = self._run_model(forward_batch).next_token_logits  # [bs * W, vocab']
-        else:
-            result = self._target_worker.forward_batch_generation(
-                batch=None, forward_batch=forward_batch, is_verify=True)
-            logits = result.logits_output.next_token_logits  # [bs * W, padded vocab]
-        vocab = self.model_runner.model.config.vocab_size
-        return logits[:, :vocab].float().view(bs, w, vocab)
+            return step_logits(self.model_runner.model,
+                               lambda: self._run_model(forward_batch), bs, w)
+        return step_logits(self.model_runner.model, lambda: (
+            self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)), bs, w)
