@@ -118,6 +118,20 @@ def assert_clear_error(config_errors: dict, case: str, match: str) -> None:
     assert re.search(match, message, re.DOTALL), message
 
 
+def assert_sglang_logits_chunked(meter: dict, request_rows: int) -> None:
+    """Issue 29, row 8, on a long batch: the largest vocabulary-wide tensor the SGLang
+    worker's decode steps allocated (``meter``: :mod:`diffspec.testing.sglang_logits`, in
+    the scheduler; fp32 on CPU, a slice counted by its padded storage) is at most
+    ``max(chunk rows, request_rows)`` rows of logits (``request_rows``: one request's verify
+    rows, the least one accept part holds), while the steps ran several times that many
+    rows: whole-step logits (what the worker allocated before it chunked) would fail."""
+    row = meter["padded_vocab"] * 4
+    bound = max(meter["logits_rows"], request_rows) * row
+    assert meter["steps"] > 0, meter
+    assert meter["most_step_tokens"] * row >= 4 * bound, meter  # a long batch: >= 4 chunks
+    assert meter["largest_vocab_bytes"] <= bound, meter
+
+
 def sglang_tokens_per_verify_step(metas: Iterable[dict]) -> float:
     """(accepted drafts + verify steps) / verify steps over requests, from their own
     ``meta_info`` counters: what SGLang's ``avg_spec_accept_length`` should say about

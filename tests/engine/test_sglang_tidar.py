@@ -39,6 +39,7 @@ from diffspec.assets import SYNTH_TIDAR_DIR
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
+    assert_sglang_logits_chunked,
     prefix_requests,
     set_eos_inside_a_block,
     sglang_tokens_per_verify_step,
@@ -57,6 +58,10 @@ NLD_SPEC = {**SPEC, "speculative_num_draft_tokens": NLD_WIDTH}
 # accepted at some steps and rejected at others.
 TEMPERATURE, TOP_P, NUM_SAMPLES, SAMPLED_TOKENS = 0.3, 0.9, 300, 4
 SINGLES = ("single_0", "single_1")  # requests served alone: forwards per step
+# synth_spec computes its logits 16 rows at a time (one request's 9 verify rows per accept
+# part): its batches (81 step rows per request) span many chunks; every lossless test on it
+# checks the chunked path
+LOGITS_ROWS = 16
 # flat up to 12 query tokens, then every token costs 9 flat steps: a TiDAR step with k drafts
 # forwards (k + 1)^2 tokens per request (synth-tidar's drafts are shifted), so one request
 # drafts 2, two or three 1 each, and of four or more only two draft (one each, per request)
@@ -163,7 +168,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "synth_ar", "model": synth, "engine": {"disable_overlap_schedule": True},
              "batches": batches, "count_forwards": True},
             {"name": "synth_spec", "model": synth, "engine": SPEC, "batches": batches,
-             "count_forwards": True},
+             "count_forwards": True, "logits_rows": LOGITS_ROWS},
             {"name": "nld_ar", "model": nld, "batches": {"greedy": _nld_requests()}},
             {"name": "nld_spec", "model": nld, "engine": NLD_SPEC,
              "batches": {"greedy": _nld_requests()}},
@@ -277,6 +282,14 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
         accepted_all += [k for k, c in sglang_steps.items() for _ in range(c)]
     if family == "synth":  # the trained branches really draft: long accepted runs
         assert sum(accepted_all) / len(accepted_all) > 5
+
+
+def test_logits_stay_within_the_chunk_on_a_long_batch(engine) -> None:
+    """Issue 29, row 8: a quadratic step of 8 requests runs 648 rows; the worker computes
+    the logits of its verify rows and of the accepted branch only, a chunk at a time."""
+    meter = engine["server_info"]["synth_spec"]["logits_meter"]
+    assert meter["most_step_tokens"] >= 8 * (SYNTH_WIDTH * SYNTH_WIDTH), meter
+    assert_sglang_logits_chunked(meter, SYNTH_WIDTH)
 
 
 def test_one_forward_per_step(engine, ckpts) -> None:

@@ -41,6 +41,7 @@ from diffspec.assets import ASSETS_DIR
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
+    assert_sglang_logits_chunked,
     prefix_requests,
     set_eos_inside_a_block,
     sglang_tokens_per_verify_step,
@@ -179,7 +180,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "synth_ar", "model": str(SYNTH_ORTHRUS),
              "batches": {"near_context_end": _near_context_end_requests()}},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
-             "batches": {"greedy": _synth_requests()}},
+             "batches": {"greedy": _synth_requests()}, "logits_rows": WIDTH},
             {"name": "synth_near_end_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"near_context_end": _near_context_end_requests()}},
             {"name": "synth_adaptive_free", "model": str(SYNTH_ORTHRUS), "prometheus": True,
@@ -321,6 +322,15 @@ def test_llama_orthrus_greedy_equals_sglang_ar(engine, ckpts) -> None:
     accepted = _accepted_drafts_per_step(load_orthrus(path), BlockDrafter, path,
                                          _greedy_requests(), spec)
     assert sum(accepted) > 0  # the diffusion view's drafts are really accepted
+
+
+def test_logits_stay_within_the_chunk_on_a_long_batch(engine) -> None:
+    """Issue 29, row 8: synth_spec computes its draft and verify logits 32 rows (one
+    request's block) at a time; its steps run 4 requests x 32 rows (and their outputs are
+    the AR outputs, ``test_acceptance_per_step_equals_reference_decoder``)."""
+    meter = engine["server_info"]["synth_spec"]["logits_meter"]
+    assert meter["most_step_tokens"] >= 4 * WIDTH, meter
+    assert_sglang_logits_chunked(meter, WIDTH)
 
 
 def test_avg_spec_accept_length_in_server_info(engine) -> None:

@@ -24,6 +24,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from diffspec.core.unmask import unmask_block
 from diffspec.methods import get_method
 from diffspec.plugin.vllm.dllm import THRESHOLD_ARG
+from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS
 
 __all__ = ["BlockState", "FastDLLMModelState", "FastDLLMSampler", "begin_blocks",
            "block_outcome", "complete_block", "denoise_step", "request_stops", "seed_token"]
@@ -366,15 +367,16 @@ class FastDLLMSampler:
                 n = begin_blocks(st, seed_logits[k], block, mask)
                 emit[i] = n
                 sampled[i, :n] = st.canvas[:n]
-        if denoise:
-            rows = [int(cu[i + 1] - cu[i]) for i in denoise]
-            blocks = logits.new_zeros(len(denoise), block, logits.shape[-1])
-            for k, i in enumerate(denoise):
+        per = max(1, DRAFT_LOGITS_ROWS // block)  # requests a part: its copies bounded
+        for part in (denoise[p : p + per] for p in range(0, len(denoise), per)):
+            rows = [int(cu[i + 1] - cu[i]) for i in part]
+            blocks = logits.new_zeros(len(part), block, logits.shape[-1])
+            for k, i in enumerate(part):
                 blocks[k, : rows[k]] = logits[int(cu[i]) : int(cu[i + 1])]
-            states = [state.states[slots[i]] for i in denoise]
+            states = [state.states[slots[i]] for i in part]
             emitted = denoise_step(states, blocks, rows, block, mask,
                                    sub_block=state.sub_block_size, shifted=state.logits_shift)
-            for k, i in enumerate(denoise):
+            for k, i in enumerate(part):
                 emit[i], rejected[i] = emitted[k], int(query[i]) - emitted[k]
                 sampled[i, : emitted[k]] = states[k].canvas[: emitted[k]]
         for i in complete:  # the completing forward: the block's KV kept, its tokens out
