@@ -23,6 +23,13 @@ recorded with its error and the command exits 1. Checks:
 * ``draft_logits_memory``: the logits a draft pass materialises for ``rows`` rows at
   Qwen3-8B's vocabulary (151936), computed whole and in chunks of 1024 rows: peak memory of
   each (CUDA) and equal argmax drafts.
+* ``masked_attention``: SGLang TIDAR's ``MaskedAttention`` at Qwen3-8B's heads, 1k-8k
+  context: equal to dense fp32 attention under the same masks, time per call, peak memory
+  under the per-request working-set bound (CUDA).
+* ``draft_pass``: a 2-layer draft pass at Qwen3-8B's shape, eager vs CUDA graph (equal
+  hidden states within bf16 tolerance, equal drafts; times), and its LM head's logits whole
+  vs chunked (equal drafts; chunked peak under ``chunk x vocab``, below whole; CUDA). On CPU
+  the graph is skipped with its reason.
 """
 
 from __future__ import annotations
@@ -293,11 +300,294 @@ def check_draft_logits_memory(device: torch.device, quick: bool) -> dict:
     return figures
 
 
+# ----------------------------------------------------------------------------- MaskedAttention
+
+
+class _Pool:  # the KV pool's read side, as MaskedAttention reads it
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_masked_attention(device: torch.device, quick: bool) -> dict:
+    """SGLang TIDAR's ``MaskedAttention`` (diffspec/model_executors/sglang/quadratic.py;
+    SGLang itself is not needed with ``save_kv_cache=False``) at Qwen3-8B's heads (32 query,
+    8 KV, head_dim 128) on a random paged pool, 4 requests of one decode step each ((n + 1)(1
+    + K') = 81 tokens, n = 8) at 1k, 2k, 4k and 8k context: its output equals a dense fp32
+    attention under the same masks (within the dtype's tolerance), its time per call, and
+    (CUDA) its peak memory, which must stay under the per-request working set bound: the
+    request's gathered K/V (twice: the pool read and the concatenation), its fp32 scores
+    and boolean mask, and the output."""
+    from types import SimpleNamespace
+
+    from diffspec.model_executors.sglang.quadratic import (
+        MaskedAttention,
+        MaskedLayout,
+        verify_step_layout,
+    )
+
+    hq, hkv, dim = (8, 2, 64) if quick else (32, 8, 128)
+    contexts = (256, 512) if quick else (1024, 2048, 4096, 8192)
+    n, masks, reqs = 8, 8, 4
+    new_mask, _ = verify_step_layout(n, masks, device)  # [T, T]
+    t = new_mask.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    layer = SimpleNamespace(tp_q_head_num=hq, tp_k_head_num=hkv, tp_v_head_num=hkv,
+                            qk_head_dim=dim, v_head_dim=dim, scaling=dim ** -0.5, layer_id=0,
+                            sliding_window_size=None, logit_cap=0)
+    cuda = device.type == "cuda"
+    figures: dict = {"heads": [hq, hkv, dim], "tokens_per_request": t, "requests": reqs}
+    for name, dtype in DTYPES.items():
+        tol = 2e-4 if dtype == torch.float32 else 3e-2
+        rows = []
+        for context in contexts:
+            slots_total = reqs * context + 64
+            k_pool = torch.randn(slots_total, hkv, dim, generator=gen).to(dtype).to(device)
+            v_pool = torch.randn(slots_total, hkv, dim, generator=gen).to(dtype).to(device)
+            perm = torch.randperm(slots_total, generator=gen).to(device)
+            prefix = [perm[r * context:(r + 1) * context] for r in range(reqs)]
+            masks = [torch.cat([torch.ones(t, context, dtype=torch.bool, device=device),
+                                new_mask], dim=1) for _ in range(reqs)]  # [T, C + T]
+            layout = MaskedLayout(
+                query_rows=[torch.arange(r * t, (r + 1) * t, device=device) for r in range(reqs)],
+                prefix_slots=prefix, masks=list(masks))
+            backend = SimpleNamespace(token_to_kv_pool=_Pool(k_pool, v_pool))
+            attention = MaskedAttention(backend, layout)
+            q = torch.randn(reqs * t, hq * dim, generator=gen).to(dtype).to(device)
+            k = torch.randn(reqs * t, hkv * dim, generator=gen).to(dtype).to(device)
+            v = torch.randn(reqs * t, hkv * dim, generator=gen).to(dtype).to(device)
+            call = lambda: attention.forward(q, k, v, layer, None, save_kv_cache=False)  # noqa: E731
+            call()  # warm-up
+            _sync(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+            out = call()
+            _sync(device)
+            seconds = time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+            # dense fp32 reference, per request, the masks explicit
+            worst = 0.0
+            for r in range(reqs):
+                qs = q[r * t:(r + 1) * t].float().view(t, hq, dim).transpose(0, 1)
+                keys = torch.cat([k_pool[prefix[r]].float(),
+                                  k[r * t:(r + 1) * t].float().view(t, hkv, dim)])
+                values = torch.cat([v_pool[prefix[r]].float(),
+                                    v[r * t:(r + 1) * t].float().view(t, hkv, dim)])
+                keys = keys.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # [Hq, S, D]
+                values = values.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+                scores = (qs @ keys.transpose(1, 2)) * layer.scaling  # [Hq, T, S]
+                scores = scores.masked_fill(~masks[r][None], float("-inf"))
+                dense = (scores.softmax(-1) @ values).transpose(0, 1).reshape(t, hq * dim)
+                err = float((out[r * t:(r + 1) * t].float() - dense).abs().max())
+                worst = max(worst, err)
+            assert worst <= tol, f"{name} context {context}: max error {worst} > {tol}"
+            # one request's working set (the requests run one after the other): its K/V
+            # gathered from the pool, concatenated with the step's and expanded to the
+            # query heads (SDPA's math kernel under a mask), its scores and probabilities
+            # in fp32 and the dtype, the boolean mask and its additive form; then the
+            # output of every request, and 16 MiB for the kernels' workspaces
+            element = torch.finfo(dtype).bits // 8
+            keys = context + t
+            keys_bytes = keys * hkv * dim * element * 2  # K and V of one request
+            bound = ((2 + hq // hkv) * keys_bytes + hq * t * keys * (4 + 4 + element)
+                     + t * keys * (1 + 4) + reqs * t * hq * dim * element * 2 + (16 << 20))
+            if cuda:
+                assert peak <= bound, f"{name} context {context}: peak {peak} > bound {bound}"
+            rows.append({"context": context, "ms": round(seconds * 1e3, 3),
+                         "peak_bytes": peak, "bound_bytes": bound, "max_abs_error": worst})
+        figures[name] = {"tolerance": tol, "contexts": rows}
+    if not cuda:
+        figures["memory"] = "not measured: CUDA's allocator statistics only"
+    return figures
+
+
+# ----------------------------------------------------------------------------- draft pass
+
+
+class _DraftPass:
+    """A draft pass at a Qwen3 shape with random weights, in plain torch: ``layers``
+    Qwen3 layers (RMSNorm, q/k norms, RoPE, attention over the request's cached prefix K/V
+    and its block, non-causally, SwiGLU MLP), the final norm and the LM head's argmax in
+    chunks of ``chunk`` rows (``None``: all rows at once). Static shapes, no host sync:
+    CUDA-graph capturable."""
+
+    def __init__(self, shape: dict, reqs: int, width: int, context: int,
+                 device: torch.device, dtype: torch.dtype, seed: int = 4) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        h, hq, hkv, d = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+        self.shape, self.reqs, self.width, self.context = shape, reqs, width, context
+
+        def w(*size, scale=0.02):
+            return (torch.randn(*size, generator=gen) * scale).to(dtype).to(device)
+
+        self.layers = [{
+            "qkv": w((hq + 2 * hkv) * d, h), "o": w(h, hq * d), "gate_up": w(
+                2 * shape["intermediate"], h), "down": w(h, shape["intermediate"]),
+            "k_cache": w(reqs, hkv, context, d, scale=1.0),
+            "v_cache": w(reqs, hkv, context, d, scale=1.0),
+        } for _ in range(shape["layers"])]
+        self.head = w(shape["vocab"], h)
+        positions = context + torch.arange(width)
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+        angles = positions[:, None].float() * inv[None]  # [W, D / 2]
+        self.cos = torch.cat([angles.cos()] * 2, -1).to(dtype).to(device)  # [W, D]
+        self.sin = torch.cat([angles.sin()] * 2, -1).to(dtype).to(device)
+        self.hidden_in = w(reqs * width, h, scale=1.0)  # the block's embeddings
+
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+                ).to(x.dtype)
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:  # [B, H, W, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * self.cos + rotated * self.sin
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:  # [B * W, hidden] -> same
+        s = self.shape
+        b, wd, hq, hkv, d = self.reqs, self.width, s["heads"], s["kv_heads"], s["head_dim"]
+        for layer in self.layers:
+            qkv = self._norm(x) @ layer["qkv"].T
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+            q = self._rope(self._norm(q.view(b, wd, hq, d)).transpose(1, 2))  # [B, Hq, W, D]
+            k = self._rope(self._norm(k.view(b, wd, hkv, d)).transpose(1, 2))
+            v = v.view(b, wd, hkv, d).transpose(1, 2)
+            keys = torch.cat([layer["k_cache"], k], 2)  # [B, Hkv, C + W, D]
+            values = torch.cat([layer["v_cache"], v], 2)
+            att = torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, enable_gqa=True)  # non-causal: the whole block sees itself
+            x = x + att.transpose(1, 2).reshape(b * wd, hq * d) @ layer["o"].T
+            gate, up = (self._norm(x) @ layer["gate_up"].T).chunk(2, -1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ layer["down"].T
+        return self._norm(x)
+
+    def drafts(self, hidden: torch.Tensor, chunk: int | None) -> torch.Tensor:  # [B * W]
+        chunk = hidden.shape[0] if chunk is None else chunk
+        return torch.cat([(hidden[i:i + chunk] @ self.head.T).float().argmax(-1)
+                          for i in range(0, hidden.shape[0], chunk)])
+
+
+QWEN3_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
+            "intermediate": 12288, "vocab": 151936, "layers": 2}
+QUICK_SHAPE = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64,
+               "intermediate": 512, "vocab": 4096, "layers": 2}
+
+
+def check_draft_pass(device: torch.device, quick: bool) -> dict:
+    """The draft pass at Qwen3-8B's shape (hidden 4096, 32 heads, 8 KV heads, head_dim 128,
+    vocabulary 151936; 2 layers, random bf16 weights): 64 requests' 32-token blocks over
+    1024 cached tokens each (2048 draft rows, twice the 1024-row chunk). Eager vs a CUDA
+    graph of the same pass (``torch.cuda.graphs``; skipped on CPU with the reason): the
+    graph's hidden states equal eager's within bf16 tolerance and its drafts are eager's;
+    the times of both. The LM head's argmax whole vs in chunks of
+    :data:`~diffspec.spec_workers.vllm.proposer.DRAFT_LOGITS_ROWS` (the vLLM proposers'
+    ``draft_argmax``, run here): the same drafts, and (CUDA) the chunked peak under
+    ``chunk x vocab`` bf16 logits plus their fp32 argmax input, below the whole one."""
+    from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS, draft_argmax
+
+    shape = QUICK_SHAPE if quick else QWEN3_8B
+    reqs, width, context = (8, 16, 64) if quick else (64, 32, 1024)
+    chunk = 32 if quick else DRAFT_LOGITS_ROWS
+    dtype = torch.bfloat16
+    cuda = device.type == "cuda"
+    net = _DraftPass(shape, reqs, width, context, device, dtype)
+    rows = reqs * width
+    figures: dict = {"shape": shape, "requests": reqs, "block": width, "context": context,
+                     "rows": rows, "chunk_rows": chunk}
+
+    def timed(fn: Callable[[], torch.Tensor], repeats: int = 3) -> tuple[torch.Tensor, float]:
+        out = fn()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn()
+        _sync(device)
+        return out, (time.perf_counter() - start) / repeats
+
+    with torch.inference_mode():
+        hidden, eager_s = timed(lambda: net.hidden(net.hidden_in))
+        drafts = net.drafts(hidden, chunk)
+        figures["eager_ms"] = round(eager_s * 1e3, 3)
+        if cuda:
+            static_in = net.hidden_in.clone()
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # warm-up outside the capture
+                for _ in range(2):
+                    net.drafts(net.hidden(static_in), chunk)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_hidden = net.hidden(static_in)
+                static_drafts = net.drafts(static_hidden, chunk)
+            _, graph_s = timed(lambda: graph.replay() or static_hidden)
+            static_in.copy_(net.hidden_in)
+            graph.replay()
+            _sync(device)
+            err = float((static_hidden.float() - hidden.float()).abs().max())
+            scale = float(hidden.float().abs().max())
+            same = float((static_drafts == drafts).float().mean())
+            assert err <= 1e-2 * max(scale, 1.0), f"graph vs eager hidden: max error {err}"
+            assert same >= 0.99, f"graph vs eager drafts: {same:.2%} equal"
+            figures["graph"] = {"ms": round(graph_s * 1e3, 3), "max_abs_error": err,
+                                "drafts_equal": same}
+        else:
+            figures["graph"] = "skipped: CUDA graphs need a CUDA device"
+
+        # the LM head's logits: whole vs chunked (vLLM's draft_argmax), peak memory
+        model = type("Head", (), {"compute_logits": staticmethod(
+            lambda h: (h @ net.head.T).float())})
+        index = torch.arange(rows, device=device)
+
+        def peak(fn: Callable[[], object]) -> tuple[object, int | None]:
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            out = fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+                return out, torch.cuda.max_memory_allocated(device) - base
+            return out, None
+
+        whole, whole_bytes = peak(lambda: draft_argmax(model, hidden, index, chunk=rows))
+        chunked, chunk_bytes = peak(lambda: draft_argmax(model, hidden, index, chunk=chunk))
+        assert whole == chunked == drafts.tolist(), "chunked drafts differ from whole drafts"
+        vocab = shape["vocab"]
+        # a chunk's bf16 logits and their fp32 copy, the gathered hidden rows, the drafts,
+        # and 64 MiB for cuBLAS's workspace
+        bound = chunk * vocab * (2 + 4) + rows * shape["hidden"] * 2 + rows * 8 + (64 << 20)
+        figures["logits"] = {"peak_bytes_whole": whole_bytes, "peak_bytes_chunked": chunk_bytes,
+                             "bound_bytes_chunked": bound,
+                             "logits_bytes_whole_fp32": rows * vocab * 4}
+        if cuda:
+            assert chunk_bytes <= bound, f"chunked head peak {chunk_bytes} > bound {bound}"
+            assert chunk_bytes < whole_bytes, "chunking did not lower the peak"
+        else:
+            figures["logits"]["memory"] = "not measured: CUDA's allocator statistics only"
+    return figures
+
+
 CHECKS: dict[str, Callable[[torch.device, bool], dict]] = {
     "core_rules": check_core_rules,
     "tidar_split_attention": check_tidar_split_attention,
     "decoders_bf16": check_decoders_bf16,
     "draft_logits_memory": check_draft_logits_memory,
+    "masked_attention": check_masked_attention,
+    "draft_pass": check_draft_pass,
 }
 
 

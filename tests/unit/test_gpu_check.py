@@ -28,17 +28,47 @@ def gpu_check():
 
 def test_checks_pass_on_cpu_and_write_figures(gpu_check, tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.json"
-    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--only",
-                           "core_rules", "tidar_split_attention", "draft_logits_memory"])
+    names = ["core_rules", "tidar_split_attention", "draft_logits_memory", "masked_attention",
+             "draft_pass"]
+    code = gpu_check.main(["--device", "cpu", "--quick", "--out", str(out), "--only", *names])
     report = json.loads(out.read_text())
     assert code == 0 and report["ok"], report
     assert report["device"] == "cpu" and report["quick"]
     checks = report["checks"]
-    assert set(checks) == {"core_rules", "tidar_split_attention", "draft_logits_memory"}
+    assert set(checks) == set(names)
     split = checks["tidar_split_attention"]["figures"]
     assert split["fp32"]["max_abs_error"] <= split["fp32"]["tolerance"]
     memory = checks["draft_logits_memory"]["figures"]
     assert memory["logits_bytes_chunk"] < memory["logits_bytes_whole"]
+    masked = checks["masked_attention"]["figures"]
+    for dtype in ("fp32", "bf16"):
+        rows = masked[dtype]["contexts"]
+        assert [r["context"] for r in rows] == [256, 512]
+        assert all(r["max_abs_error"] <= masked[dtype]["tolerance"] and r["ms"] > 0
+                   for r in rows)
+    draft = checks["draft_pass"]["figures"]
+    assert draft["graph"] == "skipped: CUDA graphs need a CUDA device"  # recorded, not failed
+    assert draft["rows"] > draft["chunk_rows"] and draft["eager_ms"] > 0
+    assert draft["logits"]["memory"].startswith("not measured")
+
+
+def test_masked_attention_check_catches_a_lost_mask(gpu_check,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """MaskedAttention attending without its masks (every token seeing every step token)
+    fails the check: it compares with the masked dense attention."""
+    from diffspec.model_executors.sglang import quadratic
+
+    forward = quadratic.MaskedAttention.forward
+
+    def unmasked(self, *args, **kwargs):
+        self.layout.masks = [torch.ones_like(m) for m in self.layout.masks]
+        return forward(self, *args, **kwargs)
+
+    import torch
+
+    monkeypatch.setattr(quadratic.MaskedAttention, "forward", unmasked)
+    with pytest.raises(AssertionError, match="max error"):
+        gpu_check.check_masked_attention(torch.device("cpu"), True)
 
 
 def test_a_failing_check_fails_the_command(gpu_check, tmp_path: Path,

@@ -132,8 +132,6 @@ class MaskedAttention:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer, forward_batch,
                 save_kv_cache: bool = True, **kwargs) -> Tensor:  # [tokens, Hq * Dv]
-        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
         hq, hkv = layer.tp_q_head_num, layer.tp_k_head_num
         if getattr(layer, "sliding_window_size", None) not in (None, -1) or (
                 getattr(layer, "logit_cap", 0) or 0) > 0:
@@ -144,6 +142,8 @@ class MaskedAttention:
         v = v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim)  # [N, Hkv, Dv]
         pool = self._backend.token_to_kv_pool
         if save_kv_cache:  # as the torch-native backend: every token's K/V to its slot
+            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
             swa_loc = getattr(self._backend, "swa_out_cache_loc", None)
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, swa_loc), k, v)
         k_pool = pool.get_key_buffer(layer.layer_id)  # [slots, Hkv, D]
