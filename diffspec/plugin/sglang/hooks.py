@@ -80,6 +80,17 @@ OVERRIDES: tuple[Target, ...] = (
            ("self", "model_runner", "forward_batch", "states")),
     Target("sglang.srt.model_executor.cuda_graph_config", "with_phase",
            ("config", "phase", "**changes")),
+    # the SGLang workers' StepLogits (diffspec/spec_workers/sglang/target_worker.py): a
+    # verify forward's logits processor stands in for LogitsProcessor.forward (keeping the
+    # final hidden states), then _get_logits computes the rows asked, a chunk at a time
+    Target("sglang.srt.layers.logits_processor", "LogitsProcessor.forward",
+           ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata",
+            "aux_hidden_states", "hidden_states_before_norm")),
+    Target("sglang.srt.layers.logits_processor", "LogitsProcessor._get_logits",
+           ("self", "hidden_states", "lm_head", "logits_metadata", "embedding_bias",
+            "use_logits_buffer")),
+    Target("sglang.srt.layers.logits_processor", "LogitsMetadata.from_forward_batch",
+           ("cls", "forward_batch")),
 )
 
 _registered: set[str] = set()
