@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -404,6 +405,73 @@ def test_sampler_warns_only_on_sampling_it_ignores(models: dict[str, DiffusionLM
                                               extra_args={"diffusion_max_steps": 3}))
     assert ("ignoring top_k 5, presence_penalty 0.5, extra_args diffusion_max_steps"
             in caplog.text)
+
+
+def _largest_new_vocab_tensor(fn, vocab: int) -> int:
+    """Bytes of the largest tensor ``fn()`` allocates whose last dimension is ``vocab`` (an
+    operator's output that shares no storage with its inputs: not a view or an in-place
+    result)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    largest = [0]
+
+    class Meter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if (isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == vocab
+                        and t.untyped_storage().data_ptr() not in inputs):
+                    largest[0] = max(largest[0], t.untyped_storage().nbytes())
+            return out
+
+    with Meter():
+        fn()
+    return largest[0]
+
+
+def test_sampler_denoises_a_long_batch_in_bounded_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29, row 8: the sampler copies and unmasks the block logits of whole requests,
+    ``DRAFT_LOGITS_ROWS // block`` at a time (here 16 rows: 2 requests of 8), not all the
+    denoising requests' at once (12 x 8 rows); the committed slots, emitted tokens and next
+    canvases are those of one part over the whole batch."""
+    from diffspec.spec_workers.vllm import fast_dllm
+
+    reqs, block, vocab = 12, 8, 64
+    torch.manual_seed(1)
+    logits = torch.randn(reqs * block, vocab) * 4
+    batch = SimpleNamespace(
+        num_reqs=reqs, idx_mapping_np=np.arange(reqs),
+        cu_num_logits_np=np.arange(reqs + 1) * block,
+        query_start_loc_np=np.arange(reqs + 1) * block,
+        num_computed_tokens_np=np.full(reqs, 100))
+
+    def run(rows: int) -> tuple[list, int]:
+        from vllm import SamplingParams
+
+        monkeypatch.setattr(fast_dllm, "DRAFT_LOGITS_ROWS", rows)
+        lm = SimpleNamespace(mask_token_id=M, logits_shift=False)
+        sampler = _sampler(lm, block, block, max_reqs=reqs)
+        for i in range(reqs):
+            sampler.add_request(i, SamplingParams(max_tokens=4 + i, ignore_eos=True,
+                                                  extra_args={"fast_dllm_threshold": 0.05 * i}))
+            sampler.state.states[i].phase = DENOISE
+        out = {}
+        size = _largest_new_vocab_tensor(lambda: out.setdefault("o", sampler(logits, batch)),
+                                         vocab)
+        o = out["o"]
+        return ([o.sampled_token_ids.tolist(), o.num_sampled.tolist(), o.num_rejected.tolist(),
+                 [sampler.state.states[i].canvas.tolist() for i in range(reqs)],
+                 sampler.req_states.draft_tokens.tolist()], size)
+
+    whole, whole_bytes = run(1024)
+    parts, part_bytes = run(2 * block)
+    assert parts == whole
+    assert any(n for n in whole[1]), whole[1]  # some requests finished, others go on
+    assert whole_bytes >= reqs * block * vocab * 4  # one part: every request's rows
+    assert part_bytes <= 2 * block * vocab * 4, part_bytes
 
 
 # ---------------------------------------------------------------------------- config hook
