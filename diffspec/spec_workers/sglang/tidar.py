@@ -301,6 +301,11 @@ class TiDARWorker(TargetModelSpecWorker):
         finally:
             batch.forward_mode = ForwardMode.DECODE
             batch.spec_info = state
+
+        def run():  # the verify forward (its logits: computed when asked, StepLogits)
+            return self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True)
+
         if self._torch_native:
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
             layout = MaskedLayout(
@@ -312,12 +317,8 @@ class TiDARWorker(TargetModelSpecWorker):
                                   new_mask], dim=1) for c in committed.tolist()])
             attention = MaskedAttention(self.model_runner.attn_backend, layout)
             with forward_context(ForwardContext(attn_backend=attention)):
-                return step_logits(self.model_runner.model, lambda: (
-                    self._target_worker.forward_batch_generation(
-                        batch=None, forward_batch=forward_batch, is_verify=True)), bs, t)
-        return step_logits(self.model_runner.model, lambda: (
-            self._target_worker.forward_batch_generation(
-                batch=None, forward_batch=forward_batch, is_verify=True)), bs, t)
+                return step_logits(self.model_runner.model, run, bs, t)
+        return step_logits(self.model_runner.model, run, bs, t)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
         """The LM head on final hidden states (the model's logits processor computes the
