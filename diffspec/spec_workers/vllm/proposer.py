@@ -166,7 +166,7 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
     """Give ``policy`` (an :class:`~diffspec.core.adaptive.AdaptiveDrafts` without a
     profile; anything else: nothing to do) the latency profile of ``runner``'s own
     forwards: ``runner._dummy_run(T)`` plus the logits of all ``T`` tokens (a verify
-    computes them all), for the widths of :func:`~diffspec.profiling.profile_grid` up to
+    computes them all; here :data:`DRAFT_LOGITS_ROWS` at a time), for the widths of :func:`~diffspec.profiling.profile_grid` up to
     ``max_tokens`` (what the policy can choose, at most the runner's token budget; past
     the widest timed the profile extrapolates), within about :data:`PROFILE_BUDGET_S`
     seconds. Cached per checkpoint, vLLM version, dtype, device, threads, method, drafts and
@@ -213,7 +213,9 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
     def forward(tokens: int) -> None:
         context = min(max_len, max(PROFILE_CONTEXT, _dummy_query_len(tokens, max_seqs)))
         hidden, _ = runner._dummy_run(tokens, force_attention=True, profile_seq_lens=context)
-        model.compute_logits(hidden[:tokens])
+        # the logits of every token, in bounded chunks: a whole [T, vocab] tensor at the
+        # widest T would be the largest allocation of start-up, outside vLLM's accounting
+        draft_argmax(model, hidden, torch.arange(tokens, device=hidden.device))
 
     def measure() -> dict[int, float]:
         return time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
