@@ -1,0 +1,155 @@
+"""Prompt lookup (:mod:`diffspec.core.lookup`): the vectorised n-gram matcher against a
+brute-force one, named cases (ties, no match, shortest / longest n, a match at the very
+end, a batch), the config option, and the hybrid reference drafter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from diffspec.core.lookup import (
+    LookupStats,
+    PromptLookup,
+    lookup_drafts,
+    ngram_lookup,
+    prompt_lookup_settings,
+)
+
+
+def brute_force(context: list[int], k: int, settings: PromptLookup) -> list[int]:
+    """The rule, written plainly: the longest n in max .. min whose suffix occurs earlier
+    with a token after it; of its occurrences the most recent with k tokens after it,
+    else the earliest."""
+    length = len(context)
+    if k <= 0:
+        return []
+    for n in range(settings.max, settings.min - 1, -1):
+        if n > length - 1:
+            continue
+        suffix = context[length - n:]
+        starts = [s for s in range(0, length - n) if context[s:s + n] == suffix]
+        if not starts:
+            continue
+        full = [s for s in starts if length - (s + n) >= k]
+        s = max(full) if full else min(starts)
+        return context[s + n:s + n + k]
+    return []
+
+
+def one(context: list[int], k: int, settings: PromptLookup = PromptLookup()) -> list[int]:
+    return lookup_drafts([context], [k], settings)[0]
+
+
+# ------------------------------------------------------------------ named cases
+
+
+def test_no_match() -> None:
+    assert one([1, 2, 3, 4, 5], 4) == []
+    assert one([7], 4) == []  # nothing before the anchor
+    assert one([7, 7], 4, PromptLookup(min=2)) == []  # a 1-gram repeat, 2-grams asked
+
+
+def test_continuation_of_the_match() -> None:
+    #           0  1  2  3  4  5  6  7  8
+    context = [5, 6, 7, 8, 9, 1, 5, 6, 7]
+    assert one(context, 3) == [8, 9, 1]
+    assert one(context, 10) == [8, 9, 1, 5, 6, 7]  # up to the context's end
+    assert one(context, 0) == []
+
+
+def test_shortest_n() -> None:
+    context = [1, 2, 9, 9, 3, 2]  # only the 1-gram "2" recurs
+    assert one(context, 2, PromptLookup(min=1, max=4)) == [9, 9]
+    assert one(context, 2, PromptLookup(min=2, max=4)) == []
+
+
+def test_longest_n_wins_over_recency() -> None:
+    #           0  1  2  3  4  5  6  7  8  9
+    context = [1, 2, 3, 40, 9, 2, 3, 50, 1, 2, 3]
+    # "2 3" last occurred at 5..6 (then 50), but "1 2 3" at 0..2 (then 40) is longer
+    assert one(context, 1) == [40]
+    assert one(context, 1, PromptLookup(min=2, max=2)) == [50]
+
+
+def test_ties_take_the_most_recent_full_continuation() -> None:
+    context = [1, 2, 10, 11, 1, 2, 20, 21, 1, 2]
+    assert one(context, 2) == [20, 21]
+    # no occurrence is followed by 8 tokens: the one with the most after it (the earliest)
+    assert one(context, 8) == [10, 11, 1, 2, 20, 21, 1, 2]
+
+
+def test_match_at_the_very_end() -> None:
+    # the previous occurrence overlaps the suffix and ends just before the anchor
+    assert one([4, 4, 4], 3, PromptLookup(min=1, max=4)) == [4]  # "4 4" at 0..1, then 4
+    assert one([8, 3, 3], 2, PromptLookup(min=1, max=1)) == [3]
+    # a period-2 loop: "1 2 1 2" has one earlier occurrence, 2 tokens before the end;
+    # "1 2" has two, and the earlier one is followed by 4
+    assert one([1, 2, 1, 2, 1, 2], 4) == [1, 2]
+    assert one([1, 2, 1, 2, 1, 2], 4, PromptLookup(min=2, max=2)) == [1, 2, 1, 2]
+
+
+def test_batch_of_mixed_lengths_and_counts() -> None:
+    contexts = [[1, 2, 3, 1, 2], [9], [5, 6, 5, 6, 5, 6, 7, 5, 6], [3, 3, 3, 3]]
+    counts = [4, 3, 2, 0]
+    assert lookup_drafts(contexts, counts) == [[3, 1, 2], [], [7, 5], []]
+    tokens = torch.full((4, 9), -1)
+    for b, c in enumerate(contexts):
+        tokens[b, :len(c)] = torch.tensor(c)
+    drafts, n = ngram_lookup(tokens, torch.tensor([5, 1, 9, 4]), torch.tensor(counts))
+    assert n.tolist() == [3, 0, 2, 0]
+    assert drafts.tolist() == [[3, 1, 2, -1], [-1] * 4, [7, 5, -1, -1], [-1] * 4]
+
+
+def test_padding_never_matches() -> None:
+    """Whatever sits past a row's length (an engine's stale buffer) is not context."""
+    tokens = torch.tensor([[4, 5, 6, 4, 5, 6, 4, 5]])
+    drafts, n = ngram_lookup(tokens, torch.tensor([3]), torch.tensor([4]))
+    assert n.tolist() == [0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    settings = PromptLookup(min=rng.randint(1, 3), max=rng.randint(3, 5))
+    contexts = [[rng.randint(0, 5) for _ in range(rng.randint(1, 60))] for _ in range(40)]
+    ks = [rng.randint(0, 9) for _ in contexts]
+    got = lookup_drafts(contexts, ks, settings)
+    assert got == [brute_force(c, k, settings) for c, k in zip(contexts, ks)]
+
+
+# ------------------------------------------------------------------ the option
+
+
+def test_settings() -> None:
+    assert prompt_lookup_settings(None, "orthrus") == PromptLookup(2, 4)
+    assert prompt_lookup_settings(None, "orthrus", default=False) is None
+    assert prompt_lookup_settings(True, "linear_self_spec") == PromptLookup()
+    assert prompt_lookup_settings({"min": 1, "max": 3}, "orthrus") == PromptLookup(1, 3)
+    assert prompt_lookup_settings({"max": 6}, "orthrus") == PromptLookup(2, 6)
+    assert prompt_lookup_settings(False, "orthrus") is None
+    assert prompt_lookup_settings(None, "tidar") is None
+    assert prompt_lookup_settings(False, "tidar") is None
+
+
+@pytest.mark.parametrize(("value", "method", "match"), [
+    ({"min": 3, "max": 2}, "orthrus", r"^set prompt_lookup min <= max"),
+    ({"min": 0}, "orthrus", r"^set prompt_lookup min to an int >= 1"),
+    ({"n": 2}, "orthrus", r"^remove 'n' from \"prompt_lookup\""),
+    ("yes", "orthrus", r"^set \"prompt_lookup\" to true, false or"),
+    (True, "tidar", r"^remove \"prompt_lookup\" .*for method 'tidar'"),
+])
+def test_settings_errors(value, method: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        prompt_lookup_settings(value, method)
+
+
+def test_stats() -> None:
+    stats = LookupStats()
+    stats.record([3, 2], 1)
+    stats.record([4], 0)
+    stats.record([], 0)  # no draft at all: not a drafting step
+    assert (stats.lookup_blocks, stats.lookup_tokens, stats.diffusion_blocks, stats.steps,
+            stats.forwards_skipped) == (3, 9, 1, 2, 1)
+    assert "3 of 4 draft blocks" in stats.summary()
