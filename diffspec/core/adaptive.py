@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "SOURCES",
     "AcceptanceEstimate",
     "AdaptiveDrafts",
     "DraftChoice",
@@ -26,6 +27,9 @@ __all__ = [
     "recommend_draft_count",
     "tokens_per_second",
 ]
+
+
+SOURCES = ("draft", "lookup")  # where a request's drafts come from: its drafter, prompt lookup
 
 
 @dataclass(frozen=True)
@@ -121,15 +125,19 @@ class StepCost:
     kind: Literal["linear", "two_pass", "quadratic"]
     skip: int = 0  # quadratic: 1 when the branch's first mask drafts nothing (unshifted)
 
-    def latency(self, profile: LatencyProfile, counts: Sequence[int]) -> float:
-        """Seconds for one step of requests drafting ``counts`` tokens each."""
+    def latency(self, profile: LatencyProfile, counts: Sequence[int],
+                free: Sequence[bool] | None = None) -> float:
+        """Seconds for one step of requests drafting ``counts`` tokens each; ``free[r]``:
+        request ``r``'s drafts cost no draft pass (prompt lookup), only their verify."""
         verify = sum(1 + k for k in counts)
         if self.kind == "linear":  # e.g. a drafter whose own cost is negligible
             return profile(verify)
         if self.kind == "two_pass":  # Orthrus / NLD linear: draft forward + verify forward
-            drafted = sum(1 + k for k in counts if k > 0)
-            return (profile.draft(drafted) + profile.verify(verify) if drafted
-                    else profile(verify))
+            free = free or [False] * len(counts)
+            drafted = sum(1 + k for k, f in zip(counts, free, strict=True) if k > 0 and not f)
+            if drafted:
+                return profile.draft(drafted) + profile.verify(verify)
+            return profile.verify(verify) if any(counts) else profile(verify)
         # TiDAR: verify chain + one branch of k + skip masks per outcome, one forward,
         # in the steady state n = k; no request drafting: a plain AR step
         if not any(counts):
@@ -180,6 +188,7 @@ def choose_draft_counts(
     max_drafts: Sequence[int],  # [num_reqs] most drafts each request may take this step
     profile: LatencyProfile,
     cost: StepCost,
+    free: Sequence[bool] | None = None,  # [num_reqs] drafts that cost no draft pass
 ) -> list[int]:
     """Draft counts ``[num_reqs]`` maximizing expected committed tokens per second."""
     counts = [0] * len(max_drafts)
@@ -193,7 +202,7 @@ def choose_draft_counts(
             gains.append((survive, r, j))
     gains.sort(key=lambda g: (-g[0], g[2], g[1]))  # best gain first; per request in order
 
-    best_rate = len(counts) / cost.latency(profile, counts)
+    best_rate = len(counts) / cost.latency(profile, counts, free)
     best = list(counts)
     tokens = float(len(counts))
     for gain, r, j in gains:
@@ -203,7 +212,7 @@ def choose_draft_counts(
             continue
         counts[r] += 1
         tokens += gain
-        rate = tokens / cost.latency(profile, counts)
+        rate = tokens / cost.latency(profile, counts, free)
         if rate > best_rate * (1 + 1e-9):
             best_rate, best = rate, list(counts)
     return best
@@ -214,6 +223,7 @@ def choose_shared_draft_count(
     max_drafts: Sequence[int],  # [num_reqs] most drafts each request may take this step
     profile: LatencyProfile,
     cost: StepCost,
+    free: Sequence[bool] | None = None,  # [num_reqs] drafts that cost no draft pass
 ) -> int:
     """One draft count for every request of the step (engines whose verify forward has one
     width per step, e.g. SGLang's linear verify, and both engines' TiDAR steps): the ``k``
@@ -226,10 +236,10 @@ def choose_shared_draft_count(
     n = len(max_drafts)
     committed = [_expected_by_count(acc, limit)  # [num_reqs][limit + 1] E(0 .. limit)
                  for acc, limit in zip(acceptance, max_drafts, strict=True)]
-    best_k, best_rate = 0, n / cost.latency(profile, [0] * n)
+    best_k, best_rate = 0, n / cost.latency(profile, [0] * n, free)
     for k in range(1, max(max_drafts) + 1):
         tokens = sum(e[min(k, len(e) - 1)] for e in committed)
-        rate = tokens / cost.latency(profile, [k] * n)
+        rate = tokens / cost.latency(profile, [k] * n, free)
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k
@@ -389,8 +399,9 @@ class _FittedCost:
     def __init__(self, cost: StepCost, fit: StepTimeFit) -> None:
         self.cost, self.fit = cost, fit
 
-    def latency(self, profile: LatencyProfile, counts: Sequence[int]) -> float:
-        return self.fit.price(self.cost.latency(profile, counts))
+    def latency(self, profile: LatencyProfile, counts: Sequence[int],
+                free: Sequence[bool] | None = None) -> float:
+        return self.fit.price(self.cost.latency(profile, counts, free))
 
 
 def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyProfile:
@@ -429,13 +440,18 @@ class AdaptiveDrafts:
     def __init__(self, max_drafts: int, profile: LatencyProfile | None, cost: StepCost,
                  log_every: int = 100, track_step_times: bool = False,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.estimate = AcceptanceEstimate(max_drafts)
+        # one acceptance estimate per draft source: the method's drafter ("draft") and
+        # prompt lookup ("lookup"), whose drafts cost no draft pass
+        self.estimates = {source: AcceptanceEstimate(max_drafts) for source in SOURCES}
+        self.estimate = self.estimates["draft"]
         self.max_drafts = max_drafts
         self.cost = cost
         self.proposed: dict[str, int] = {}  # request id -> drafts proposed for its next step
+        self.sources: dict[str, str] = {}  # request id -> where those drafts came from
         self.log_every = log_every
         self.steps = 0
         self.last_counts: list[int] = []
+        self.last_lookup: list[bool] = []
         self.track_step_times = track_step_times
         self.clock = clock
         self.fit: StepTimeFit | None = None
@@ -478,16 +494,19 @@ class AdaptiveDrafts:
         self._batch = batch
         self._start = now
 
-    def _priced(self, req_ids: Sequence[str], counts: Sequence[int]) -> None:
+    def _priced(self, req_ids: Sequence[str], counts: Sequence[int],
+                free: Sequence[bool]) -> None:
         """Remember the step just chosen: every request of the batch, those not drafting
         with 0 drafts."""
         if not self.track_step_times or self.profile is None or not self._batch:
             return
-        chosen = dict(zip(req_ids, counts))
+        chosen = dict(zip(req_ids, zip(counts, free)))
         if set(chosen) - set(self._batch):
             return
-        all_counts = [chosen.get(r, 0) for r in self._batch]
-        self._step = (self._start, self._batch, self.cost.latency(self.profile, all_counts))
+        all_counts = [chosen.get(r, (0, False)) for r in self._batch]
+        price = self.cost.latency(self.profile, [k for k, _ in all_counts],
+                                  [f for _, f in all_counts])
+        self._step = (self._start, self._batch, price)
 
     def _require_profile(self) -> LatencyProfile:
         if self.profile is None:
@@ -500,45 +519,93 @@ class AdaptiveDrafts:
         """``num_emitted`` tokens came out of request ``req_id``'s step (accepted drafts +
         the recovered / bonus token); its drafts were the ones :meth:`choose` gave it."""
         proposed = self.proposed.pop(req_id, 0)
+        source = self.sources.pop(req_id, "draft")
         if proposed > 0 and num_emitted > 0:
-            self.estimate.update(proposed, min(num_emitted - 1, proposed))
+            self.estimates[source].update(proposed, min(num_emitted - 1, proposed))
 
     def choose(self, req_ids: Sequence[str], max_drafts: Sequence[int]) -> list[int]:
         """Drafts for each of ``req_ids`` this step (each at most its ``max_drafts``)."""
+        return self.choose_hybrid(req_ids, max_drafts, [0] * len(req_ids))[0]
+
+    def choose_hybrid(self, req_ids: Sequence[str], max_drafts: Sequence[int],
+                      lookup_drafts: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """Drafts for each of ``req_ids`` this step, and whether they are its lookup drafts
+        (``lookup_drafts[r]``: how many prompt lookup found for it, 0: no match; it then
+        takes at most that many) rather than the drafter's (at most ``max_drafts[r]``): the
+        source the acceptance estimates favour (:meth:`_sources`)."""
         profile = self._require_profile()
-        acceptance = self.estimate.conditional
-        counts = choose_draft_counts([acceptance] * len(req_ids), max_drafts, profile,
-                                     self.pricing)
-        self.proposed.update(zip(req_ids, counts))
-        self.steps += 1
-        self.last_counts = counts
-        self._priced(req_ids, counts)
-        return counts
+        lookup = self._sources(max_drafts, lookup_drafts)
+        limits = [m if f else k for k, m, f in zip(max_drafts, lookup_drafts, lookup)]
+        counts = choose_draft_counts(self._acceptance(lookup), limits, profile, self.pricing,
+                                     lookup)
+        self._record(req_ids, counts, lookup)
+        return counts, lookup
 
     def choose_shared(self, req_ids: Sequence[str], max_drafts: Sequence[int]) -> int:
         """One draft count for the whole step (:func:`choose_shared_draft_count`); each
         request is recorded as drafting ``min(k, its max_drafts)``."""
+        return self.choose_shared_hybrid(req_ids, max_drafts, [0] * len(req_ids))[0]
+
+    def choose_shared_hybrid(self, req_ids: Sequence[str], max_drafts: Sequence[int],
+                             lookup_drafts: Sequence[int]) -> tuple[int, list[bool]]:
+        """:meth:`choose_shared` with prompt lookup (as :meth:`choose_hybrid`): the step's
+        draft count ``k`` and each request's source; request ``r`` drafts ``min(k, its
+        limit)``, its limit ``lookup_drafts[r]`` where it takes its lookup drafts."""
         profile = self._require_profile()
-        acceptance = self.estimate.conditional
-        k = choose_shared_draft_count([acceptance] * len(req_ids), max_drafts, profile,
-                                      self.pricing)
-        counts = [min(k, limit) for limit in max_drafts]
+        lookup = self._sources(max_drafts, lookup_drafts)
+        limits = [m if f else k for k, m, f in zip(max_drafts, lookup_drafts, lookup)]
+        k = choose_shared_draft_count(self._acceptance(lookup), limits, profile,
+                                      self.pricing, lookup)
+        self._record(req_ids, [min(k, limit) for limit in limits], lookup)
+        return k, lookup
+
+    def _acceptance(self, lookup: Sequence[bool]) -> list[list[float]]:
+        by_source = {s: e.conditional for s, e in self.estimates.items()}
+        return [by_source["lookup" if f else "draft"] for f in lookup]
+
+    def _sources(self, max_drafts: Sequence[int], lookup_drafts: Sequence[int]) -> list[bool]:
+        """Per request, True where its lookup drafts promise more tokens per second than
+        the drafter's, each priced as a step of that request alone at its best count (a
+        lookup step pays only its verify; the drafter's, a draft pass too)."""
+        profile, pricing = self.profile, self.pricing
+        best: dict[tuple[str, int], float] = {}
+
+        def rate(source: str, limit: int) -> float:
+            if (source, limit) not in best:
+                totals = _expected_by_count(self.estimates[source].conditional, limit)
+                free = [source == "lookup"]
+                best[source, limit] = max(totals[k] / pricing.latency(profile, [k], free)
+                                          for k in range(limit + 1))
+            return best[source, limit]
+
+        return [m > 0 and rate("lookup", m) >= rate("draft", k)
+                for k, m in zip(max_drafts, lookup_drafts, strict=True)]
+
+    def _record(self, req_ids: Sequence[str], counts: list[int], lookup: list[bool]) -> None:
         self.proposed.update(zip(req_ids, counts))
+        self.sources.update((r, "lookup" if f else "draft") for r, f in zip(req_ids, lookup))
         self.steps += 1
         self.last_counts = counts
-        self._priced(req_ids, counts)
-        return k
+        self.last_lookup = lookup
+        self._priced(req_ids, counts, lookup)
 
     def forget(self, live_req_ids: set[str]) -> None:
         """Drop the proposals of requests that left the batch."""
         for req_id in list(self.proposed):
             if req_id not in live_req_ids:
                 del self.proposed[req_id]
+        for req_id in list(self.sources):
+            if req_id not in live_req_ids:
+                del self.sources[req_id]
 
     def summary(self) -> str:
         """One log line: the last step's choice and the acceptance estimate."""
         counts = self.last_counts or [0]
         head = ", ".join(f"{a:.2f}" for a in self.estimate.conditional[:4])
+        lookup = self.estimates["lookup"]
+        if lookup.trials[0] > lookup.prior_weight:  # lookup drafts were verified
+            head += "; of lookup drafts 1-4 " + ", ".join(
+                f"{a:.2f}" for a in lookup.conditional[:4])
         fit = ("" if self.fit is None else
                f"; step time {self.fit.scale:.2f} x profile + {self.fit.overhead * 1e3:.1f} ms "
                f"({self.fit.steps} steps measured)")

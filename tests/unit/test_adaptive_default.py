@@ -32,12 +32,24 @@ LINEAR_MS = LatencyProfile({1: 0.001, 1000: 1.0})
 
 
 def test_adaptive_is_the_default(tmp_path: Path) -> None:
-    assert diffspec_options({"method": "orthrus"}) == {"adaptive": True}
-    assert diffspec_options({"method": "orthrus", "adaptive": False}) == {"adaptive": False}
+    lookup = {"min": 2, "max": 4}
+    assert diffspec_options({"method": "orthrus"}) == {"adaptive": True, "prompt_lookup": lookup}
+    assert diffspec_options({"method": "orthrus", "adaptive": False}) == {
+        "adaptive": False, "prompt_lookup": None}  # a fixed count: the heads alone
+    assert diffspec_options({"method": "linear_self_spec", "adaptive": False,
+                             "prompt_lookup": {"max": 3}}) == {
+        "adaptive": False, "prompt_lookup": {"min": 2, "max": 3}}
+    assert diffspec_options({"method": "orthrus", "prompt_lookup": False}) == {
+        "adaptive": True, "prompt_lookup": None}
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({"points": {"1": 0.01}}))
     options = diffspec_options({"method": "tidar", "latency_profile": str(profile)})
-    assert options == {"adaptive": True, "latency_profile": str(profile.resolve())}
+    assert options == {"adaptive": True, "latency_profile": str(profile.resolve()),
+                       "prompt_lookup": None}  # tidar: its drafts cost no forward anyway
+    with pytest.raises(CheckpointError, match=r"^remove \"prompt_lookup\" .*'tidar'"):
+        diffspec_options({"method": "tidar", "prompt_lookup": True})
+    with pytest.raises(CheckpointError, match=r"^set prompt_lookup min <= max"):
+        diffspec_options({"method": "orthrus", "prompt_lookup": {"min": 5}})
 
 
 def test_a_profile_with_a_fixed_count_is_refused(tmp_path: Path) -> None:

@@ -149,6 +149,31 @@ def test_synth_orthrus_equals_ar_with_acceptance(sampling, synth):
                                                                 for s in spec)
 
 
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("layout", ["orthrus_qwen3_OrthrusLM_eos_int", "nld_lora"])
+def test_prompt_lookup_hybrid_equals_ar(layout, sampling, models, synth):
+    """Prompt lookup where the context repeats an n-gram, the diffusion view elsewhere
+    (:class:`LookupDrafter`, the engines' rule): still AR's output, greedy and seeded, on
+    prompts that repeat themselves (so lookup fires) and a prompt that does not; a lookup
+    step costs one forward (its verify), a diffusion step two."""
+    from diffspec.spec_workers.reference.decoder import LookupDrafter
+
+    model = models[layout]
+    repeated = [p * 3 for p in model.prompts[1:3]]
+    requests = [Request(p, 20, SAMPLINGS[sampling], model.eos)
+                for p in [*repeated, model.prompts[0], *synth.prompts[:2]]]
+    drafter = LookupDrafter(model.drafter)
+    ar = ar_generate(model.lm, requests)
+    spec = speculative_generate(model.lm, drafter, requests, 7)
+    for r, a, s in zip(requests, ar, spec):
+        assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason
+        last_undrafted = r.max_tokens - (len(s.token_ids) - s.accept_lengths[-1]) == 1
+        assert s.num_forwards == (2 * len(s.accept_lengths) - s.num_lookup_steps
+                                  - last_undrafted)
+    assert sum(s.num_lookup_steps for s in spec[:2]) >= 2  # the repeats were looked up
+    assert sum(s.num_forwards for s in spec) < 2 * sum(len(s.accept_lengths) for s in spec)
+
+
 def test_nld_sample_and_match_equals_ar(models):
     """NLD's own T > 0 rule (point-mass drafts) is lossless too, for a seeded request."""
     model = models["nld_lora"]

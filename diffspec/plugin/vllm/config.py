@@ -59,8 +59,11 @@ _ALLOWED_OPTIONS: dict[str, tuple[Any, ...] | None] = {
     # diffspec's own (not vLLM's): handed to the proposer through additional_config
     "adaptive": (True, False),  # draft counts chosen per step from the load (default true)
     "latency_profile": None,  # JSON latency profile instead of the one measured at start-up
+    # prompt-lookup drafts where the context holds an n-gram match: false, true or
+    # {"min": 2, "max": 4} (default on unless "adaptive": false; never for tidar)
+    "prompt_lookup": None,
 }
-DIFFSPEC_OPTIONS = ("adaptive", "latency_profile")
+DIFFSPEC_OPTIONS = ("adaptive", "latency_profile", "prompt_lookup")
 
 def is_self_spec_proposer(speculative_config: Any) -> bool:
     """True when a vLLM ``SpeculativeConfig`` is one :func:`translate_speculative_config` made."""
@@ -205,12 +208,12 @@ def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager:
     for a mode with full CUDA
     graphs where the method cannot run under them: ``tidar`` (its branch metadata, built
     before the branches run, would share FLASH_ATTN's persistent FA3 scheduler metadata,
-    which full graphs keep in one buffer) and any method with ``"adaptive": true`` (the
-    verify length changes per step: vLLM's own rule for dynamic speculative decoding on
-    the V1 runner is PIECEWISE, config/vllm.py ``_maybe_override_dynamic_sd_cudagraph_mode``)
-    and any method on vLLM's V2 model runner (``v2_runner``: its draft pass builds
-    attention metadata on the target's builders between the verify graphs' replays, not
-    run on a GPU yet)."""
+    which full graphs keep in one buffer), any method with ``"adaptive": true`` or prompt
+    lookup (``adaptive`` here: either; the verify length changes per step: vLLM's own rule
+    for dynamic speculative decoding on the V1 runner is PIECEWISE, config/vllm.py
+    ``_maybe_override_dynamic_sd_cudagraph_mode``) and any method on vLLM's V2 model runner
+    (``v2_runner``: its draft pass builds attention metadata on the target's builders
+    between the verify graphs' replays, not run on a GPU yet)."""
     if enforce_eager or not (method == "tidar" or adaptive or v2_runner):
         return None
     if mode is None:
@@ -280,12 +283,23 @@ def _inspect(checkpoint: str | Path, hf_config: Mapping[str, Any] | None):
 def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The diffspec-only keys of a ``speculative_config``, checked and completed:
     ``adaptive`` (default true: draft counts chosen per step, ``num_speculative_tokens``
-    the most; false: that many every step) and, optionally, ``latency_profile`` (a JSON
-    profile that replaces the one the engine measures at start-up). The proposer reads
-    them from ``vllm_config.additional_config["diffspec"]``."""
+    the most; false: that many every step), optionally ``latency_profile`` (a JSON
+    profile that replaces the one the engine measures at start-up), and
+    ``prompt_lookup`` (``{"min": 2, "max": 4}`` or ``None``: off; on unless the config
+    says ``"adaptive": false``, the heads alone at a fixed count, or ``"prompt_lookup":
+    false``; never for tidar: :func:`~diffspec.core.lookup.prompt_lookup_settings`). The
+    proposer reads them from ``vllm_config.additional_config["diffspec"]``."""
+    from diffspec.core.lookup import prompt_lookup_settings
+
     options = {"adaptive": spec.get("adaptive", True)}
     if options["adaptive"] is None:
         options["adaptive"] = True
+    try:
+        lookup = prompt_lookup_settings(spec.get("prompt_lookup"), str(spec.get("method")),
+                                        default=spec.get("adaptive") is not False)
+    except ValueError as exc:
+        raise CheckpointError(f"{exc} (speculative_config)") from None
+    options["prompt_lookup"] = None if lookup is None else lookup.as_dict()
     path = spec.get("latency_profile")
     if path and not options["adaptive"]:
         raise CheckpointError(

@@ -34,6 +34,7 @@ __all__ = [
     "BlockDrafter",
     "DraftModel",
     "Drafter",
+    "LookupDrafter",
     "NgramDrafter",
     "Request",
     "RequestOutput",
@@ -96,6 +97,7 @@ class RequestOutput:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
     num_draft_tokens: int = 0  # drafts proposed and verified, in all
     num_accepted_tokens: int = 0  # drafts the accept rule passed, before stop / length cuts
+    num_lookup_steps: int = 0  # steps whose drafts came from prompt lookup (LookupDrafter)
 
     @property
     def tpf(self) -> float:
@@ -167,6 +169,40 @@ class NgramDrafter:
                 if token_ids[start : start + n] == suffix:
                     return token_ids[start + n : start + n + num_tokens], None
         return [], None
+
+
+class LookupDrafter:
+    """Prompt lookup first (:func:`~diffspec.core.lookup.lookup_drafts`: the continuation
+    of the context's longest earlier n-gram match, no forward), ``drafter`` where the
+    context holds no match: the engines' rule at a fixed draft count, so an engine's
+    steps can be checked against this decoder's one for one. Lookup drafts are point
+    masses; ``looked_up`` and ``forwards_per_propose`` describe the last proposal."""
+
+    def __init__(self, drafter: Drafter, settings=None) -> None:
+        from diffspec.core.lookup import PromptLookup
+
+        self.drafter = drafter
+        self.settings = settings or PromptLookup()
+        self.looked_up = False
+        self.forwards_per_propose = getattr(drafter, "forwards_per_propose", 0)
+
+    @property
+    def max_draft_tokens(self) -> int | None:
+        return getattr(self.drafter, "max_draft_tokens", None)
+
+    def propose(self, token_ids: list[int], num_tokens: int,
+                **context: object) -> tuple[list[int], Tensor | None]:
+        from diffspec.core.lookup import lookup_drafts
+
+        found = lookup_drafts([token_ids], [num_tokens], self.settings)[0] if num_tokens > 0 \
+            else []
+        self.looked_up = bool(found)
+        if found:
+            self.forwards_per_propose = 0
+            return found, None
+        self.forwards_per_propose = getattr(self.drafter, "forwards_per_propose", 0)
+        return self.drafter.propose(token_ids, num_tokens,
+                                    **(context if _takes_context(self.drafter) else {}))
 
 
 def sample_drafts(
@@ -425,7 +461,6 @@ def speculative_generate(
         raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds what the drafter was "
                          f"trained for: at most {limit} drafts per step (block_size - 1)")
     max_len = model.config.max_position_embeddings
-    forwards_per_propose = getattr(drafter, "forwards_per_propose", 0)
     with_context = _takes_context(drafter)
     outputs = []
     for request in requests:
@@ -450,7 +485,9 @@ def speculative_generate(
                                    "back whatever it appends")
             drafts = list(drafts[:n])
             draft_probs = None if draft_probs is None else draft_probs[: len(drafts)]
-            run.output.num_forwards += forwards_per_propose if n > 0 else 0
+            # (read after the proposal: a LookupDrafter's cost depends on its source)
+            run.output.num_forwards += getattr(drafter, "forwards_per_propose", 0) if n > 0 else 0
+            run.output.num_lookup_steps += bool(n > 0 and getattr(drafter, "looked_up", False))
 
             # verify: one causal forward over [anchor, d_1 .. d_n]
             logits = _forward(model, run.cache, [run.token_ids[-1], *drafts])  # [n + 1, vocab]

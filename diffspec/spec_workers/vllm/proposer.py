@@ -20,7 +20,7 @@ logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers
 
 __all__ = ["DRAFT_LOGITS_ROWS", "PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy",
            "draft_argmax", "logger", "measure_profile", "non_causal_blocks",
-           "non_causal_metadata", "on_device"]
+           "non_causal_metadata", "on_device", "prompt_lookup"]
 
 PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
 PROFILE_CONTEXT = 256  # context tokens per request in the start-up profile's forwards
@@ -160,6 +160,23 @@ def adaptive_policy(vllm_config, max_drafts: int, cost):
         return AdaptiveDrafts(max_drafts, profile, cost)
     tp = vllm_config.parallel_config.tensor_parallel_size
     return AdaptiveDrafts(max_drafts, None, cost, track_step_times=tp == 1)
+
+
+def prompt_lookup(vllm_config, method: str):
+    """The speculative config's prompt-lookup settings
+    (:class:`~diffspec.core.lookup.PromptLookup`, moved to
+    ``additional_config["diffspec"]["prompt_lookup"]`` by the config translation, which
+    settled the default), or ``None``: off."""
+    from diffspec.core.lookup import PromptLookup
+
+    options = (getattr(vllm_config, "additional_config", None) or {}).get("diffspec") or {}
+    settings = options.get("prompt_lookup")
+    if not settings:
+        return None
+    logger.info("diffspec: %s drafts by prompt lookup (n-grams of %d..%d tokens) where the "
+                "context holds a match, by its diffusion view elsewhere", method,
+                settings["min"], settings["max"])
+    return PromptLookup(**settings)
 
 
 def measure_profile(runner, policy, method: str, max_tokens: int) -> None:

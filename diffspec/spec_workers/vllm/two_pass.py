@@ -1,5 +1,7 @@
 """vLLM drafter for the two-pass self-speculative step (Orthrus, NLD linear): one
-diffusion-view forward per step, on the target model's own layers and paged KV cache.
+diffusion-view forward per step, on the target model's own layers and paged KV cache;
+requests whose context holds an n-gram match take its continuation instead (prompt
+lookup, no forward), and a step whose drafts all come from lookup runs no draft forward.
 
 Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/two_pass.py``).
 """
@@ -11,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from diffspec.core.lookup import LookupStats, ngram_lookup
 from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.vllm.proposer import (
     adaptive_policy,
@@ -19,6 +22,7 @@ from diffspec.spec_workers.vllm.proposer import (
     measure_profile,
     non_causal_blocks,
     on_device,
+    prompt_lookup,
 )
 
 __all__ = ["DraftBlock", "TwoPassProposer", "chunks", "plan_blocks", "plan_v2_blocks"]
@@ -98,6 +102,8 @@ class TwoPassProposer:
         self.max_forward_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
                                       self.num_speculative_tokens + 1)
         self.adaptive = adaptive_policy(vllm_config, self.num_speculative_tokens, "two_pass")
+        self.prompt_lookup = prompt_lookup(vllm_config, self.method)
+        self.lookup_stats = LookupStats()
         self.timings = DraftTimings(vllm_config.device_config.device)
 
     def load_model(self, model) -> None:
@@ -137,15 +143,47 @@ class TwoPassProposer:
         num_slots = (table.num_blocks_per_row[:len(num_left)] * table.block_size).tolist()
         blocks = plan_blocks(sampled_token_ids, batch.num_tokens_no_spec.tolist(), num_left,
                              num_slots, self.num_speculative_tokens, self.max_model_len)
+        found = self._lookup(batch, blocks)  # [len(blocks)] lookup drafts ([]: no match)
         if self.adaptive is not None:
-            blocks = _adapt(self.adaptive, batch.req_ids, sampled_token_ids, blocks)
+            blocks, found = _adapt(self.adaptive, batch.req_ids, sampled_token_ids, blocks,
+                                   found)
+        else:  # a fixed count: a match's continuation wherever there is one
+            blocks = [replace(b, num_drafts=len(f)) if f else b for b, f in zip(blocks, found)]
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for block, tokens in zip(blocks, found):
+            drafts[block.row] = tokens
+        blocks = [b for b, f in zip(blocks, found) if not f]  # the diffusion view's
+        if self.prompt_lookup is not None:
+            self._record([len(f) for f in found if f], len(blocks))
         for chunk in chunks(blocks, self.max_forward_tokens):
             chunk_drafts = self.timings.time(sum(b.num_drafts + 1 for b in chunk),
                                              lambda: self._draft(runner, chunk))  # noqa: B023
             for block, tokens in zip(chunk, chunk_drafts):
                 drafts[block.row] = tokens
         return drafts
+
+    def _lookup(self, batch, blocks: list[DraftBlock]) -> list[list[int]]:
+        """Each block's prompt-lookup drafts (at most its ``num_drafts``; ``[]``: no match
+        or lookup off), from the runner's committed tokens of its request (prompt +
+        output, the anchor last: vLLM writes the sampled tokens there before drafting)."""
+        if self.prompt_lookup is None or not blocks:
+            return [[] for _ in blocks]
+        rows = np.array([b.row for b in blocks])
+        lengths = np.array([b.start + 1 for b in blocks])  # [B] committed tokens
+        tokens = torch.from_numpy(batch.token_ids_cpu[rows, :int(lengths.max())])  # [B, T]
+        drafts, counts = ngram_lookup(tokens, torch.from_numpy(lengths),
+                                      torch.tensor([b.num_drafts for b in blocks]),
+                                      self.prompt_lookup)
+        return [row[:n].tolist() for row, n in zip(drafts, counts.tolist())]
+
+    def _record(self, lookup: list[int], diffusion: int) -> None:
+        """Count this step's draft sources; log the totals at steps 1, 2, 4, 8, ... and
+        then every 1000 steps (one line, not one per step)."""
+        stats = self.lookup_stats
+        stats.record(lookup, diffusion)
+        steps = stats.steps
+        if (lookup or diffusion) and (steps & (steps - 1) == 0 or steps % 1000 == 0):
+            logger.info("diffspec: %s", stats.summary())
 
     def _draft(self, runner, blocks: list[DraftBlock]) -> list[list[int]]:
         """One diffusion-view forward over ``blocks``; their draft token ids."""
@@ -172,16 +210,23 @@ class TwoPassProposer:
 
 
 def _adapt(policy, req_ids: list[str], sampled_token_ids: list[list[int]],
-           blocks: list[DraftBlock]) -> list[DraftBlock]:
-    """Feed this step's outcomes to ``policy`` and cut each block to the drafts it picks
-    (a block cut to 0 drafts is dropped: a plain AR step for that request)."""
+           blocks: list[DraftBlock], found: list[list[int]],
+           ) -> tuple[list[DraftBlock], list[list[int]]]:
+    """Feed this step's outcomes to ``policy``, let it pick each block's source (its
+    lookup drafts ``found``, where there are some, or the diffusion view) and count, and
+    cut the blocks to that count (a block cut to 0 drafts is dropped: a plain AR step for
+    that request); the blocks and their lookup drafts (``[]``: the diffusion view's)."""
     for row, emitted in enumerate(sampled_token_ids):
         policy.observe(req_ids[row], len(emitted))
     policy.forget(set(req_ids))
-    counts = policy.choose([req_ids[b.row] for b in blocks], [b.num_drafts for b in blocks])
+    counts, lookup = policy.choose_hybrid([req_ids[b.row] for b in blocks],
+                                          [b.num_drafts for b in blocks],
+                                          [len(f) for f in found])
     if policy.steps % policy.log_every == 1:
         logger.info("diffspec: %s", policy.summary())
-    return [replace(b, num_drafts=k) for b, k in zip(blocks, counts) if k > 0]
+    kept = [(replace(b, num_drafts=k), f[:k] if use else [])
+            for b, k, f, use in zip(blocks, counts, found, lookup) if k > 0]
+    return [b for b, _ in kept], [f for _, f in kept]
 
 
 def chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:

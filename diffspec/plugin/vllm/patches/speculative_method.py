@@ -117,6 +117,12 @@ def _restrict_v2(args, target_parallel_config, method: str, spec: dict) -> dict:
             f"method {method!r} on vLLM's V2 model runner, or unset VLLM_USE_V2_MODEL_RUNNER: "
             f"the V2 runner verifies num_speculative_tokens drafts per request every step (its "
             f"scheduler fixes the count), so a per-step draft count has nothing to change")
+    if spec.get("prompt_lookup"):
+        raise ValueError(
+            f"remove \"prompt_lookup\" (or set it false) for method {method!r} on vLLM's V2 "
+            f"model runner, or unset VLLM_USE_V2_MODEL_RUNNER: the V2 runner verifies "
+            f"num_speculative_tokens drafts per request every step, and a lookup match's "
+            f"continuation is often shorter")
     if args.async_scheduling:
         raise ValueError(
             f"add --no-async-scheduling (or leave it out) for method {method!r} on vLLM's V2 "
@@ -173,13 +179,14 @@ def _cudagraphs(args, method: str, spec: dict, v2: bool) -> None:
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
     from vllm.platforms import current_platform
 
-    from diffspec.plugin.vllm.config import cudagraph_plan
+    from diffspec.plugin.vllm.config import cudagraph_plan, diffspec_options
 
     if isinstance(args.compilation_config, dict):
         args.compilation_config = CompilationConfig(**args.compilation_config)
     compilation = args.compilation_config
     mode = getattr(compilation, "cudagraph_mode", None)
-    plan = cudagraph_plan(method, bool(spec.get("adaptive")),
+    options = diffspec_options(spec)  # adaptive counts or lookup drafts: varying verifies
+    plan = cudagraph_plan(method, options["adaptive"] or bool(options["prompt_lookup"]),
                           None if mode is None else getattr(mode, "name", str(mode)),
                           bool(args.enforce_eager), current_platform.is_cuda_alike(),
                           v2_runner=v2)
@@ -192,7 +199,8 @@ def _cudagraphs(args, method: str, spec: dict, v2: bool) -> None:
                        "its branches' metadata are built before they run" if method == "tidar"
                        else "its V2-runner draft pass builds attention metadata on the "
                        "target's builders between graph replays" if v2
-                       else "\"adaptive\": true changes the verify length every step")
+                       else "adaptive draft counts and prompt-lookup drafts change the "
+                       "verify length every step")
 
 
 def apply() -> None:
