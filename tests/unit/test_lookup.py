@@ -147,9 +147,13 @@ def test_settings_errors(value, method: str, match: str) -> None:
 
 def test_stats() -> None:
     stats = LookupStats()
+    assert stats.record([3, 2], 1)  # a log line at drafting steps 1, 2, 4, 8 ...
+    assert stats.record([4], 0)
+    assert not stats.record([], 0)  # no draft at all: not a drafting step
+    assert [stats.record([], 1) for _ in range(6)] == [False, True, False, False, False, True]
+    stats = LookupStats()
     stats.record([3, 2], 1)
     stats.record([4], 0)
-    stats.record([], 0)  # no draft at all: not a drafting step
     assert (stats.lookup_blocks, stats.lookup_tokens, stats.diffusion_blocks, stats.steps,
             stats.forwards_skipped) == (3, 9, 1, 2, 1)
     assert "3 of 4 draft blocks" in stats.summary()

@@ -9,6 +9,7 @@ This module imports neither torch nor SGLang at import time.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -92,6 +93,7 @@ def validate_server_args(server_args) -> None:
             f"use --kv-cache-dtype auto with --speculative-algorithm {name}: its draft "
             f"attention reads the KV pool as plain values, without the scales a quantised "
             f"cache needs (got --kv-cache-dtype {kv_dtype})")
+    _validate_diffspec_options(server_args, method.name)
     if getattr(server_args, "speculative_eagle_topk", None) not in (None, 1):
         raise CheckpointError(f"--speculative-algorithm {name} drafts one linear block; "
                               f"--speculative-eagle-topk must be 1")
@@ -101,6 +103,37 @@ def validate_server_args(server_args) -> None:
                                     getattr(server_args, "page_size", None))
     if error:
         raise CheckpointError(error)
+
+
+def diffspec_options(server_args) -> dict[str, Any]:
+    """The ``diffspec`` options of ``--json-model-override-args`` (``{}`` without any):
+    what the workers read from the model config (``adaptive``, ``latency_profile``,
+    ``prompt_lookup``)."""
+    raw = getattr(server_args, "json_model_override_args", None) or "{}"
+    try:
+        overrides = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"make --json-model-override-args a JSON object: {exc}") from None
+    options = overrides.get("diffspec") if isinstance(overrides, dict) else None
+    if options is not None and not isinstance(options, dict):
+        raise CheckpointError(f"make \"diffspec\" in --json-model-override-args an object "
+                              f"(keys: adaptive, latency_profile, prompt_lookup), got "
+                              f"{options!r}")
+    return options or {}
+
+
+def _validate_diffspec_options(server_args, method: str) -> None:
+    """Refuse a ``prompt_lookup`` option the worker would refuse (a clear error at
+    server-argument time rather than in the scheduler process)."""
+    from diffspec.core.lookup import prompt_lookup_settings
+
+    options = diffspec_options(server_args)
+    try:
+        prompt_lookup_settings(options.get("prompt_lookup"), method,
+                               default=options.get("adaptive") is not False)
+    except ValueError as exc:
+        raise CheckpointError(f"{exc} (--json-model-override-args '{{\"diffspec\": "
+                              f"{{...}}}}')") from None
 
 
 def attention_backend_error(algorithm: str, backends, page_size=None) -> str | None:

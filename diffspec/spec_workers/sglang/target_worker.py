@@ -26,8 +26,8 @@ from diffspec.model_executors.sglang import views
 from diffspec.spec_workers.sglang.requests import refuse_unsupported_requests
 
 __all__ = ["SpecDraftInput", "StepLogits", "TargetModelSpecWorker", "accept",
-           "adaptive_policy", "choice_metrics", "remaining", "request_penalties",
-           "step_logits"]
+           "adaptive_policy", "choice_metrics", "prompt_lookup", "remaining",
+           "request_penalties", "step_logits"]
 
 logger = logging.getLogger("diffspec")
 
@@ -242,6 +242,27 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
     return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
 
 
+def prompt_lookup(hf_config, method: str):
+    """The prompt-lookup settings (:class:`~diffspec.core.lookup.PromptLookup`) of the
+    model config's ``diffspec`` options (``--json-model-override-args '{"diffspec":
+    {"prompt_lookup": {"min": 2, "max": 4}}}'``, or ``false``), or ``None``: off. On by
+    default, unless the options say ``"adaptive": false`` (the drafter alone at a fixed
+    width); never for TIDAR (checked with the server arguments:
+    :func:`~diffspec.plugin.sglang.config.validate_server_args`)."""
+    from diffspec.core.lookup import prompt_lookup_settings
+
+    options = getattr(hf_config, "diffspec", None) or {}
+    if not isinstance(options, dict):
+        options = {}
+    settings = prompt_lookup_settings(options.get("prompt_lookup"), method,
+                                      default=options.get("adaptive") is not False)
+    if settings is not None:
+        logger.info("diffspec: %s drafts by prompt lookup (n-grams of %d..%d tokens) where "
+                    "the context holds a match, by its diffusion view elsewhere",
+                    method.upper(), settings.min, settings.max)
+    return settings
+
+
 class ChoiceMetrics:
     """The adaptive policy's choices as Prometheus counters (``prometheus_client``, which
     SGLang uses): ``diffspec:adaptive_steps_total{drafts="k"}``, decode steps by the draft
@@ -249,7 +270,11 @@ class ChoiceMetrics:
     chosen (k times the batch). With ``--enable-metrics`` SGLang puts prometheus_client in
     multiprocess mode before its scheduler starts, so they show in its ``/metrics`` next to
     its own. (SGLang's own ``spec_num_proposed_drafts`` counts ``W - 1`` per verify step,
-    the server's width, whatever a step drafted.)"""
+    the server's width, whatever a step drafted.) With prompt lookup:
+    ``diffspec:prompt_lookup_blocks_total`` (a request's drafts in one step that came from
+    lookup), ``diffspec:prompt_lookup_draft_tokens_total``, ``diffspec:draft_blocks_total``
+    (those the diffusion view drafted) and ``diffspec:draft_forwards_skipped_total`` (steps
+    that drafted by lookup alone, with no draft forward)."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter
@@ -259,10 +284,27 @@ class ChoiceMetrics:
                              ["drafts"])
         self.draft_tokens = Counter("diffspec:adaptive_draft_tokens", "Draft tokens "
                                     "diffspec's adaptive policy chose (over requests and steps)")
+        self.lookup_blocks = Counter("diffspec:prompt_lookup_blocks", "Requests' per-step "
+                                     "drafts that came from prompt lookup")
+        self.lookup_tokens = Counter("diffspec:prompt_lookup_draft_tokens", "Draft tokens "
+                                     "from prompt lookup")
+        self.draft_blocks = Counter("diffspec:draft_blocks", "Requests' per-step drafts the "
+                                    "diffusion view drafted")
+        self.skipped = Counter("diffspec:draft_forwards_skipped", "Drafting steps with no "
+                               "draft forward (every draft from prompt lookup)")
 
     def record(self, drafts: int, batch_size: int) -> None:
         self.steps.labels(drafts=str(drafts)).inc()
         self.draft_tokens.inc(drafts * batch_size)
+
+    def record_sources(self, lookup: list[int], diffusion: int) -> None:
+        """One drafting step: ``lookup`` each lookup-drafting request's draft count,
+        ``diffusion`` the requests the diffusion view drafted for."""
+        self.lookup_blocks.inc(len(lookup))
+        self.lookup_tokens.inc(sum(lookup))
+        self.draft_blocks.inc(diffusion)
+        if not diffusion:
+            self.skipped.inc()
 
 
 _CHOICE_METRICS: list[ChoiceMetrics] = []

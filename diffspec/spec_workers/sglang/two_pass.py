@@ -1,6 +1,8 @@
 """SGLang worker for the two-pass self-speculative step (Orthrus, NLD linear): the
 served model drafts with its own diffusion view and verifies with its AR view, on SGLang's
-scheduler and KV pool.
+scheduler and KV pool; requests whose context holds an n-gram match take its continuation
+instead (prompt lookup), and a step whose drafts all come from lookup runs no draft
+forward.
 
 Design notes: docs/design/sglang.md (section ``diffspec/spec_workers/sglang/two_pass.py``).
 """
@@ -11,6 +13,7 @@ import torch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
+from diffspec.core.lookup import LookupStats, lookup_drafts
 from diffspec.model_executors.sglang.views import DraftBlocks
 from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.sglang.target_worker import (
@@ -21,6 +24,7 @@ from diffspec.spec_workers.sglang.target_worker import (
     adaptive_policy,
     choice_metrics,
     logger,
+    prompt_lookup,
     remaining,
     step_logits,
 )
@@ -42,8 +46,10 @@ class TwoPassWorker(TargetModelSpecWorker):
         max_len = getattr(model.config, "max_position_embeddings", None)
         self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
-        self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
-                                        self.width - 1, "two_pass", self.method)
+        hf_config = self.model_runner.model_config.hf_config
+        self.adaptive = adaptive_policy(hf_config, self.width - 1, "two_pass", self.method)
+        self.prompt_lookup = prompt_lookup(hf_config, self.method)
+        self.lookup_stats = LookupStats()
         self.timings = DraftTimings(self.device)
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
@@ -63,16 +69,23 @@ class TwoPassWorker(TargetModelSpecWorker):
         # the model's positions (the anchor is at C)
         caps = [max(0, min(self.width - 1, remaining(req) - 1, self._max_position - c))
                 for req, c in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True)]
+        found = self._lookup(batch, caps)  # [bs] lookup drafts ([]: no match)
         if self.adaptive is not None:  # one width per step: W = the policy's k + 1
             self.adaptive.forget(set(rids))
-            k = self.adaptive.choose_shared(rids, caps)
+            k, lookup = self.adaptive.choose_shared_hybrid(rids, caps, [len(f) for f in found])
             choice_metrics().record(k, bs)
             if self.adaptive.steps % self.adaptive.log_every == 1:
                 logger.info("diffspec: %s", self.adaptive.summary())
-            caps = [min(k, cap) for cap in caps]
+            found = [f[:k] if use else [] for f, use in zip(found, lookup, strict=True)]
+            caps = [len(f) if f else min(k, cap) for f, cap in zip(found, caps, strict=True)]
+        else:  # a fixed count: a match's continuation wherever there is one
+            caps = [len(f) if f else cap for f, cap in zip(found, caps, strict=True)]
         w = 1 + max(caps)  # one width per step (SGLang's verify); narrower blocks padded
         num_drafts = torch.tensor(caps, dtype=torch.int64, device=self.device)  # [bs]
         anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
+        diffusion = sum(1 for f, n in zip(found, caps) if n > 0 and not f)  # rows it drafts
+        if self.prompt_lookup is not None:
+            self._record([len(f) for f in found if f], diffusion)
         columns = committed[:, None] + self._offsets[None, :w]  # [bs, W]
         rows = batch.req_pool_indices.to(torch.int64)  # [bs]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
@@ -82,13 +95,17 @@ class TwoPassWorker(TargetModelSpecWorker):
         positions = columns.clamp(max=self._max_position)  # [bs, W]
 
         # draft: the diffusion view over each request's [anchor, <mask> x n] (n = its
-        # draft count; the block's padding rows are invisible to it) (W = 1: nothing is
-        # drafted this step, a plain AR step)
-        if w > 1:
+        # draft count; the block's padding rows are invisible to it), unless every
+        # drafting request has lookup drafts (W = 1: nothing is drafted this step, a plain
+        # AR step); lookup rows take their lookup drafts
+        if diffusion:
             drafts = self.timings.time(bs * w, lambda: self._draft(
                 batch, anchors, positions, slots, num_drafts))  # [bs, W - 1]
         else:
-            drafts = anchors.new_zeros((bs, 0))
+            drafts = anchors.new_zeros((bs, w - 1))
+        for b, tokens in enumerate(found):
+            if tokens:
+                drafts[b, :len(tokens)] = torch.tensor(tokens, dtype=drafts.dtype)
         padding = self._offsets[None, : w - 1] >= num_drafts[:, None]  # [bs, W - 1]
 
         # verify: SGLang's causal forward of [anchor, drafts] into the reserved slots
@@ -109,6 +126,22 @@ class TwoPassWorker(TargetModelSpecWorker):
                 self.adaptive.observe(rid, emitted)
         return self._decoded(out, accept_lens, new_seq_lens, SpecDraftInput(
             bonus_tokens=bonus, new_seq_lens=new_seq_lens), w, on_publish)
+
+    def _lookup(self, batch, caps: list[int]) -> list[list[int]]:
+        """Each request's prompt-lookup drafts (at most its cap; ``[]``: no match or
+        lookup off) from its committed tokens: prompt + output, the anchor last."""
+        if self.prompt_lookup is None:
+            return [[] for _ in caps]
+        contexts = [[*req.origin_input_ids, *req.output_ids] for req in batch.reqs]
+        return lookup_drafts(contexts, caps, self.prompt_lookup)
+
+    def _record(self, lookup: list[int], diffusion: int) -> None:
+        """Count this step's draft sources (``lookup_stats``, and Prometheus counters), with
+        a log line now and then (:meth:`~diffspec.core.lookup.LookupStats.record`)."""
+        if lookup or diffusion:
+            choice_metrics().record_sources(lookup, diffusion)
+        if self.lookup_stats.record(lookup, diffusion):
+            logger.info("diffspec: %s", self.lookup_stats.summary())
 
     def _draft(
         self,

@@ -177,13 +177,10 @@ class TwoPassProposer:
         return [row[:n].tolist() for row, n in zip(drafts, counts.tolist())]
 
     def _record(self, lookup: list[int], diffusion: int) -> None:
-        """Count this step's draft sources; log the totals at steps 1, 2, 4, 8, ... and
-        then every 1000 steps (one line, not one per step)."""
-        stats = self.lookup_stats
-        stats.record(lookup, diffusion)
-        steps = stats.steps
-        if (lookup or diffusion) and (steps & (steps - 1) == 0 or steps % 1000 == 0):
-            logger.info("diffspec: %s", stats.summary())
+        """Count this step's draft sources (``lookup_stats``), with a log line now and
+        then (:meth:`~diffspec.core.lookup.LookupStats.record`)."""
+        if self.lookup_stats.record(lookup, diffusion):
+            logger.info("diffspec: %s", self.lookup_stats.summary())
 
     def _draft(self, runner, blocks: list[DraftBlock]) -> list[list[int]]:
         """One diffusion-view forward over ``blocks``; their draft token ids."""
