@@ -186,6 +186,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 **SPEC, "speculative_draft_model_path": nld}},
             "tensor_parallel": {"model": synth, "server_args": {**SPEC, "tp_size": 2}},
             "eagle_topk": {"model": synth, "server_args": {**SPEC, "speculative_eagle_topk": 4}},
+            "prompt_lookup": {"model": synth, "server_args": {**SPEC, "json_model_override_args":
+                json.dumps({"diffspec": {"prompt_lookup": True}})}},
         },
     }
     return run_generate_job(job, tmp, timeout=1800)
@@ -372,6 +374,8 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
         ("draft_model", r"drafts with the served model itself"),
         ("tensor_parallel", r"TIDAR supports --tp-size 1 only"),
         ("eagle_topk", r"--speculative-eagle-topk must be 1"),
+        ("prompt_lookup", r"remove \"prompt_lookup\" \(or set it false\) for method 'tidar': "
+                          r"its drafts come free"),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:

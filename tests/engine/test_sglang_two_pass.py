@@ -24,7 +24,12 @@ one ``sglang_generate.py`` run starts the engines one after the other (Orthrus A
   SGLang's (non-overlap) AR output with the same options; logprobs / grammar requests are
   refused alone (the others of the batch equal AR);
 * clear errors at server-argument time (fp8 KV cache included); ``avg_spec_accept_length``
-  in the server info.
+  in the server info;
+* prompt lookup, on by default (the runs above switch it off to check the drafter alone):
+  on mixed-length prompts that repeat themselves, AR's output token for token, each
+  step's acceptance the reference decoder's with its
+  :class:`~diffspec.spec_workers.reference.decoder.LookupDrafter`, lookup drafts counted
+  (Prometheus) as the reference counts its lookup steps.
 """
 
 from __future__ import annotations
@@ -53,8 +58,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 WIDTH = 32  # --speculative-num-draft-tokens: the anchor + 31 drafts, the checkpoints' block
 SYNTH_ORTHRUS = ASSETS_DIR / "synth-orthrus"
-SPEC = {"speculative_algorithm": "ORTHRUS", "speculative_num_draft_tokens": WIDTH,
-        "decode_log_interval": 1}
+NO_LOOKUP = {"prompt_lookup": False}  # the diffusion view drafts every step
+# the default (prompt lookup on)
+HYBRID = {"speculative_algorithm": "ORTHRUS", "speculative_num_draft_tokens": WIDTH,
+          "decode_log_interval": 1}
+SPEC = {**HYBRID, "json_model_override_args": json.dumps({"diffspec": NO_LOOKUP})}
 NLD_SPEC = {**SPEC, "speculative_algorithm": "LINEAR_SELF_SPEC"}
 SYNC = {"disable_overlap_schedule": True}
 # Sampling with a low temperature and top-p (a few tokens kept per position by the tiny
@@ -84,6 +92,19 @@ def _synth_requests() -> list[dict]:
     tokenizer = build_tokenizer()
     prompts = [tokenizer(p).input_ids for p in sample_prompts(4, seed=1234)]
     return [{"input_ids": p, "max_new_tokens": m} for p, m in zip(prompts, (64, 45, 90, 57))]
+
+
+def _repeat_requests() -> list[dict]:
+    """Greedy prompts of 3..180 tokens, most a random segment repeated (the model's own
+    loops then make n-gram matches: prompt lookup fires), one without repeats."""
+    rng = np.random.default_rng(11)
+    shapes = ((5, 3, 30), (12, 4, 41), (3, 1, 25), (40, 2, 50), (60, 3, 33))
+    requests = []
+    for length, times, max_tokens in shapes:
+        segment = rng.integers(20, 250, length).tolist()
+        requests.append({"input_ids": segment * times + segment[:length // 3],
+                         "max_new_tokens": max_tokens})
+    return requests
 
 
 def _near_context_end_requests() -> list[dict]:
@@ -170,13 +191,16 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         profile = tmp / f"profile_{name}.json"
         profile.write_text(json.dumps({"points": points}))
         adaptive[name] = {**SPEC, "json_model_override_args": json.dumps(
-            {"diffspec": {"adaptive": True, "latency_profile": str(profile)}})}
+            {"diffspec": {"adaptive": True, "latency_profile": str(profile), **NO_LOOKUP}})}
     job = {
         "runs": [
             # AR without overlap scheduling, as the speculative runs: SGLang's overlap
             # scheduler feeds the penalizers each token one step late
-            {"name": "orthrus_ar", "model": orthrus, "engine": SYNC, "batches": batches},
+            {"name": "orthrus_ar", "model": orthrus, "engine": SYNC,
+             "batches": {**batches, "repeats": _repeat_requests()}},
             {"name": "orthrus_spec", "model": orthrus, "engine": SPEC, "batches": batches},
+            {"name": "orthrus_hybrid", "model": orthrus, "engine": HYBRID, "prometheus": True,
+             "batches": {"repeats": _repeat_requests()}},
             {"name": "synth_ar", "model": str(SYNTH_ORTHRUS),
              "batches": {"near_context_end": _near_context_end_requests()}},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
@@ -274,10 +298,10 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
 
 
 def _accepted_drafts_per_step(model, drafter_class, path: Path, requests: list[dict],
-                              spec: dict) -> list[int]:
+                              spec: dict, references: list | None = None) -> list[int]:
     """Check each request's SGLang steps against the reference decoder (see
     :func:`test_acceptance_per_step_equals_reference_decoder`); return the accepted drafts
-    of every SGLang step."""
+    of every SGLang step (and append the reference outputs to ``references``)."""
     from diffspec.core.checkpoint import inspect_checkpoint
     from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 
@@ -292,6 +316,8 @@ def _accepted_drafts_per_step(model, drafter_class, path: Path, requests: list[d
             [Request(request["input_ids"] + out[:1], request["max_new_tokens"] - 1,
                      stop_token_ids=stop)], WIDTH - 1)[0]
         assert ref.token_ids[: len(out) - 1] == out[1:]
+        if references is not None:
+            references.append(ref)
         steps = meta["spec_verify_ct"]
         hist = meta["spec_correct_drafts_histogram"]
         sglang_steps = Counter({k: c for k, c in enumerate(hist) if c})
@@ -376,6 +402,28 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
     # mostly the block (narrower only where every request is near its max_new_tokens)
     assert max(steps["free"], key=steps["free"].get) == full
     assert metrics["free"]["diffspec:adaptive_draft_tokens_total"] > 0
+
+
+def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> None:
+    """The default (prompt lookup on, fixed width) on mixed-length prompts that repeat
+    themselves: SGLang's AR output token for token; each request's steps the reference
+    decoder's with the same rule (:class:`LookupDrafter`); the worker's Prometheus count
+    of lookup blocks is the reference's count of lookup steps; both sources drafted."""
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+    from diffspec.spec_workers.reference.decoder import BlockDrafter, LookupDrafter
+
+    hybrid = engine["runs"]["orthrus_hybrid"]["repeats"]
+    assert_equals_ar(engine["runs"]["orthrus_ar"]["repeats"], hybrid)
+    references: list = []
+    accepted = _accepted_drafts_per_step(
+        load_orthrus(ckpts["orthrus"]), lambda m: LookupDrafter(BlockDrafter(m)),
+        ckpts["orthrus"], _repeat_requests(), hybrid, references)
+    assert max(accepted) > 0  # drafts are accepted, not only rejected
+    metrics = engine["server_info"]["orthrus_hybrid"]["diffspec_metrics"]
+    lookup_steps = sum(r.num_lookup_steps for r in references)
+    assert metrics["diffspec:prompt_lookup_blocks_total"] == lookup_steps > 0, metrics
+    assert metrics["diffspec:draft_blocks_total"] > 0, metrics
+    assert metrics["diffspec:draft_forwards_skipped_total"] > 0, metrics
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -531,6 +579,7 @@ def test_launch_server_reports_acceptance_length(ckpts, engine, tmp_path: Path) 
         "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
         "--disable-cuda-graph", "--dtype", "float32", "--mem-fraction-static", "0.3",
         "--max-total-tokens", "8192", "--decode-log-interval", "1",
+        "--json-model-override-args", json.dumps({"diffspec": NO_LOOKUP}),
         # no warm-up request: /server_info then averages over our requests only
         "--skip-server-warmup", python=python)
     requests = _greedy_requests()[:3]

@@ -157,3 +157,64 @@ def test_stats() -> None:
     assert (stats.lookup_blocks, stats.lookup_tokens, stats.diffusion_blocks, stats.steps,
             stats.forwards_skipped) == (3, 9, 1, 2, 1)
     assert "3 of 4 draft blocks" in stats.summary()
+
+
+# ------------------------------------------------------------------ with the adaptive policy
+
+
+def _policy(draft: float, lookup: float, profile=None):
+    """An :class:`AdaptiveDrafts` whose estimates say ``draft`` / ``lookup`` for every
+    position (well measured: a prior of 1000 pseudo-trials)."""
+    from diffspec.core.adaptive import AdaptiveDrafts, LatencyProfile, StepCost
+
+    # 10 ms a forward, 0.1 ms a query token: a draft pass doubles a step's price
+    policy = AdaptiveDrafts(8, profile or LatencyProfile({1: 0.010, 1001: 0.110}),
+                            StepCost("two_pass"))
+    for source, a in (("draft", draft), ("lookup", lookup)):
+        estimate = policy.estimates[source]
+        estimate.trials = [1000.0] * 8
+        estimate.successes = [1000.0 * a] * 8
+    return policy
+
+
+def test_lookup_steps_cost_only_their_verify() -> None:
+    from diffspec.core.adaptive import LatencyProfile, StepCost
+
+    profile, cost = LatencyProfile({1: 0.001, 1000: 1.0}), StepCost("two_pass")
+    assert cost.latency(profile, [4, 4]) == pytest.approx(0.020)  # draft 10 + verify 10
+    assert cost.latency(profile, [4, 4], [True, False]) == pytest.approx(0.015)
+    assert cost.latency(profile, [4, 4], [True, True]) == pytest.approx(0.010)
+    assert cost.latency(profile, [0, 0], [True, True]) == pytest.approx(0.002)  # plain AR
+
+
+def test_the_estimates_pick_the_source() -> None:
+    """Lookup where its drafts promise more tokens per second (its estimate is high, it
+    needs no draft pass) and the request has a match; the drafter elsewhere."""
+    policy = _policy(draft=0.3, lookup=0.95)
+    counts, lookup = policy.choose_hybrid(["a", "b", "c"], [8, 8, 8], [5, 0, 2])
+    assert lookup == [True, False, True]
+    assert counts == [5, 0, 2]  # what lookup found; b's poor drafts do not pay
+    assert policy.sources == {"a": "lookup", "b": "draft", "c": "lookup"}
+    policy = _policy(draft=0.95, lookup=0.2)
+    counts, lookup = policy.choose_hybrid(["a", "b"], [8, 8], [5, 0])
+    assert lookup == [False, False] and counts[0] > 0
+
+
+def test_outcomes_update_their_source_estimate() -> None:
+    policy = _policy(draft=0.5, lookup=0.5)
+    policy.choose_hybrid(["a", "b"], [8, 8], [4, 0])  # a: lookup, b: the drafter (0.5)
+    assert policy.sources["a"] == "lookup"
+    policy.observe("a", 5)  # 4 lookup drafts accepted + the bonus token
+    assert policy.estimates["lookup"].conditional[0] > 0.5
+    assert policy.estimates["draft"].conditional[0] == pytest.approx(0.5)  # untouched
+    assert "a" not in policy.sources and "a" not in policy.proposed
+
+
+def test_shared_count_with_lookup() -> None:
+    from diffspec.core.adaptive import LatencyProfile
+
+    free = LatencyProfile({1: 0.01, 4096: 0.01})  # extra tokens cost nothing
+    policy = _policy(draft=0.9, lookup=0.9, profile=free)
+    k, lookup = policy.choose_shared_hybrid(["a", "b"], [8, 8], [3, 0])
+    assert lookup == [True, False] and k == 8
+    assert policy.proposed == {"a": 3, "b": 8}  # a: all it found
