@@ -245,7 +245,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         },
     }
     return run_vllm_job(ckpts["orthrus"], job, tmp_path_factory.mktemp("vllm_two_pass"),
-                        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # lookup_stats rpc
+                        timeout=1800, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
 
 
 # ------------------------------------------------------------------------------ lossless
