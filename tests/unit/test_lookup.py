@@ -218,3 +218,27 @@ def test_shared_count_with_lookup() -> None:
     k, lookup = policy.choose_shared_hybrid(["a", "b"], [8, 8], [3, 0])
     assert lookup == [True, False] and k == 8
     assert policy.proposed == {"a": 3, "b": 8}  # a: all it found
+
+
+def test_sglang_options_are_checked_with_the_server_arguments() -> None:
+    """SGLang reads diffspec's options from ``--json-model-override-args``; a prompt
+    lookup the worker would refuse is refused with the server arguments."""
+    from types import SimpleNamespace
+
+    from diffspec.core.checkpoint import CheckpointError
+    from diffspec.plugin.sglang.config import _validate_diffspec_options, diffspec_options
+
+    def args(value):
+        return SimpleNamespace(json_model_override_args=value)
+
+    assert diffspec_options(args(None)) == {}
+    assert diffspec_options(args('{"diffspec": {"prompt_lookup": false}}')) == {
+        "prompt_lookup": False}
+    _validate_diffspec_options(args('{"diffspec": {"prompt_lookup": {"max": 3}}}'), "orthrus")
+    _validate_diffspec_options(args(None), "tidar")  # off by default there
+    with pytest.raises(CheckpointError, match=r"^remove \"prompt_lookup\" .*'tidar'"):
+        _validate_diffspec_options(args('{"diffspec": {"prompt_lookup": true}}'), "tidar")
+    with pytest.raises(CheckpointError, match=r"^set \"prompt_lookup\" to true, false or"):
+        _validate_diffspec_options(args('{"diffspec": {"prompt_lookup": 3}}'), "orthrus")
+    with pytest.raises(CheckpointError, match=r"^make \"diffspec\" in "):
+        diffspec_options(args('{"diffspec": 1}'))
