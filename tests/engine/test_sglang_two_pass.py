@@ -184,6 +184,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                "prefix_reuse": prefix_reuse, "sampled": _sampled_requests(),
                "options": _option_requests(ckpts["orthrus"]), "refused": _refused_requests()}
     orthrus, nld, llama = str(ckpts["orthrus"]), str(ckpts["nld"]), str(ckpts["llama_orthrus"])
+    # a repeating prompt served alone: its lookup steps need no draft forward
+    lookup_batches = {"repeats": _repeat_requests(),
+                      "alone": [{**_repeat_requests()[0], "ignore_eos": True}]}
     tmp = tmp_path_factory.mktemp("sglang_self_spec")
     adaptive = {}
     for name, points in (("free", {"1": 0.01, "4096": 0.01}),
@@ -197,10 +200,10 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             # AR without overlap scheduling, as the speculative runs: SGLang's overlap
             # scheduler feeds the penalizers each token one step late
             {"name": "orthrus_ar", "model": orthrus, "engine": SYNC,
-             "batches": {**batches, "repeats": _repeat_requests()}},
+             "batches": {**batches, **lookup_batches}},
             {"name": "orthrus_spec", "model": orthrus, "engine": SPEC, "batches": batches},
             {"name": "orthrus_hybrid", "model": orthrus, "engine": HYBRID, "prometheus": True,
-             "batches": {"repeats": _repeat_requests()}},
+             "batches": lookup_batches},
             {"name": "synth_ar", "model": str(SYNTH_ORTHRUS),
              "batches": {"near_context_end": _near_context_end_requests()}},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
@@ -233,7 +236,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 **SPEC, "kv_cache_dtype": "fp8_e4m3"}},
         },
     }
-    return run_generate_job(job, tmp, timeout=1200)
+    return run_generate_job(job, tmp, timeout=1800)
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -406,24 +409,43 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
 
 def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> None:
     """The default (prompt lookup on, fixed width) on mixed-length prompts that repeat
-    themselves: SGLang's AR output token for token; each request's steps the reference
-    decoder's with the same rule (:class:`LookupDrafter`); the worker's Prometheus count
-    of lookup blocks is the reference's count of lookup steps; both sources drafted."""
+    themselves, in a batch and one alone: SGLang's AR output token for token; each
+    request's steps the reference decoder's with the same rule (:class:`LookupDrafter`);
+    the worker's Prometheus count of lookup blocks is the reference's count of lookup
+    steps; both sources drafted; the request served alone ran its lookup steps with no
+    draft forward."""
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.spec_workers.reference.decoder import BlockDrafter, LookupDrafter
+    from diffspec.spec_workers.reference.decoder import (
+        BlockDrafter,
+        LookupDrafter,
+        Request,
+        speculative_generate,
+    )
 
-    hybrid = engine["runs"]["orthrus_hybrid"]["repeats"]
-    assert_equals_ar(engine["runs"]["orthrus_ar"]["repeats"], hybrid)
+    runs = engine["runs"]["orthrus_hybrid"]
+    for batch in ("repeats", "alone"):
+        assert_equals_ar(engine["runs"]["orthrus_ar"][batch], runs[batch])
+    model = load_orthrus(ckpts["orthrus"])
     references: list = []
     accepted = _accepted_drafts_per_step(
-        load_orthrus(ckpts["orthrus"]), lambda m: LookupDrafter(BlockDrafter(m)),
-        ckpts["orthrus"], _repeat_requests(), hybrid, references)
+        model, lambda m: LookupDrafter(BlockDrafter(m)), ckpts["orthrus"],
+        _repeat_requests(), runs["repeats"], references)
     assert max(accepted) > 0  # drafts are accepted, not only rejected
+    (request,), (out,), (meta,) = (runs["alone"][k] for k in ("outputs", "outputs", "meta"))
+    request = _repeat_requests()[0]
+    alone = speculative_generate(  # no EOS stop (ignore_eos)
+        model.lm, LookupDrafter(BlockDrafter(model)),
+        [Request(request["input_ids"] + out[:1], request["max_new_tokens"] - 1)], WIDTH - 1)[0]
+    assert alone.token_ids == out[1:]
+    hist = Counter(a - 1 for a in alone.accept_lengths)
+    assert [hist.get(k, 0) for k in range(len(meta["spec_correct_drafts_histogram"]))] == \
+        meta["spec_correct_drafts_histogram"]
     metrics = engine["server_info"]["orthrus_hybrid"]["diffspec_metrics"]
-    lookup_steps = sum(r.num_lookup_steps for r in references)
+    lookup_steps = sum(r.num_lookup_steps for r in references) + alone.num_lookup_steps
     assert metrics["diffspec:prompt_lookup_blocks_total"] == lookup_steps > 0, metrics
     assert metrics["diffspec:draft_blocks_total"] > 0, metrics
-    assert metrics["diffspec:draft_forwards_skipped_total"] > 0, metrics
+    # alone, every lookup step skips the draft forward
+    assert metrics["diffspec:draft_forwards_skipped_total"] >= alone.num_lookup_steps > 0
 
 
 # ------------------------------------------------------------------------------ sampling

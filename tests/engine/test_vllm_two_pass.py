@@ -197,7 +197,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                        "refused": _refused_requests(), "seeded": _seeded_requests(),
                        "seeded_again": _seeded_requests()}
     nld_batches = {"greedy": _greedy_requests()[:6]}
-    seeded_repeats = [{**_seeded_requests()[0], "prompt_token_ids": [41, 42, 43] * 3}]
+    # near-greedy on the first repeating prompt (the random model loops: lookup fires)
+    seeded_repeats = [{**_repeat_requests()[0], "temperature": TEMPERATURE, "top_p": TOP_P,
+                       "seed": 500, "ignore_eos": True}]
     hybrid = {**LLM_KWARGS, **SPEC_KWARGS, "lookup_stats": True, "speculative_config": {
         "method": "orthrus", "num_speculative_tokens": NUM_DRAFTS, "adaptive": False,
         "prompt_lookup": True}}
@@ -337,17 +339,19 @@ def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> Non
         lookup_steps += ref.num_lookup_steps
     stats = hybrid["lookup"]
     assert stats["lookup_blocks"] == lookup_steps > 0, stats
-    assert stats["diffusion_blocks"] > 0 and stats["forwards_skipped"] > 0, stats
+    assert stats["diffusion_blocks"] > 0, stats
     accepted = [a for steps in hybrid["spec_steps"] for a in steps]
     assert max(accepted) > 0  # lookup drafts are accepted, not only rejected
 
 
 def test_prompt_lookup_seeded_is_reproducible(engine) -> None:
-    """A seeded request on a repeating prompt, served twice with prompt lookup: the same
-    samples; lookup drafted for it and its drafts were verified."""
+    """A seeded request on a repeating prompt, served twice (alone) with prompt lookup:
+    the same samples; lookup drafted for it, and each of those steps ran no draft
+    forward (no other request needed one)."""
     runs = engine["runs"]["orthrus_hybrid"]
     assert runs["seeded"]["outputs"] == runs["seeded_again"]["outputs"]
-    assert runs["seeded"]["lookup"]["lookup_blocks"] > 0
+    stats = runs["seeded"]["lookup"]
+    assert stats["forwards_skipped"] == stats["lookup_blocks"] > 0, stats
     assert runs["seeded"]["spec_steps"][0]
 
 
