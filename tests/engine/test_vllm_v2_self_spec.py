@@ -100,6 +100,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "config_errors": {
             "tidar": {"model": str(SYNTH_NLD_DIR), **_spec("tidar")},
             "adaptive": _spec("orthrus", adaptive=True),
+            "prompt_lookup": _spec("orthrus", prompt_lookup=True),
             "async_scheduling": {**_spec("orthrus"), "engine_args": {"async_scheduling": True}},
         },
     }
@@ -189,6 +190,8 @@ def test_seeded_sampling_matches_the_ar_distribution(engine) -> None:
               r"forward.*cannot add tokens to that forward"),
     ("adaptive", r"^\w+: set \"adaptive\": false \(or leave it out\) and remove "
                  r"\"latency_profile\" for method 'orthrus' on vLLM's V2 model runner"),
+    ("prompt_lookup", r"^\w+: remove \"prompt_lookup\" \(or set it false\) for method "
+                      r"'orthrus' on vLLM's V2 model runner"),
     ("async_scheduling", r"^\w+: add --no-async-scheduling \(or leave it out\) for method "
                          r"'orthrus' on vLLM's V2 model runner"),
 ])
