@@ -9,17 +9,41 @@ import time
 
 import pytest
 
+from benchmarks.adapters import sweep
 from benchmarks.adapters.sweep import pick, run_job, step_times, waves
 
 
-def _echo(step_s: float = 0.0, draft: int = 0):
+class Clock:
+    """A virtual ``time`` for the sweep loops: the stand-in engines advance it instead of
+    sleeping, so the timed results are exact, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(sweep, "time", c)
+    return c
+
+
+def _echo(step_s: float = 0.0, draft: int = 0, clock: Clock | None = None):
     """A stand-in engine: each output repeats its prompt's first token ``max_tokens`` times;
-    one call sleeps ``step_s`` per token (a decode step per token)."""
+    one call takes ``step_s`` per token (a decode step per token) on ``clock``, plus a
+    fixed 5 ms (the prefill and the call's costs)."""
     calls = []
 
     def generate(prompts, max_tokens):
         calls.append((len(prompts), max_tokens))
-        time.sleep(step_s * max_tokens)
+        if clock is not None:
+            clock.advance(0.005 + step_s * max_tokens)
         return ([[p[0]] * max_tokens for p in prompts],
                 {"drafts": draft * len(prompts), "draft_tokens": 2 * draft * len(prompts),
                  "accepted": draft})
@@ -30,8 +54,8 @@ def test_pick_cycles() -> None:
     assert pick([[1], [2]], 5) == [[1], [2], [1], [2], [1]]
 
 
-def test_waves_serve_c_requests_at_a_time() -> None:
-    generate, calls = _echo(draft=1)
+def test_waves_serve_c_requests_at_a_time(clock: Clock) -> None:
+    generate, calls = _echo(draft=1, clock=clock)
     rows = waves(generate, [[i] for i in range(10)], [1, 3], repeats=2, max_tokens=5)
     assert [(r["repeat"], r["concurrency"]) for r in rows] == [(0, 1), (0, 3), (1, 1), (1, 3)]
     assert [c for c, _ in calls] == [1] * 4 + [3, 3] + [1] * 4 + [3, 3]
@@ -42,17 +66,16 @@ def test_waves_serve_c_requests_at_a_time() -> None:
     assert "token_ids" not in rows[3]  # kept for the first repeat only
 
 
-def test_step_times_cancel_the_fixed_costs() -> None:
-    generate, _ = _echo(step_s=0.002)
+def test_step_times_cancel_the_fixed_costs(clock: Clock) -> None:
+    generate, _ = _echo(step_s=0.002, clock=clock)
     steps = step_times(generate, [[1]], [1, 2], short=2, long=12, repeats=1)
-    assert set(steps) == {1, 2}
-    assert all(0.0015 < s < 0.02 for s in steps.values())
+    assert steps == {1: pytest.approx(0.002), 2: pytest.approx(0.002)}
     with pytest.raises(ValueError):
         step_times(generate, [[1]], [1], short=5, long=5)
 
 
-def test_run_job_modes() -> None:
-    generate, _ = _echo()
+def test_run_job_modes(clock: Clock) -> None:
+    generate, _ = _echo(step_s=0.001, clock=clock)
     job = {"prompts": [[7]], "concurrency": [2], "repeats": 1, "max_tokens": 3,
            "batch_sizes": [1], "short": 1, "long": 2, "step_repeats": 1}
     assert run_job("waves", generate, job)["waves"][0]["tokens"] == 12
@@ -96,7 +119,7 @@ def test_draft_timings_off_by_default(monkeypatch, tmp_path) -> None:
     assert read_draft_timings(path, "verify", min_count=1).keys() == {12}
 
 
-def test_context_steps_per_verify_step_and_draft_passes(tmp_path) -> None:
+def test_context_steps_per_verify_step_and_draft_passes(tmp_path, clock: Clock) -> None:
     """Whole-step time divides by the engine's verify steps (a spec engine emitting 2
     tokens a step takes half the steps), the prompt is cut to each context, and the draft
     passes the drafter wrote during that length's calls are its median."""
@@ -108,7 +131,7 @@ def test_context_steps_per_verify_step_and_draft_passes(tmp_path) -> None:
     def spec(prompts, max_tokens):  # 2 tokens per verify step, 4 ms a step
         seen.append(len(prompts[0]))
         steps = max_tokens // 2
-        time.sleep(0.004 * steps)
+        clock.advance(0.005 + 0.004 * steps)
         with timings.open("a") as f:
             f.writelines(f"draft 4 {0.001 * len(prompts[0]):.6f}\n" for _ in range(steps))
         return [[1] * max_tokens], {"drafts": steps}
@@ -117,7 +140,8 @@ def test_context_steps_per_verify_step_and_draft_passes(tmp_path) -> None:
                          timings=str(timings))
     assert seen == [10, 10, 50, 50]
     assert [r["context"] for r in rows] == [10, 50] and rows[1]["steps"] == 12
-    assert all(0.003 < r["step_s"] < 0.02 for r in rows)  # per step, not per token (2 ms)
+    # per verify step (4 ms), not per token (2 ms); the fixed 5 ms cancels
+    assert [r["step_s"] for r in rows] == [pytest.approx(0.004)] * 2
     assert rows[0]["draft_s"] == pytest.approx(0.01) and rows[1]["draft_s"] == pytest.approx(0.05)
     assert rows[0]["verify_s"] is None
     with pytest.raises(ValueError, match="longer than the prompt"):
