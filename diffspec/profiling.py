@@ -1,8 +1,7 @@
 """Forward latency of a causal LM: the time of one forward with Q query tokens over a KV
 cache of C context tokens, as the draft-count policy (:mod:`diffspec.core.adaptive`) needs
-it. ``benchmarks/profile_forward.py`` builds its tables with :func:`forward_latency`;
-``diffspec quickstart`` measures a small profile at start-up with
-:func:`measure_latency_profile`. :class:`DraftTimings` times the engines' draft passes when
+it. ``benchmarks/profile_forward.py`` builds its tables with :func:`forward_latency`
+(transformers). :class:`DraftTimings` times the engines' draft passes when
 ``$DIFFSPEC_DRAFT_TIMINGS`` names a file (``benchmarks/adaptive_sweep.py`` sets it), which
 :func:`read_draft_timings` turns into a profile's ``draft_points`` / ``verify_points`` and
 :func:`read_step_grid` into its ``step_grid`` (TiDAR's whole steps by requests and drafts).
@@ -33,7 +32,7 @@ from diffspec.core.adaptive import LatencyProfile
 __all__ = ["CACHE_ENV", "DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "DraftTimings",
            "cache_dir", "cached_latency_profile", "checkpoint_identity", "device_timer",
            "forward_latency",
-           "measure_latency_profile", "profile_grid", "read_cached_profile",
+           "profile_grid", "read_cached_profile",
            "read_draft_timings", "read_step_grid", "reused_profile_message", "time_forwards",
            "write_cached_profile"]
 
@@ -112,31 +111,6 @@ def forward_latency(lm: Any, query_lens: list[int], contexts: list[int], repeats
                 tables[n][ctx] = {q: reduce(ts) for q, ts in times.items()}
             lm.model.layers = layers
     return tables
-
-
-def measure_latency_profile(checkpoint: str | Path, context: int, query_lens: Sequence[int],
-                            repeats: int = 5, stat: str = "min",
-                            threads: int | None = 1) -> LatencyProfile:
-    """A :class:`LatencyProfile` of ``checkpoint`` (fp32, CPU) at one context length:
-    :func:`forward_latency` over ``query_lens``, ``stat`` of ``repeats`` (``min`` by default:
-    the least-disturbed run on a shared machine), with ``threads`` torch threads (None: as
-    set). One thread by default: on a machine whose cores are busy with other work, a
-    multi-threaded forward waits at every parallel region for a descheduled thread (on a
-    2-core machine next to a vLLM server, minutes instead of seconds for the profile), while
-    the relative cost of the widths, which the draft count depends on, is kept."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        table = forward_latency(lm, list(query_lens), [context], repeats, "cpu", stat=stat)
-    finally:
-        torch.set_num_threads(before)
-    [row] = table[len(lm.model.layers)].values()
-    return LatencyProfile(dict(row))
 
 
 class DraftTimings:

