@@ -334,6 +334,7 @@ class StepTimeFit:
     measured at more than ``outlier`` times the fitted price (plus ``slack`` seconds), or
     below ``1 / outlier`` of it, is an idle gap or a hiccup and is not learned from,
     unless ``streak`` steps in a row were: then the machine changed, and it is learned.
+    The overhead is never negative (a faster machine than the profile's is a scale below 1).
 
     ``fit.price(predicted)``: the fitted step seconds (never below ``predicted / 10``)."""
 
@@ -390,6 +391,13 @@ class StepTimeFit:
         overhead = (a11 * m - a12 * (pm + ls)) / det
         if scale <= 0:  # no line through positive steps: the overhead alone
             scale, overhead = 1.0, (m - p) / a22
+        if overhead < 0:
+            # A negative overhead prices small steps down more than large ones, so drafting
+            # looks worse than the profile says; on a profile measured under heavier load than
+            # serving it made the policy stop drafting for good (no drafted step, no evidence
+            # to undo it). Live steps cheaper than the profile only rescale it: the ridge
+            # scale with the overhead held at 0, which leaves the profile's choices as they are.
+            scale, overhead = (pm + ls) / (pp + ls), 0.0
         self.scale, self.overhead = scale, overhead
 
 

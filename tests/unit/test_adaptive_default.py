@@ -211,6 +211,25 @@ def test_the_fitted_overhead_makes_drafting_pay() -> None:
     assert policy.choose(["a"], [4]) == [4]
 
 
+def test_a_profile_slower_than_serving_keeps_its_choices() -> None:
+    """A profile measured under heavier load than serving (every live step a third of its
+    price) once fitted a negative overhead: small steps priced down more than large ones,
+    the policy stopped drafting after one step and, drafting nothing, never learned
+    otherwise. Live steps only rescale the profile: the choice stays the profile's."""
+    clock = _Clock()
+    profile = LatencyProfile({1: 0.05, 2: 0.052, 4: 0.056, 8: 0.064})  # memory-bound
+    policy = AdaptiveDrafts(7, profile, TWO_PASS, track_step_times=True, clock=clock)
+    policy.estimate.successes = [0.9 * t for t in policy.estimate.trials]
+    first = policy.choose(["a"], [7])
+    assert first[0] > 0
+    for _ in range(100):
+        policy.step_started(["a"])
+        k = policy.choose(["a"], [7])[0]
+        clock.now += TWO_PASS.latency(profile, [k]) / 3  # serving runs 3x faster
+        assert k == first[0]
+    assert policy.fit.overhead == 0.0 and policy.fit.scale < 0.9
+
+
 def test_steps_of_a_changing_batch_are_not_learned() -> None:
     clock = _Clock()
     policy = AdaptiveDrafts(4, LINEAR_MS, TWO_PASS, track_step_times=True, clock=clock)
