@@ -494,8 +494,14 @@ def _write_json(path: Path, args: argparse.Namespace, speculative: dict[str, Any
                 profile: str | None, runs: list[tuple[Server, ChatResult]]) -> None:
     record: dict[str, Any] = {"prompt": args.prompt, "max_tokens": args.max_tokens,
                               "speculative_config": speculative, "latency_profile": profile}
-    for name, (server, result) in zip(("orthrus", "ar"), runs):
-        record[name] = {"server": server.describe(), **result.as_json()}
+
+    def entry(run: tuple[Server, ChatResult]) -> dict[str, Any]:
+        server, result = run
+        return {"server": server.describe(), **result.as_json()}
+
+    record["orthrus"] = entry(runs[0])
+    if len(runs) == 2:
+        record["ar"] = entry(runs[1])
     if len(runs) == 2 and runs[1][1].tokens_per_s:
         record["ratio"] = runs[0][1].tokens_per_s / runs[1][1].tokens_per_s
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -212,7 +212,8 @@ def test_corpora_are_deterministic_and_local() -> None:
 
 
 def test_quickstart_counters_and_metrics() -> None:
-    from diffspec.quickstart import ChatResult, spec_counters
+    from diffspec.quickstart import ChatResult, Reply, spec_counters
+    from diffspec.serving import SpecDecodeCounters
 
     page = (
         "# HELP vllm:spec_decode_num_drafts_total drafts\n"
@@ -225,7 +226,10 @@ def test_quickstart_counters_and_metrics() -> None:
     assert counters == {"vllm:spec_decode_num_drafts_total": 10.0,
                         "vllm:spec_decode_num_draft_tokens_total": 70.0,
                         "vllm:spec_decode_num_accepted_tokens_total": 25.0}
-    r = ChatResult(text="x", completion_tokens=35, seconds=7.0, drafts=10, draft_tokens=70,
-                   accepted=25)
-    assert r.acceptance_length == 3.5 and r.tpf == 1.75 and r.tokens_per_s == 5.0
-    assert ChatResult(text="x", completion_tokens=3, seconds=1.0).tpf is None
+    r = ChatResult([Reply("x", 20, 4.0), Reply("y", 15, 3.0)],
+                   SpecDecodeCounters(drafts=10, draft_tokens=70, accepted=25))
+    assert r.counters.acceptance_length == 3.5 and r.tokens_per_s == 5.0
+    assert r.text == "x" and r.requests == 2
+    assert r.decode_steps == 10  # 35 tokens: 2 from the prefills, 25 accepted drafts, 8+ steps
+    plain = ChatResult([Reply("x", 3, 1.0)])
+    assert plain.counters.acceptance_length is None and plain.decode_steps == 2
