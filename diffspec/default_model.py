@@ -104,8 +104,14 @@ def prepare_default(
                                 f"(quickstart: --heads DIR, or leave it out for the shipped "
                                 f"heads): no Orthrus heads at {heads} (missing "
                                 f"{', '.join(missing)})")
-    base = prepare_base(cache_dir, spec=spec, log=log)
-    work = base.parent
+    work = _work_dir(cache_dir, spec)
+    with _preparing(work):
+        return _prepare_default(work, heads, spec, log)
+
+
+def _prepare_default(work: Path, heads: Path, spec: DefaultModelSpec,
+                     log: Callable[[str], None]) -> Path:
+    base = _prepare_base(work, spec, log)
     manifest = _read_manifest(work)
     heads_hashes = {f: sha256_file(heads / f) for f in _HEADS_FILES}
     previous = manifest.get("orthrus")
@@ -343,9 +349,28 @@ def main(argv: list[str] | None = None) -> int:
 def prepare_base(cache_dir: str | Path | None = None, *, spec: DefaultModelSpec = SMOLLM2,
                  log: Callable[[str], None] = print) -> Path:
     """Steps 1-3 only: the fp32 base checkpoint (what the heads are trained on)."""
+    work = _work_dir(cache_dir, spec)
+    with _preparing(work):
+        return _prepare_base(work, spec, log)
+
+
+def _work_dir(cache_dir: str | Path | None, spec: DefaultModelSpec) -> Path:
     root = Path(cache_dir).expanduser() if cache_dir else cache_root()
     work = root / spec.name
     work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def _preparing(work: Path):
+    """A lock on ``work`` across processes: two preparations at once (two servers started
+    together, parallel test workers) would remove each other's half-built folders. The
+    second waits, then finds the steps done and only checks their hashes."""
+    from filelock import FileLock
+
+    return FileLock(str(work / ".prepare.lock"))
+
+
+def _prepare_base(work: Path, spec: DefaultModelSpec, log: Callable[[str], None]) -> Path:
     manifest = _read_manifest(work)
     gguf = _extract(work, _download(work, spec, log), spec, log)
     previous = manifest.get("base")

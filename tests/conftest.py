@@ -6,11 +6,31 @@ are skipped (with the reason) when CUDA is not available.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 _TIERS = ("unit", "engine", "gpu")
+
+
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist (``-n 2`` in pyproject.toml), give each worker's engines their
+    own core: vLLM's CPU worker pins its compute thread (``VLLM_CPU_OMP_THREADS_BIND``,
+    else core 0 on a 2-core machine), so two workers' engines would otherwise share one
+    core and leave the other idle. Tests that bind otherwise (tensor-parallel runs) set
+    their own value."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or workers < 2 or len(cpus) < workers:
+        return
+    core = str(cpus[int(worker[2:]) % len(cpus)])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", core)
+    os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", core)
+
+
+_one_core_per_worker()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -191,8 +191,69 @@ def _config_error(case: dict) -> str | None:
     return None
 
 
+# What SGLang's scheduler and detokenizer processes import: loaded once per job by the
+# fork server (see _start_from_a_fork_server), not once per process.
+FORK_SERVER_PRELOAD = ["torch", "sglang.srt.managers.scheduler",
+                       "sglang.srt.managers.detokenizer_manager",
+                       "sglang.srt.models.registry"]
+
+
+def _start_from_a_fork_server() -> None:
+    """Start SGLang's processes with multiprocessing's ``forkserver`` method where SGLang
+    asks for ``spawn``: a clean single-threaded server process imports SGLang once per job
+    and forks each scheduler / detokenizer from it, instead of every spawned process
+    importing SGLang and torch again (about 20 s of CPU each, most of an engine start on a
+    2-core machine; a job starts up to 16 engines). Like spawn, the children are fresh
+    processes (no thread or lock of this one) that unpickle their arguments and import this
+    script as ``__mp_main__``; unlike spawn they would inherit the fork server's
+    environment, so each process carries this process's environment at its start and
+    applies it first (:func:`_apply_parent_environment`): the per-run probe settings below
+    and whatever SGLang sets before it starts them."""
+    import multiprocessing
+    from multiprocessing import process
+
+    set_start_method = multiprocessing.set_start_method
+
+    def forkserver_for_spawn(method: str, force: bool = False) -> None:
+        set_start_method("forkserver" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = forkserver_for_spawn
+    multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    start = process.BaseProcess.start
+
+    def start_with_environment(self) -> None:
+        self._diffspec_environ = dict(os.environ)
+        start(self)
+
+    process.BaseProcess.start = start_with_environment
+
+
+def _apply_parent_environment() -> None:
+    """In a process SGLang started: before it runs, replace the environment with the one its
+    parent had when it started it, then install the probes that environment asks for."""
+    from multiprocessing import process
+
+    bootstrap = process.BaseProcess._bootstrap
+
+    def bootstrap_in_parent_environment(self, *args, **kwargs):
+        environ = getattr(self, "_diffspec_environ", None)
+        if environ is not None:
+            for name in set(os.environ) - set(environ):
+                del os.environ[name]
+            os.environ.update(environ)
+        if os.environ.get(FORWARD_COUNT_ENV):
+            install_forward_counter(os.environ[FORWARD_COUNT_ENV])
+        if os.environ.get(LOGITS_METER_ENV):
+            install_logits_meter(os.environ[LOGITS_METER_ENV])
+        return bootstrap(self, *args, **kwargs)
+
+    process.BaseProcess._bootstrap = bootstrap_in_parent_environment
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
+    if os.environ.get("DIFFSPEC_SGLANG_SPAWN") != "1":  # 1: SGLang's own spawn, to compare
+        _start_from_a_fork_server()
     import sglang
 
     errors = {name: _config_error(case) for name, case in job.get("config_errors", {}).items()}
@@ -207,7 +268,4 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 elif __name__ == "__mp_main__":
-    if os.environ.get(FORWARD_COUNT_ENV):
-        install_forward_counter(os.environ[FORWARD_COUNT_ENV])
-    if os.environ.get(LOGITS_METER_ENV):
-        install_logits_meter(os.environ[LOGITS_METER_ENV])
+    _apply_parent_environment()

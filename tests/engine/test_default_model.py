@@ -42,7 +42,7 @@ def test_default_orthrus_equals_vllm_ar(default_model, tmp_path: Path) -> None:
     requests = [{"prompt_token_ids": tok.apply_chat_template(
         [{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True,
         return_dict=True)["input_ids"], "max_tokens": 48} for p in PROMPTS]
-    job = {"runs": [
+    job = {"multiprocessing": True, "runs": [  # vLLM's own process layout, as users run it
         {"name": "ar", "model": str(base)},
         {"name": "orthrus", "model": str(orthrus),
          "llm": {"speculative_config": {"method": "orthrus", "num_speculative_tokens": k,

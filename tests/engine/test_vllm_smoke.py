@@ -5,6 +5,7 @@ bundled fp32 model: the two oracles check each other before any method is built 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,8 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory):
             text=True,
             timeout=600,
             check=False,
+            # vLLM's own process layout (engine core and worker spawned), as users run it
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
         (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]

@@ -59,7 +59,7 @@ def _run_script(runs: list[dict], tmp: Path, env: dict[str, str]) -> dict:
     requests = tmp / "requests.json"
     requests.write_text("[]")
     job = tmp / "job.json"
-    job.write_text(json.dumps({"runs": runs}))
+    job.write_text(json.dumps({"runs": runs, "multiprocessing": True}))  # vLLM's own layout
     proc = subprocess.run(
         [sys.executable, str(HERE / "vllm_generate.py"), runs[0]["model"], str(requests),
          str(job)],

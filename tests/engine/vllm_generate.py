@@ -12,7 +12,9 @@ optional SamplingParams fields ("temperature", "seed", "top_k", "top_p", "ignore
 
 JOB_JSON (optional) is {"runs": [{"name": str, "model": path, "llm": {LLM kwargs},
 "batches": {batch name: [requests]}}], "config_errors": {name: {"model": path,
-"speculative_config": {...}}}}. Each run starts one engine (one after the other, in this
+"speculative_config": {...}}}, "multiprocessing": bool}. Without "multiprocessing": true
+the engine core and worker run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless
+the environment sets it). Each run starts one engine (one after the other, in this
 process) on its model (default MODEL_DIR) with the default kwargs below updated by "llm"
 (e.g. "speculative_config", "block_size"; "count_forwards": true counts the model's forwards
 per batch, through ``collective_rpc``, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1;
@@ -199,6 +201,12 @@ def main() -> None:
     model, requests_path = sys.argv[1], sys.argv[2]
     job = json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) > 3 else {}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is too big for CI
+    if not job.get("multiprocessing", False):
+        # vLLM's engine core and worker in this process (vLLM's own switch, which its tests
+        # use) rather than two spawned processes that each import vLLM and torch again:
+        # that import is most of an engine start on a 2-core machine. A job with
+        # "multiprocessing": true runs vLLM's default layout, as `vllm serve` does.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
 
     import diffspec.plugin.vllm as plugin
