@@ -241,7 +241,7 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            "mask)", lossless=True, origin="diffspec", families=("tidar", "nld"),
            reference=f"{_SPEC}.reference.tidar:decoder",
            vllm=EngineEntry(_SPEC_FLAG, "tidar", f"{_SPEC}.vllm.tidar:TiDARProposer",
-                            note="V1 model runner only: refused on the V2 runner"),
+                            note=_V2_NOTE),
            sglang=EngineEntry(_ALGO_FLAG, "TIDAR", f"{_SPEC}.sglang.tidar:TiDARWorker"),
            defaults=_frozen({"num_draft_tokens": None}), bundled="synth-tidar",
            trained_block=True),

@@ -1,25 +1,27 @@
-"""Engine tier: Orthrus and NLD linear self-speculation as speculators of vLLM's V2 model
-runner (``VLLM_USE_V2_MODEL_RUNNER=1``: patch ``v2_speculator`` builds
-``diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator`` in the runner's
+"""Engine tier: Orthrus, NLD linear and TiDAR self-speculation as speculators of vLLM's V2
+model runner (``VLLM_USE_V2_MODEL_RUNNER=1``: patch ``v2_speculator`` builds
+``diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator`` or
+``diffspec.spec_workers.vllm.tidar_v2.TiDARSpeculator`` in the runner's
 ``init_speculator``), run in real vLLM on CPU through the test-only harness
 :mod:`tests.engine.vllm_v2_cpu` (Triton's interpreter runs the runner's kernels).
 
-One subprocess, two engines (the bundled trained ``synth-orthrus`` and ``synth-nld``, fp32,
-7 drafts per step, KV blocks of 32 tokens): the V2 runner's own scheduler, input
-preparation, sampler, rejection sampler and paged KV cache; the draft pass reads that cache.
-The checks:
+One subprocess, three engines (the bundled trained ``synth-orthrus``, ``synth-nld`` and
+``synth-tidar``, fp32, 7 drafts per step, KV blocks of 32 tokens): the V2 runner's own
+scheduler, input preparation, sampler, rejection sampler and paged KV cache; the draft pass
+(TiDAR: the branches inside the verify forward) reads that cache. The checks:
 
 * greedy, one batch of mixed prompt lengths with ``max_tokens`` ending mid-block and one
   prompt prefilled in chunks while the others decode: tokens equal plain AR (the reference
   decoder, which ``tests/engine/test_vllm_v2_runner.py`` shows equal to vLLM's AR on both
   runners), every request speculated, and each verify step accepts what the reference
-  speculative decoder accepts with the same blocks (so the drafts are the diffusion view's,
-  over the right K/V);
+  speculative decoder (TiDAR: :mod:`diffspec.spec_workers.reference.tidar`) accepts with the
+  same blocks (so the drafts are the diffusion view's, or the accepted branch's, over the
+  right K/V);
 * seeded sampling (the V2 runner's sampler, per-request seeds): the same seeded requests
   twice give the same samples, and a batch of one-token prompts passes a chi-square test
   against the exact AR sequence probabilities;
 * the launches the V2 path refuses at engine-config time, each with what to do first:
-  TiDAR, ``"adaptive": true``, async scheduling.
+  ``"adaptive": true``, prompt lookup, async scheduling.
 
 The interpreter is slow: few requests, few tokens; the one subprocess takes about 3 minutes on
 the 2-core box (7.5 when other jobs share it): two engine starts and a 60-request sampled batch.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffspec.assets import SYNTH_NLD_DIR, SYNTH_ORTHRUS_DIR
+from diffspec.assets import SYNTH_NLD_DIR, SYNTH_ORTHRUS_DIR, SYNTH_TIDAR_DIR
 from tests.engine.common import assert_clear_error, verify_steps
 from tests.engine.conftest import require_engine, skip_or_fail
 
@@ -38,9 +40,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 NUM_DRAFTS = 7
 LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 48, "probe_runner": True,
               "per_request_spec_decode_metrics": "detailed", "disable_log_stats": False}
-SPECULATOR = "diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator"
+SPECULATORS = {"orthrus": "diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator",
+               "nld": "diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator",
+               "tidar": "diffspec.spec_workers.vllm.tidar_v2.TiDARSpeculator"}
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
-MODELS = {"orthrus": SYNTH_ORTHRUS_DIR, "nld": SYNTH_NLD_DIR}
+MODELS = {"orthrus": SYNTH_ORTHRUS_DIR, "nld": SYNTH_NLD_DIR, "tidar": SYNTH_TIDAR_DIR}
 # sampling: prompt [103] at temperature 0.5 on synth-orthrus: the prefill's token is 74,
 # then the first verify step's tokens follow one of a few sequences (0.58, 0.23, 0.10, ...),
 # so the chi-square test sees the rejection sampler's accept / resample outcomes. No top-k /
@@ -60,6 +64,23 @@ def _greedy_requests() -> list[dict]:
     prompts = [tokenizer(p).input_ids for p in sample_prompts(5, seed=1234)]
     prompts = [prompts[0][:9], prompts[1], prompts[2][:20], prompts[3] + prompts[4]]
     return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, (21, 13, 30, 19))]
+
+
+def _tidar_requests() -> list[dict]:
+    """Two of :func:`_greedy_requests` (the trained model accepts every draft: the last
+    branch each step; the second is prefilled in chunks) and two prompts of random tokens,
+    on which it accepts 0 to 7 drafts a step (the other branches)."""
+    import numpy as np
+
+    greedy = _greedy_requests()
+    rng = np.random.default_rng(7)
+    noise = [{"prompt_token_ids": rng.integers(20, 200, n).tolist(), "max_tokens": m}
+             for n, m in ((30, 26), (20, 30))]
+    return [greedy[0], noise[0], noise[1], greedy[3]]
+
+
+def _requests(family: str) -> list[dict]:
+    return _tidar_requests() if family == "tidar" else _greedy_requests()
 
 
 def _seeded_requests() -> list[dict]:
@@ -96,9 +117,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "nld", "model": str(SYNTH_NLD_DIR),
              "llm": {**LLM_KWARGS, **_spec("linear_self_spec")},
              "batches": {"greedy": _greedy_requests()}},
+            {"name": "tidar", "model": str(SYNTH_TIDAR_DIR),
+             "llm": {**LLM_KWARGS, **_spec("tidar")},
+             "batches": {"greedy": _tidar_requests()}},
         ],
         "config_errors": {
-            "tidar": {"model": str(SYNTH_NLD_DIR), **_spec("tidar")},
             "adaptive": _spec("orthrus", adaptive=True),
             "prompt_lookup": _spec("orthrus", prompt_lookup=True),
             "async_scheduling": {**_spec("orthrus"), "engine_args": {"async_scheduling": True}},
@@ -112,7 +135,7 @@ def test_the_v2_runner_drafted_with_diffspecs_speculator(engine) -> None:
     for family in MODELS:
         runner = engine["runs"][family]["greedy"]["runner"]
         assert V2_RUNNER in runner["classes"]
-        assert runner["speculator"] == SPECULATOR
+        assert runner["speculator"] == SPECULATORS[family]
         assert runner["draft_forwards"] > 0
         assert runner["kernels"]  # the V2 runner's Triton kernels ran
 
@@ -126,7 +149,7 @@ def test_greedy_equals_ar(engine, family: str) -> None:
     stop = inspect_checkpoint(MODELS[family]).eos_token_ids
     spec = engine["runs"][family]["greedy"]
     refs = ar_generate(model.lm, [Request(r["prompt_token_ids"], r["max_tokens"],
-                                          stop_token_ids=stop) for r in _greedy_requests()])
+                                          stop_token_ids=stop) for r in _requests(family)])
     assert spec["outputs"] == [r.token_ids for r in refs]
     assert all(verify_steps(spec)), verify_steps(spec)
 
@@ -136,22 +159,32 @@ def test_acceptance_per_step_equals_reference_decoder(engine, family: str) -> No
     """vLLM's first token comes from the prefill; from then on each verify step drafts the
     reference decoder's block on ``prompt + [first token]`` and accepts as many drafts, as
     long as the reference drafts a whole block (the V2 runner verifies its fixed 7 drafts
-    up to ``max_tokens``, where the reference drafts fewer). The trained checkpoints'
-    drafts are accepted in runs."""
+    up to ``max_tokens``, where the reference drafts fewer). TiDAR: vLLM's prefill is the
+    reference's bootstrap step (it pre-drafts branch 0 after the prompt), and each later
+    step verifies the branch the previous one's acceptance selected. The trained
+    checkpoints' drafts are accepted in runs."""
     from diffspec.core.checkpoint import inspect_checkpoint
     from diffspec.spec_workers.reference.decoder import Request, speculative_generate
+    from diffspec.spec_workers.reference.tidar import tidar_generate
 
     model = _load(family)
     stop = inspect_checkpoint(MODELS[family]).eos_token_ids
     spec = engine["runs"][family]["greedy"]
     compared = 0
-    for request, out, steps in zip(_greedy_requests(), spec["outputs"], spec["spec_steps"]):
-        ref = speculative_generate(
-            model.lm, _drafter(family, model),
-            [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
-                     stop_token_ids=stop)], NUM_DRAFTS)[0]
+    for request, out, steps in zip(_requests(family), spec["outputs"], spec["spec_steps"]):
+        if family == "tidar":
+            ref = tidar_generate(model, [Request(request["prompt_token_ids"],
+                                                 request["max_tokens"], stop_token_ids=stop)],
+                                 NUM_DRAFTS)[0]
+            assert ref.token_ids == out
+            ref_lengths = ref.accept_lengths[1:]  # [0]: the bootstrap (vLLM's prefill)
+        else:
+            ref_lengths = speculative_generate(
+                model.lm, _drafter(family, model),
+                [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
+                         stop_token_ids=stop)], NUM_DRAFTS)[0].accept_lengths
         generated = 1  # the prefill's token
-        for accepted, ref_length in zip(steps, ref.accept_lengths):
+        for accepted, ref_length in zip(steps, ref_lengths):
             if request["max_tokens"] - generated - 1 < NUM_DRAFTS:
                 break  # the reference's block is cut by max_tokens here
             assert accepted + 1 == ref_length
@@ -160,6 +193,8 @@ def test_acceptance_per_step_equals_reference_decoder(engine, family: str) -> No
     assert compared >= 4
     accepted = [a for steps in spec["spec_steps"] for a in steps]
     assert sum(accepted) / len(accepted) > 2
+    if family == "tidar":  # the first, the last and a middle branch were each selected
+        assert {0, NUM_DRAFTS} < set(accepted), accepted
 
 
 def test_seeded_sampling_is_reproducible(engine) -> None:
@@ -185,9 +220,6 @@ def test_seeded_sampling_matches_the_ar_distribution(engine) -> None:
 
 
 @pytest.mark.parametrize(("case", "match"), [
-    ("tidar", r"^\w+: unset VLLM_USE_V2_MODEL_RUNNER \(or set it to 0\) for method 'tidar': "
-              r"it runs on vLLM's V1 model runner only\. TiDAR drafts inside the verify "
-              r"forward.*cannot add tokens to that forward"),
     ("adaptive", r"^\w+: set \"adaptive\": false \(or leave it out\) and remove "
                  r"\"latency_profile\" for method 'orthrus' on vLLM's V2 model runner"),
     ("prompt_lookup", r"^\w+: remove \"prompt_lookup\" \(or set it false\) for method "
@@ -200,6 +232,10 @@ def test_v2_refusals(engine, case: str, match: str) -> None:
 
 
 def _load(family: str):
+    if family == "tidar":
+        from diffspec.model_executors.reference.tidar import load_quadratic
+
+        return load_quadratic(MODELS[family])
     if family == "nld":
         from diffspec.model_executors.reference.nld import load_nld
 

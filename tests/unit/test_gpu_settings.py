@@ -147,6 +147,26 @@ def test_vllm_full_graphs_refused(method: str, adaptive: bool, mode: str) -> Non
                                       f"cudagraph_mode out) for method {method!r}: ")
 
 
+@pytest.mark.parametrize(("mode", "eager", "gpu", "want"), [
+    (None, False, True, "NONE"), (None, False, False, None), ("NONE", False, True, None),
+    ("FULL", True, True, None),
+])
+def test_vllm_v2_runner_tidar_runs_eager(mode, eager, gpu, want) -> None:
+    """TiDAR's branches join the target forward in the model's Python forward on the V2
+    runner, which a graph replay skips: no CUDA graphs there (V1: PIECEWISE)."""
+    assert cudagraph_plan("tidar", False, mode, eager, gpu, v2_runner=True) == want
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL", "FULL_AND_PIECEWISE"])
+def test_vllm_v2_runner_tidar_graphs_refused(mode: str) -> None:
+    with pytest.raises(CheckpointError) as info:
+        cudagraph_plan("tidar", False, mode, False, True, v2_runner=True)
+    assert str(info.value).startswith(
+        "set compilation_config's cudagraph_mode to NONE (or add --enforce-eager, or leave "
+        "cudagraph_mode out) for method 'tidar' on vLLM's V2 model runner, or unset "
+        "VLLM_USE_V2_MODEL_RUNNER"), info.value
+
+
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
 def test_vllm_v2_runner_full_graphs_refused(mode: str) -> None:
     with pytest.raises(CheckpointError) as info:

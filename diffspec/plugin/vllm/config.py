@@ -204,7 +204,8 @@ def attention_backend_error(method: str, named: str | None) -> str | None:
 def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager: bool,
                    on_gpu: bool, v2_runner: bool = False) -> str | None:
     """The ``cudagraph_mode`` a self-speculative launch must run with: ``"PIECEWISE"``
-    (to set: the user set none) or ``None`` (leave it). Raises :class:`CheckpointError`
+    or, for ``tidar`` on the V2 runner, ``"NONE"`` (to set: the user set none) or ``None``
+    (leave it). Raises :class:`CheckpointError`
     for a mode with full CUDA
     graphs where the method cannot run under them: ``tidar`` (its branch metadata, built
     before the branches run, would share FLASH_ATTN's persistent FA3 scheduler metadata,
@@ -216,6 +217,18 @@ def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager:
     between the verify graphs' replays, not run on a GPU yet)."""
     if enforce_eager or not (method == "tidar" or adaptive or v2_runner):
         return None
+    if method == "tidar" and v2_runner:
+        if mode is None:
+            return "NONE" if on_gpu else None
+        if mode.upper() == "NONE":
+            return None
+        raise CheckpointError(
+            f"set compilation_config's cudagraph_mode to NONE (or add --enforce-eager, or "
+            f"leave cudagraph_mode out) for method 'tidar' on vLLM's V2 model runner, or "
+            f"unset VLLM_USE_V2_MODEL_RUNNER (the V1 runner runs it with PIECEWISE graphs): "
+            f"cudagraph_mode {mode} replays captured graphs (the V2 runner's FULL graphs, "
+            f"or its breakable PIECEWISE ones) without the model's Python forward, where "
+            f"TiDAR's branches join the verify forward")
     if mode is None:
         return "PIECEWISE" if on_gpu else None
     if mode.upper() in ("NONE", "PIECEWISE"):

@@ -27,7 +27,8 @@ from diffspec.spec_workers.vllm.proposer import (
     on_device,
 )
 
-__all__ = ["BranchPlan", "TiDARProposer", "next_draft_count", "plan_branches"]
+__all__ = ["BranchPlan", "TiDARProposer", "check_decoder_layers", "next_draft_count",
+           "plan_branches"]
 
 
 @dataclass(frozen=True)
@@ -121,14 +122,7 @@ class TiDARProposer:
         """Called by the runner with the target model: check it has the layers this
         drafter runs (a decoder-only model whose layers take ``(positions, hidden,
         residual)`` and hold ``self_attn.attn``)."""
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if layers is None or not hasattr(inner, "embed_input_ids") or not all(
-                hasattr(getattr(layer, "self_attn", None), "attn")
-                for layer in islice(layers, inner.start_layer, inner.end_layer)):
-            raise TypeError(f"method 'tidar' runs a decoder-only model whose layers hold "
-                            f"self_attn.attn; {type(model).__name__} is not one (check "
-                            f"config.json architectures)")
+        check_decoder_layers(model)
 
     def measure_latency_profile(self, runner) -> None:
         """Called once after the worker's warm-up (patch ``warm_up_profile``): the adaptive
@@ -304,6 +298,20 @@ class TiDARProposer:
         for row, end, count in zip(rows, np.cumsum(counts), counts):
             drafts[row] = tokens[end - count:end]
         return drafts
+
+
+def check_decoder_layers(model: nn.Module) -> None:
+    """Refuse a model whose layers the quadratic forward cannot run: it needs a
+    decoder-only model whose layers take ``(positions, hidden, residual)`` and hold
+    ``self_attn.attn``."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "embed_input_ids") or not all(
+            hasattr(getattr(layer, "self_attn", None), "attn")
+            for layer in islice(layers, inner.start_layer, inner.end_layer)):
+        raise TypeError(f"method 'tidar' runs a decoder-only model whose layers hold "
+                        f"self_attn.attn; {type(model).__name__} is not one (check "
+                        f"config.json architectures)")
 
 
 def _num_left(runner) -> list[int | None]:

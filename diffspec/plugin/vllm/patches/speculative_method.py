@@ -99,14 +99,9 @@ def _v2_runner() -> bool:
 
 def _restrict_v2(args, target_parallel_config, method: str, spec: dict) -> dict:
     """What the V2 runner's speculator (patch ``v2_speculator``) runs under, checked here
-    before any weights load: TiDAR refused, one tensor-parallel rank, a fixed draft count
+    before any weights load: one tensor-parallel rank, a fixed draft count
     (``"adaptive"`` off), async scheduling off (docs/gpu-support.md, V11 / V12). Returns
     ``spec`` with ``"adaptive": false``."""
-    from diffspec.plugin.vllm.patches.v2_speculator import v2_refusal
-
-    refusal = v2_refusal(method)
-    if refusal:
-        raise ValueError(refusal)
     if target_parallel_config.tensor_parallel_size > 1:
         raise ValueError(f"set tensor_parallel_size to 1, or unset VLLM_USE_V2_MODEL_RUNNER "
                          f"(the V1 runner serves method {method!r} with tensor parallelism): "
@@ -190,7 +185,15 @@ def _cudagraphs(args, method: str, spec: dict, v2: bool) -> None:
                           None if mode is None else getattr(mode, "name", str(mode)),
                           bool(args.enforce_eager), current_platform.is_cuda_alike(),
                           v2_runner=v2)
-    if plan is not None:
+    if plan == "NONE":
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        logger.warning("diffspec: method %r runs with cudagraph_mode NONE on vLLM's V2 model "
+                       "runner: its branches join the target forward in the model's Python "
+                       "forward, which a CUDA graph replay would skip. Cost: kernel launch "
+                       "overhead in every layer, most visible at small batches (the V1 "
+                       "runner, VLLM_USE_V2_MODEL_RUNNER unset, runs it with PIECEWISE "
+                       "graphs)", method)
+    elif plan is not None:
         compilation.cudagraph_mode = CUDAGraphMode[plan]
         logger.warning("diffspec: method %r runs with cudagraph_mode %s (CUDA graphs for "
                        "the layers between attention calls, attention eager): %s. Cost: "

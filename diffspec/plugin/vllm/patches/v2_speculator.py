@@ -13,13 +13,14 @@ How: wrap it: for a diffspec self-speculative config
 (:func:`diffspec.plugin.vllm.config.is_self_spec_proposer`), build diffspec's V2 speculator
 (:class:`diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator` for ``orthrus`` /
 ``linear_self_spec``, a ``DraftModelSpeculator`` whose draft model is the served model's
-diffusion view); ``tidar`` is refused with the reason (its drafts come from the verify
-forward itself, which a V2 speculator cannot extend); every other config gets vLLM's own
+diffusion view; :class:`diffspec.spec_workers.vllm.tidar_v2.TiDARSpeculator` for ``tidar``,
+which plans the step's branches in the model state's ``prepare_attn`` and runs them in the
+target forward: it wraps both on their instances); every other config gets vLLM's own
 speculator. The runner then drives it as any V2 speculator: ``load_model`` with the target
-model, ``set_attn`` with its block tables and attention groups, ``propose`` after each
-verify, and its own sampler / rejection sampler / scheduler do the rest. The list of
-features the V2 runner lacks drops diffspec's ``custom_class`` config only when the user
-asked for the V2 runner (``VLLM_USE_V2_MODEL_RUNNER=1``, the setting the config patch
+model, ``set_attn`` with its model state, block tables and attention groups, ``propose``
+after each verify, and its own sampler / rejection sampler / scheduler do the rest. The
+list of features the V2 runner lacks drops diffspec's ``custom_class`` config only when the
+user asked for the V2 runner (``VLLM_USE_V2_MODEL_RUNNER=1``, the setting the config patch
 ``speculative_method`` checks the launch against); left unset, vLLM still picks the V1
 runner for diffspec's methods.
 """
@@ -31,7 +32,7 @@ import functools
 from diffspec.plugin.engine_sources import Target
 from diffspec.plugin.vllm.patches import is_applied, mark
 
-__all__ = ["TARGETS", "apply", "v2_refusal"]
+__all__ = ["TARGETS", "apply"]
 
 _SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator"
 _PROPOSE = ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidden_states",
@@ -62,7 +63,31 @@ TARGETS = (
                 "computed_delta)"),
                ("vllm.v1.worker.gpu.block_table:BlockTables.append_block_ids",
                 "self.num_blocks.np[i, req_index] = end"),
+               # tidar: the model state's metadata, then the target forward called eagerly
+               # on the model instance (cudagraph_mode NONE), the scheduled tokens'
+               # hidden states to the sampler, all of them to propose()
+               ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model",
+                "attn_metadata = self.model_state.prepare_attn( input_batch, "
+                "batch_desc.cg_mode, block_tables, slot_mappings, attn_groups, "
+                "self.kv_cache_config, ... for_capture= ... else: ... "
+                "model_output = self.model(**model_inputs)"),
+               ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens",
+                "sampler_output, num_sampled, num_rejected = self.sample( hidden_states, "
+                "input_batch, grammar_output ) ... self.postprocess_sampled( ... "
+                "spec_hidden_states = get_drafter_hidden_states( ... num_sampled,"),
+               ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample",
+                "sample_hidden_states = hidden_states[input_batch.logits_indices]"),
+               # a dummy batch's requests are none of the request states'
+               ("vllm.v1.worker.gpu.input_batch:InputBatch.make_dummy",
+                "req_ids = [f\"req_{i}_{random_uuid()}\" for i in range(num_reqs)]"),
+               ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.update_requests",
+                "num_computed_tokens_np[req_index] = num_computed_tokens"),
            )),
+    # the model state method TiDARSpeculator wraps (the runner's call passes no ubatch_idx)
+    Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState.prepare_attn",
+           ("self", "input_batch", "cudagraph_mode", "block_tables", "slot_mappings",
+            "attn_groups", "kv_cache_config", "for_capture", "ubatch_idx",
+            "model_specific_attn_metadata")),
     # the base-class methods TwoPassSpeculator overrides: same names and parameters, or
     # the runner would call vLLM's versions
     Target(_SPECULATOR, "DraftModelSpeculator.__init__", ("self", "vllm_config", "device")),
@@ -93,26 +118,6 @@ TARGETS += (
            )),
 )
 
-TIDAR_WHY = (
-    "TiDAR drafts inside the verify forward (one forward per step: the scheduled tokens "
-    "plus one branch of mask tokens per acceptance outcome, under a structured mask), and "
-    "a V2 speculator cannot add tokens to that forward: the V2 runner runs the target "
-    "itself (GPUModelRunner.execute_model, its model state's inputs and attention "
-    "metadata for the scheduled tokens only) and calls the speculator's propose() only "
-    "after sampling, with the forward's hidden states; diffspec's V1 path extends the "
-    "forward by wrapping the V1 runner's _model_forward (patch runner_forward), which the "
-    "V2 runner does not have")
-
-
-def v2_refusal(method: str) -> str | None:
-    """Why ``method`` cannot run on vLLM's V2 model runner (first words: what to do), or
-    ``None`` when it can."""
-    if method == "tidar":
-        return (f"unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0) for method 'tidar': "
-                f"it runs on vLLM's V1 model runner only. {TIDAR_WHY}")
-    return None
-
-
 def apply() -> None:
     import sys
 
@@ -130,9 +135,10 @@ def apply() -> None:
         if not is_self_spec_proposer(spec):
             return original(vllm_config, device, req_states)
         method = _method(vllm_config)
-        refusal = v2_refusal(method)
-        if refusal:
-            raise ValueError(refusal)
+        if method == "tidar":
+            from diffspec.spec_workers.vllm.tidar_v2 import TiDARSpeculator
+
+            return TiDARSpeculator(vllm_config, device, req_states)
         from diffspec.spec_workers.vllm.two_pass_v2 import TwoPassSpeculator
 
         return TwoPassSpeculator(vllm_config, device, req_states, method)

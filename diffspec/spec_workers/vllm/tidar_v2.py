@@ -1,0 +1,261 @@
+"""vLLM V2 model runner speculator for TiDAR and NLD quadratic self-speculation: the V1
+one-forward step of :mod:`~diffspec.spec_workers.vllm.tidar` as a speculator of vLLM's V2
+runner (``vllm/v1/worker/gpu/``), built by ``init_speculator`` (patch ``v2_speculator``).
+
+Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/tidar_v2.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+from diffspec.spec_workers.vllm.proposer import draft_argmax, non_causal_metadata
+from diffspec.spec_workers.vllm.tidar import (
+    BranchPlan,
+    _Branches,
+    _decoder_forward,
+    _quadratic_attention,
+    check_decoder_layers,
+    next_draft_count,
+    plan_branches,
+)
+
+__all__ = ["TiDARSpeculator"]
+
+
+class TiDARSpeculator(DraftModelSpeculator):
+    """TiDAR on the V2 runner: the target forward of each step carries the branches.
+
+    * ``set_attn`` wraps the runner's model state's ``prepare_attn`` (called right before the
+      target forward, with the step's input batch and block tables): after vLLM's own
+      metadata for the scheduled tokens, it plans the step's branches and builds their
+      non-causal metadata on the target's builders;
+    * ``load_model`` wraps the target model's ``forward`` (the call
+      ``GPUModelRunner.execute_model`` makes eagerly; CUDA graphs are off for ``tidar`` on
+      this runner): a step with branches runs the model's layers over the scheduled tokens
+      and the branches (``tidar._QuadraticAttention``) and returns the scheduled tokens'
+      hidden states only, which vLLM's sampler and rejection sampler verify;
+    * ``propose`` (after sampling) drafts the next step from the branch each request's
+      acceptance selected: the argmax of its rows.
+    """
+
+    def __init__(self, vllm_config, device: torch.device, req_states) -> None:
+        super().__init__(vllm_config, device)
+        hf_config = vllm_config.model_config.hf_config
+        self.method = "tidar"
+        self.req_states = req_states
+        self.mask_token_id = int(hf_config.mask_token_id)
+        self.logits_shift = getattr(hf_config, "dlm_type", None) == "dream"
+        self.num_forwards = 0  # forwards that carried branches (tests read it)
+        self._planned: _Branches | None = None  # built by prepare_attn, run by the forward
+        self._ran: tuple[_Branches, torch.Tensor] | None = None  # branches, their hidden
+
+    # ------------------------------------------------------------ the runner's set-up calls
+
+    def load_draft_model(self, target_model, target_attn_layer_names):  # the served model
+        return target_model
+
+    def load_model(self, target_model) -> None:
+        """Called by the runner with the target model: check its layers, and route its
+        forward through :meth:`_forward`."""
+        check_decoder_layers(target_model)
+        self.model = target_model
+        self.draft_attn_layer_names: set[str] = set()
+        original = target_model.forward
+
+        def forward(input_ids=None, positions=None, intermediate_tensors=None,
+                    inputs_embeds=None, **kwargs):
+            return self._forward(original, input_ids, positions, intermediate_tensors,
+                                 inputs_embeds, **kwargs)
+
+        target_model.forward = forward  # the instance's: nn.Module.__call__ calls it
+
+    def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
+                 target_attn_groups) -> None:
+        """The runner's block tables and attention groups; wrap the model state's
+        ``prepare_attn`` to plan each step's branches."""
+        if len(target_attn_groups) != 1:
+            raise RuntimeError(f"method 'tidar' supports models with one KV cache group (full "
+                               f"attention in every layer); this one has "
+                               f"{len(target_attn_groups)}")
+        for group in target_attn_groups[0]:
+            if group.kernel_block_size is not None:
+                # the mapped block tables live in one persistent buffer per group: the
+                # branches' builds would overwrite the verify's before it runs
+                raise RuntimeError(
+                    f"set --block-size to one the attention backend "
+                    f"{group.backend.get_name()} takes as its kernel block size (KV blocks of "
+                    f"{group.kv_cache_spec.block_size} are split into kernel blocks of "
+                    f"{group.kernel_block_size}) for method 'tidar' on vLLM's V2 model "
+                    f"runner: the split block tables share one buffer, which the branches' "
+                    f"metadata would overwrite")
+        self.model_state = model_state
+        self.kv_cache_config = kv_cache_config
+        self.block_tables = block_tables
+        self.target_input_buffers = target_input_buffers
+        self.target_attn_groups = target_attn_groups
+        self.attn_groups: list = []  # no draft layers: nothing for the runner to map
+        original = model_state.prepare_attn
+
+        def prepare_attn(input_batch, cudagraph_mode, tables, *args, **kwargs):
+            metadata = original(input_batch, cudagraph_mode, tables, *args, **kwargs)
+            self._planned = None
+            if "ubatch_idx" in kwargs:  # GPUModelRunner's own call passes none
+                raise NotImplementedError("method 'tidar' runs one attention metadata per "
+                                          "layer; micro-batching (--enable-dbo / ubatches) "
+                                          "is not supported")
+            self._planned = self._plan(input_batch, tables[0])
+            return metadata
+
+        model_state.prepare_attn = prepare_attn
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        """Nothing of its own to capture (the step runs eagerly)."""
+
+    def capture(self) -> None:
+        """Nothing to capture."""
+
+    # ------------------------------------------------------------ each step
+
+    def _plan(self, input_batch, tables: torch.Tensor) -> _Branches | None:
+        """This step's branches: for every request that samples a token and may take a
+        draft after it (``tidar.plan_branches``, the V1 drafter's rule)."""
+        known = self.req_states.req_id_to_index
+        num_reqs = input_batch.num_reqs
+        if num_reqs == 0 or not all(r in known for r in input_batch.req_ids):
+            return None  # a dummy batch (warm-up, profile)
+        scheduled = input_batch.num_scheduled_tokens[:num_reqs].astype(np.int64)
+        drafts = input_batch.num_draft_tokens_per_req
+        drafts = (np.zeros(num_reqs, dtype=np.int64) if drafts is None
+                  else drafts[:num_reqs].astype(np.int64))
+        computed = input_batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
+        # prompt + output tokens: a prefill chunk short of the prompt samples nothing
+        num_tokens = np.maximum(input_batch.prefill_len_np[:num_reqs], computed + scheduled - drafts)
+        page = self.block_tables.block_sizes[0]
+        slots = self.block_tables.num_blocks.np[0, input_batch.idx_mapping_np[:num_reqs]] * page
+        plans = plan_branches(scheduled.tolist(), drafts.tolist(), computed.tolist(),
+                              num_tokens.tolist(), [None] * num_reqs, slots.tolist(),
+                              self.num_speculative_steps, self.logits_shift,
+                              self.max_model_len)
+        if not plans:
+            return None
+        return self._build_branches(plans, tables, input_batch.query_start_loc_np)
+
+    def _build_branches(self, plans: list[BranchPlan], tables: torch.Tensor,
+                        query_start: np.ndarray) -> _Branches:
+        """The branch tokens, branch index by branch index, each index's non-causal
+        metadata built now on the target's builders (``proposer.non_causal_metadata``)."""
+        pos, steps, offsets = [], [], {}
+        total = 0
+        page = self.block_tables.block_sizes[0]
+        for a in range(max(p.num_drafts for p in plans) + 1):
+            group = [p for p in plans if p.num_drafts >= a]
+            rows = torch.tensor([p.row for p in group], dtype=torch.int64, device=self.device)
+            lengths = np.array([p.num_masks for p in group], dtype=np.int32)
+            blocks = non_causal_metadata(self.target_attn_groups[0], tables[rows], page,
+                                         [p.anchor + a + 1 for p in group], lengths,
+                                         self.method, self.device)
+            for p, start in zip(group, blocks.query_start[:-1]):
+                offsets[(p.row, a)] = total + int(start)
+            steps.append((slice(total, total + blocks.num_tokens), blocks))
+            pos.append(blocks.positions)
+            total += blocks.num_tokens
+        restore = [np.arange(query_start[p.row + 1] - p.num_drafts, query_start[p.row + 1])
+                   for p in plans]
+        restore = np.concatenate(restore).astype(np.int64)
+        return _Branches(
+            plans=plans,
+            input_ids=torch.full((total,), self.mask_token_id, dtype=torch.long,
+                                 device=self.device),
+            positions=torch.cat(pos),
+            steps=steps[::-1],
+            offsets=offsets,
+            restore_index=torch.from_numpy(restore).to(self.device) if len(restore) else None,
+        )
+
+    def _forward(self, original, input_ids, positions, intermediate_tensors, inputs_embeds,
+                 **kwargs) -> torch.Tensor:
+        """The target forward: vLLM's when the step has no branches, else the scheduled
+        tokens and the branches in one forward (hidden states of the scheduled tokens)."""
+        branches, self._planned = self._planned, None
+        self._ran = None
+        if branches is None or input_ids is None or inputs_embeds is not None \
+                or intermediate_tensors is not None:  # no drafts next step: still lossless
+            return original(input_ids=input_ids, positions=positions,
+                            intermediate_tensors=intermediate_tensors,
+                            inputs_embeds=inputs_embeds, **kwargs)
+        from vllm.forward_context import get_forward_context
+
+        if not isinstance(get_forward_context().attn_metadata, dict):
+            raise NotImplementedError("method 'tidar' runs one attention metadata per layer; "
+                                      "micro-batching (--enable-dbo / ubatches) is not "
+                                      "supported")
+        num_verify = input_ids.shape[0]
+        ids = torch.cat([input_ids, branches.input_ids])  # [T + B]
+        pos = torch.cat([positions[:num_verify], branches.positions])  # [T + B]
+        with _quadratic_attention(self.model, num_verify, branches):
+            hidden = _decoder_forward(self.model.model, ids, pos)  # [T + B, hidden]
+        self.num_forwards += 1
+        self._ran = (branches, hidden[num_verify:])
+        return hidden[:num_verify]
+
+    @torch.inference_mode()
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs=None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        """Draft tokens ``[num_reqs, num_speculative_tokens]`` for the runner's batch (its
+        order): the argmax of the branch each request's acceptance selected; drafts past
+        that branch (or with none) repeat the request's last token, which the verify may
+        reject like any draft."""
+        num_reqs = input_batch.num_reqs
+        drafts = self.draft_tokens[:num_reqs]  # [num_reqs, K]
+        ran, self._ran = self._ran, None
+        if dummy_run:  # warm-up / profile: no requests, nothing to draft
+            drafts.zero_()
+            return drafts
+        if self._planned is not None:
+            self._planned = None
+            raise RuntimeError("method 'tidar' planned branches that no forward ran (the "
+                               "runner replayed a CUDA graph?): set cudagraph_mode NONE or "
+                               "add --enforce-eager")
+        idx = input_batch.idx_mapping[:num_reqs]  # [num_reqs] request-state rows
+        drafts.copy_(last_sampled.view(-1)[idx][:, None].expand(num_reqs, drafts.shape[1]))
+        if ran is None:
+            return drafts
+        branches, hidden = ran
+        emitted = num_sampled[:num_reqs].tolist()
+        page = self.block_tables.block_sizes[0]
+        slots = (self.block_tables.num_blocks.np[0, input_batch.idx_mapping_np[:num_reqs]]
+                 * page).tolist()
+        skip = 0 if self.logits_shift else 1
+        rows, counts, index = [], [], []
+        for plan in branches.plans:
+            n = emitted[plan.row]
+            if n == 0:
+                continue
+            # n - 1 drafts accepted: that branch pre-drafted this outcome; the committed
+            # tokens end with the sampled one at position anchor + n
+            count = next_draft_count(plan, plan.anchor + n + 1, None, slots[plan.row],
+                                     self.num_speculative_steps, self.logits_shift,
+                                     self.max_model_len)
+            if count > 0:
+                start = branches.offsets[(plan.row, n - 1)] + skip
+                rows.append(plan.row)
+                counts.append(count)
+                index.extend(range(start, start + count))
+        if not index:
+            return drafts
+        tokens = draft_argmax(self.model, hidden,
+                              torch.tensor(index, dtype=torch.int64, device=self.device))
+        if tokens is None:  # a tensor-parallel rank without the gathered logits
+            return drafts
+        at = 0
+        for row, count in zip(rows, counts):
+            drafts[row, :count] = torch.tensor(tokens[at:at + count], dtype=drafts.dtype)
+            at += count
+        return drafts
