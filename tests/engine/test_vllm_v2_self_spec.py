@@ -231,6 +231,24 @@ def test_v2_refusals(engine, case: str, match: str) -> None:
     assert_clear_error(engine["config_errors"], case, match)
 
 
+def test_tidar_refuses_split_kernel_block_tables() -> None:
+    """Where the attention backend splits the KV blocks into smaller kernel blocks, vLLM maps
+    the block tables into one buffer per attention group, which TiDAR's branch metadata
+    (built before the verify runs) would overwrite: refused when the V2 runner hands the
+    speculator its attention groups. No engine start: the runner's call, with its groups."""
+    from types import SimpleNamespace
+
+    require_engine("vllm")
+    from diffspec.spec_workers.vllm.tidar_v2 import TiDARSpeculator
+
+    group = SimpleNamespace(kernel_block_size=16, kv_cache_spec=SimpleNamespace(block_size=32),
+                            backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"))
+    with pytest.raises(RuntimeError, match=r"^set --block-size 16 \(a block size the attention "
+                                           r"backend FLASH_ATTN runs as it is\) for method "
+                                           r"'tidar' on vLLM's V2 model runner: "):
+        TiDARSpeculator.set_attn(SimpleNamespace(), None, None, None, None, [[group]])
+
+
 def _load(family: str):
     if family == "tidar":
         from diffspec.model_executors.reference.tidar import load_quadratic

@@ -85,12 +85,13 @@ class TiDARSpeculator(DraftModelSpeculator):
                 # the mapped block tables live in one persistent buffer per group: the
                 # branches' builds would overwrite the verify's before it runs
                 raise RuntimeError(
-                    f"set --block-size to one the attention backend "
-                    f"{group.backend.get_name()} takes as its kernel block size (KV blocks of "
-                    f"{group.kv_cache_spec.block_size} are split into kernel blocks of "
-                    f"{group.kernel_block_size}) for method 'tidar' on vLLM's V2 model "
-                    f"runner: the split block tables share one buffer, which the branches' "
-                    f"metadata would overwrite")
+                    f"set --block-size {group.kernel_block_size} (a block size the attention "
+                    f"backend {group.backend.get_name()} runs as it is) for method 'tidar' on "
+                    f"vLLM's V2 model runner: its KV blocks of "
+                    f"{group.kv_cache_spec.block_size} tokens are split into kernel blocks, "
+                    f"whose block tables vLLM maps into one buffer per attention group, and "
+                    f"the branches' metadata, built before the verify runs, would overwrite "
+                    f"the verify's")
         self.model_state = model_state
         self.kv_cache_config = kv_cache_config
         self.block_tables = block_tables
