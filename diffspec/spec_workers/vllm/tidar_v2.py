@@ -133,7 +133,8 @@ class TiDARSpeculator(DraftModelSpeculator):
                   else drafts[:num_reqs].astype(np.int64))
         computed = input_batch.num_computed_tokens_np[:num_reqs].astype(np.int64)
         # prompt + output tokens: a prefill chunk short of the prompt samples nothing
-        num_tokens = np.maximum(input_batch.prefill_len_np[:num_reqs], computed + scheduled - drafts)
+        num_tokens = np.maximum(input_batch.prefill_len_np[:num_reqs],
+                                computed + scheduled - drafts)
         page = self.block_tables.block_sizes[0]
         slots = self.block_tables.num_blocks.np[0, input_batch.idx_mapping_np[:num_reqs]] * page
         plans = plan_branches(scheduled.tolist(), drafts.tolist(), computed.tolist(),
