@@ -23,8 +23,9 @@ scheduler, input preparation, sampler, rejection sampler and paged KV cache; the
 * the launches the V2 path refuses at engine-config time, each with what to do first:
   ``"adaptive": true``, prompt lookup, async scheduling.
 
-The interpreter is slow: few requests, few tokens; the one subprocess takes about 3 minutes on
-the 2-core box (7.5 when other jobs share it): two engine starts and a 60-request sampled batch.
+The interpreter is slow: few requests, few tokens; the one job takes about 3 minutes on the
+2-core box (188 s with other jobs on it, of which the TiDAR run about 30 s): three engine
+starts and a 60-request sampled batch.
 """
 
 from __future__ import annotations
