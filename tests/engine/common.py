@@ -132,6 +132,32 @@ def assert_sglang_logits_chunked(meter: dict, request_rows: int) -> None:
     assert meter["largest_vocab_bytes"] <= bound, meter
 
 
+def largest_new_vocab_tensor(fn: Callable[[], object], vocab: int) -> int:
+    """Bytes of the largest tensor ``fn()`` allocates whose last dimension is ``vocab`` (an
+    operator's output that shares no storage with its inputs: not a view or an in-place
+    result)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    largest = [0]
+
+    class Meter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if (isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == vocab
+                        and t.untyped_storage().data_ptr() not in inputs):
+                    largest[0] = max(largest[0], t.untyped_storage().nbytes())
+            return out
+
+    with Meter():
+        fn()
+    return largest[0]
+
+
 def sglang_tokens_per_verify_step(metas: Iterable[dict]) -> float:
     """(accepted drafts + verify steps) / verify steps over requests, from their own
     ``meta_info`` counters: what SGLang's ``avg_spec_accept_length`` should say about

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine.common import largest_new_vocab_tensor
 from tests.engine.conftest import require_engine
 
 require_engine("vllm")  # the whole module: skipped, or failed where CI requires vLLM
@@ -407,31 +408,6 @@ def test_sampler_warns_only_on_sampling_it_ignores(models: dict[str, DiffusionLM
             in caplog.text)
 
 
-def _largest_new_vocab_tensor(fn, vocab: int) -> int:
-    """Bytes of the largest tensor ``fn()`` allocates whose last dimension is ``vocab`` (an
-    operator's output that shares no storage with its inputs: not a view or an in-place
-    result)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    largest = [0]
-
-    class Meter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
-            for t in tree_leaves(out):
-                if (isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == vocab
-                        and t.untyped_storage().data_ptr() not in inputs):
-                    largest[0] = max(largest[0], t.untyped_storage().nbytes())
-            return out
-
-    with Meter():
-        fn()
-    return largest[0]
-
-
 def test_sampler_denoises_a_long_batch_in_bounded_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 29, row 8: the sampler copies and unmasks the block logits of whole requests,
     ``DRAFT_LOGITS_ROWS // block`` at a time (here 16 rows: 2 requests of 8), not all the
@@ -459,7 +435,7 @@ def test_sampler_denoises_a_long_batch_in_bounded_parts(monkeypatch: pytest.Monk
                                                   extra_args={"fast_dllm_threshold": 0.05 * i}))
             sampler.state.states[i].phase = DENOISE
         out = {}
-        size = _largest_new_vocab_tensor(lambda: out.setdefault("o", sampler(logits, batch)),
+        size = largest_new_vocab_tensor(lambda: out.setdefault("o", sampler(logits, batch)),
                                          vocab)
         o = out["o"]
         return ([o.sampled_token_ids.tolist(), o.num_sampled.tolist(), o.num_rejected.tolist(),

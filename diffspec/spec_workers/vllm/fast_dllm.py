@@ -26,8 +26,9 @@ from diffspec.methods import get_method
 from diffspec.plugin.vllm.dllm import THRESHOLD_ARG
 from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS
 
-__all__ = ["BlockState", "FastDLLMModelState", "FastDLLMSampler", "begin_blocks",
-           "block_outcome", "complete_block", "denoise_step", "request_stops", "seed_token"]
+__all__ = ["BlockState", "DiffusionModelState", "DiffusionSampler", "FastDLLMModelState",
+           "FastDLLMSampler", "begin_blocks", "block_outcome", "complete_block",
+           "denoise_step", "ignored_sampling", "request_stops", "seed_token"]
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
@@ -174,11 +175,47 @@ def complete_block(state: BlockState, last_logits: torch.Tensor | None, block: i
 # ---------------------------------------------------------------------------- engine
 
 
-class FastDLLMModelState(DefaultModelState):
+class DiffusionModelState(DefaultModelState):
+    """What diffspec's model states on vLLM's diffusion path share (Fast-dLLM's here,
+    ReFusion's in :mod:`diffspec.spec_workers.vllm.refusion`): the generate task, no bonus
+    token per forward, and the request bookkeeping: each request's decoding state by vLLM
+    slot (``states``, which the sampler's ``add_request`` fills), the slot of each request
+    id and the engine forwards each request took part in (``forwards``)."""
+
+    num_new_sampled_tokens_per_step: int = 0  # a block / canvas forward samples no bonus token
+
+    def __init__(self, vllm_config: VllmConfig, model: torch.nn.Module, encoder_cache: Any,
+                 device: torch.device) -> None:
+        super().__init__(vllm_config, model, encoder_cache, device)
+        self.states: dict[int, Any] = {}  # vLLM slot -> the request's decoding state
+        self.slot_of: dict[str, int] = {}
+        self.forwards: dict[str, int] = {}  # request id -> forwards it took part in
+
+    def get_supported_generation_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def add_request(self, req_index: int, new_req_data: Any) -> None:
+        super().add_request(req_index, new_req_data)
+        self.slot_of[new_req_data.req_id] = req_index
+        self.forwards.setdefault(new_req_data.req_id, 0)
+
+    def remove_request(self, req_id: str) -> None:
+        super().remove_request(req_id)
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.states.pop(slot, None)
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        for req_id in input_batch.req_ids[: input_batch.num_reqs]:
+            self.forwards[req_id] = self.forwards.get(req_id, 0) + 1
+        return super().prepare_inputs(input_batch, req_states)
+
+
+class FastDLLMModelState(DiffusionModelState):
     """vLLM model state of a diffusion LM decoded with Fast-dLLM: causal prefill, then
     non-causal block forwards (see the module docstring); the sampler does the rest."""
 
-    num_new_sampled_tokens_per_step: int = 0  # a block forward samples no bonus token
+    states: dict[int, BlockState]
 
     def __init__(self, vllm_config: VllmConfig, model: torch.nn.Module, encoder_cache: Any,
                  device: torch.device) -> None:
@@ -201,32 +238,10 @@ class FastDLLMModelState(DefaultModelState):
             raise ValueError(f"{type(model).__name__} keeps no hidden states "
                              f"(diffspec.model_executors.vllm.dllm.FastDLLMModel): a shifted "
                              f"family's first token cannot be seeded")
-        self.states: dict[int, BlockState] = {}  # vLLM slot -> state
-        self.slot_of: dict[str, int] = {}
-        self.forwards: dict[str, int] = {}  # request id -> forwards it took part in
         self._causal = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=device)
-
-    def get_supported_generation_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
 
     def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
         return FastDLLMSampler(sampler, self), None
-
-    def add_request(self, req_index: int, new_req_data: Any) -> None:
-        super().add_request(req_index, new_req_data)
-        self.slot_of[new_req_data.req_id] = req_index
-        self.forwards.setdefault(new_req_data.req_id, 0)
-
-    def remove_request(self, req_id: str) -> None:
-        super().remove_request(req_id)
-        slot = self.slot_of.pop(req_id, None)
-        if slot is not None:
-            self.states.pop(slot, None)
-
-    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
-        for req_id in input_batch.req_ids[: input_batch.num_reqs]:
-            self.forwards[req_id] = self.forwards.get(req_id, 0) + 1
-        return super().prepare_inputs(input_batch, req_states)
 
     def prepare_attn(
         self, input_batch: Any, cudagraph_mode: CUDAGraphMode, block_tables: Any,
@@ -268,9 +283,10 @@ class FastDLLMModelState(DefaultModelState):
         )
 
 
-def _ignored_sampling(sampling_params: Any) -> list[str]:
-    """The request's sampling settings that Fast-dLLM's greedy block rules ignore (vLLM
-    refuses a temperature other than 1.0 for a diffusion model before the worker sees it)."""
+def ignored_sampling(sampling_params: Any) -> list[str]:
+    """The request's sampling settings that greedy diffusion decoding (Fast-dLLM's block
+    rules, ReFusion's slot rules) ignores (vLLM refuses a temperature other than 1.0 for a
+    diffusion model before the worker sees it)."""
     defaults = {"top_k": (0, -1, None), "top_p": (1.0, None), "repetition_penalty": (1.0, None),
                 "frequency_penalty": (0.0, None), "presence_penalty": (0.0, None)}
     ignored = [f"{k} {getattr(sampling_params, k)}" for k, ok in defaults.items()
@@ -279,30 +295,78 @@ def _ignored_sampling(sampling_params: Any) -> list[str]:
     return ignored + [f"extra_args {k}" for k in extra if str(k).startswith("diffusion_")]
 
 
-class FastDLLMSampler:
-    """Replaces vLLM's sampler for a Fast-dLLM model (``ModelState.custom_sampler``): turns
-    each step's block logits into committed slots, the next canvas (the request's draft
-    tokens) and the tokens to emit, with the rules above."""
+class DiffusionSampler:
+    """What the samplers of :class:`DiffusionModelState` share (they replace vLLM's sampler
+    through ``ModelState.custom_sampler``): vLLM's per-request sampling states kept as the
+    runner expects, no penalties, output buffers of ``width`` tokens per request, and
+    ``add_request``, which warns of the sampling settings greedy decoding ignores and puts
+    the request's decoding state (:meth:`new_state`) in ``state.states``. ``method`` and
+    ``rules`` name the decoding in that warning."""
 
-    def __init__(self, sampler: Any, state: FastDLLMModelState) -> None:
+    method = "diffusion decoding"
+    rules = "decoding"
+
+    def __init__(self, sampler: Any, state: DiffusionModelState, width: int) -> None:
         self.sampling_states = sampler.sampling_states
         self.logprob_token_ids_state = sampler.logprob_token_ids_state
         self.req_states = sampler.req_states
         self.penalties_state = SimpleNamespace(output_bin_counts=None)  # no penalties
         self.compute_nans = False
         self.state = state
-        block, n = state.block_size, state.max_num_reqs
-        self._sampled = torch.zeros(n, block, dtype=torch.int32, device=state.device)
+        n = state.max_num_reqs
+        self._sampled = torch.zeros(n, width, dtype=torch.int32, device=state.device)
         self._num_sampled = torch.zeros(n, dtype=torch.int32, device=state.device)
         self._num_rejected = torch.zeros(n, dtype=torch.int32, device=state.device)
 
     def add_request(self, req_idx: int, sampling_params: Any) -> None:
-        ignored = _ignored_sampling(sampling_params)
+        ignored = ignored_sampling(sampling_params)
         if ignored:
-            logger.warning("Fast-dLLM decodes greedily with its own block rules; ignoring %s",
-                           ", ".join(ignored))
+            logger.warning("%s decodes greedily with its own %s rules; ignoring %s",
+                           self.method, self.rules, ", ".join(ignored))
         self.sampling_states.add_request(req_idx, sampling_params)
         self.logprob_token_ids_state.add_request(req_idx, sampling_params)
+        self.state.states[req_idx] = self.new_state(sampling_params)
+
+    def new_state(self, sampling_params: Any) -> Any:
+        """A new request's decoding state."""
+        raise NotImplementedError
+
+    def apply_staged_writes(self) -> None:
+        self.sampling_states.apply_staged_writes()
+        self.logprob_token_ids_state.apply_staged_writes()
+
+    @staticmethod
+    def _prefill_done(input_batch: Any, i: int) -> bool:
+        """True when request ``i``'s prompt is fully computed after this step."""
+        return bool(input_batch.num_computed_prefill_tokens_np[i]
+                    + input_batch.num_scheduled_tokens[i] >= input_batch.prefill_len_np[i])
+
+    def _output(self, num_reqs: int, sampled: torch.Tensor, emit: np.ndarray,
+                rejected: np.ndarray) -> SamplerOutput:
+        out = self._sampled[:num_reqs]
+        out.copy_(sampled.to(out.dtype))
+        num_sampled = self._num_sampled[:num_reqs]
+        num_sampled.copy_(torch.from_numpy(emit))
+        num_rejected = self._num_rejected[:num_reqs]
+        num_rejected.copy_(torch.from_numpy(rejected))
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None, num_nans=None,
+                             num_sampled=num_sampled, num_rejected=num_rejected)
+
+    def get_logprobs_dims(self, *_: Iterable[Any], **__: Any) -> Any:
+        raise NotImplementedError(f"{self.method} returns no logprobs")
+
+
+class FastDLLMSampler(DiffusionSampler):
+    """Replaces vLLM's sampler for a Fast-dLLM model: turns each step's block logits into
+    committed slots, the next canvas (the request's draft tokens) and the tokens to emit,
+    with the rules above."""
+
+    method, rules = "Fast-dLLM", "block"
+
+    def __init__(self, sampler: Any, state: FastDLLMModelState) -> None:
+        super().__init__(sampler, state, state.block_size)
+
+    def new_state(self, sampling_params: Any) -> BlockState:
         block = self.state.block_size
         extra = getattr(sampling_params, "extra_args", None) or {}
         threshold = extra.get(THRESHOLD_ARG, self.state.threshold)
@@ -314,16 +378,12 @@ class FastDLLMSampler:
             logger.warning("extra_args %s must lie in [0, 1], got %r; using %s", THRESHOLD_ARG,
                            extra.get(THRESHOLD_ARG), self.state.threshold)
             threshold = self.state.threshold
-        self.state.states[req_idx] = BlockState(
+        return BlockState(
             max_tokens=int(sampling_params.max_tokens),
             stops=torch.tensor(request_stops(sampling_params), dtype=torch.long),
             threshold=threshold,
             canvas=torch.full((block,), self.state.mask_token_id, dtype=torch.long),
         )
-
-    def apply_staged_writes(self) -> None:
-        self.sampling_states.apply_staged_writes()
-        self.logprob_token_ids_state.apply_staged_writes()
 
     def __call__(self, logits: torch.Tensor, input_batch: Any,
                  draft_logits: torch.Tensor | None = None) -> SamplerOutput:
@@ -406,22 +466,3 @@ class FastDLLMSampler:
         canvases = torch.stack([self.state.states[s].canvas for s in live])
         draft[index, : self.state.block_size] = canvases.to(draft.device, draft.dtype)
 
-    @staticmethod
-    def _prefill_done(input_batch: Any, i: int) -> bool:
-        """True when request ``i``'s prompt is fully computed after this step."""
-        return bool(input_batch.num_computed_prefill_tokens_np[i]
-                    + input_batch.num_scheduled_tokens[i] >= input_batch.prefill_len_np[i])
-
-    def _output(self, num_reqs: int, sampled: torch.Tensor, emit: np.ndarray,
-                rejected: np.ndarray) -> SamplerOutput:
-        out = self._sampled[:num_reqs]
-        out.copy_(sampled.to(out.dtype))
-        num_sampled = self._num_sampled[:num_reqs]
-        num_sampled.copy_(torch.from_numpy(emit))
-        num_rejected = self._num_rejected[:num_reqs]
-        num_rejected.copy_(torch.from_numpy(rejected))
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None, num_nans=None,
-                             num_sampled=num_sampled, num_rejected=num_rejected)
-
-    def get_logprobs_dims(self, *_: Iterable[Any], **__: Any) -> Any:
-        raise NotImplementedError("Fast-dLLM returns no logprobs")

@@ -8,11 +8,10 @@ Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/refusion
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,20 +20,23 @@ from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappings_by_layer
-from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
 from diffspec.core.slots import (
     committed_slot_lengths,
     first_stop_in_slots,
-    score_slots,
     select_slots,
     verify_slot_drafts,
 )
-from diffspec.spec_workers.vllm.fast_dllm import _ignored_sampling, request_stops
-from diffspec.spec_workers.vllm.tidar import _decoder_forward
+from diffspec.spec_workers.vllm.fast_dllm import (
+    DiffusionModelState,
+    DiffusionSampler,
+    request_stops,
+)
+from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS
+from diffspec.spec_workers.vllm.tidar import decoder_forward
 
-__all__ = ["ReFusionModelState", "ReFusionSampler"]
+__all__ = ["ReFusionModelState", "ReFusionSampler", "logit_rows"]
 
 logger = logging.getLogger("vllm.diffspec")
 
@@ -46,7 +48,8 @@ class _Seq:
     """One attention sequence of an engine forward: ``input_ids`` at ``positions``, whose
     K/V go to the request's cache entries ``kv_start ..`` and which attends causally to
     entries ``0 .. kv_start + n - 1``. Sequences of one request that share entries run in
-    separate attention calls (``phase``); ``final``: the entry their K/V are also copied to."""
+    separate attention calls (``phase``); ``final``: the entry their K/V are also copied to.
+    The decoder reads the logits of rows ``logits_from ..`` only (``n``: none)."""
 
     batch: int  # the request's row in this step's input batch (its block table row)
     input_ids: Tensor  # [n]
@@ -54,10 +57,54 @@ class _Seq:
     kv_start: int
     phase: int = 0
     final: int | None = None
+    logits_from: int = 0
 
 
-# A request's decoder: yields the sequences of its next forward, is sent their fp32 logits.
-_Decoder = Generator[list[_Seq], list[Tensor], None]
+@dataclass
+class _RowStats:
+    """What the decoder reads of a sequence's fp32 logits, rows ``logits_from ..`` of it
+    (:func:`logit_rows`, on the host): each row's argmax, its largest softmax probability
+    (the plan score of :func:`~diffspec.core.slots.score_slots`) and the softmax
+    probability of the sequence's next input token (what the token-threshold acceptance
+    reads; the last row's is of the sequence's first input, unused)."""
+
+    argmax: Tensor  # [r] int64
+    top_prob: Tensor  # [r] fp32
+    next_prob: Tensor  # [r] fp32
+
+
+# A request's decoder: yields the sequences of its next forward, is sent their row stats.
+_Decoder = Generator[list[_Seq], list[_RowStats], None]
+
+
+def logit_rows(logits_of: Callable[[Tensor], Tensor], source: Tensor, index: Tensor,
+               targets: Tensor, rows: int = DRAFT_LOGITS_ROWS) -> tuple[Tensor, Tensor, Tensor]:
+    """For each row ``r``, the logits ``logits_of(source[index[r]])`` (``[vocab]``, in fp32):
+    their argmax, their largest softmax probability and the softmax probability of token
+    ``targets[r]`` (three ``[R]`` tensors on ``source``'s device), computed ``rows`` rows
+    at a time: at most ``rows x vocab`` logits (and as many probabilities) exist at once,
+    whatever ``R`` (issue 29, row 8; vLLM's memory profile does not see them)."""
+    argmax, top, target = [], [], []
+    for start in range(0, index.numel(), rows):
+        logits = logits_of(source[index[start:start + rows]]).float()  # [<= rows, vocab]
+        probs = torch.softmax(logits, dim=-1)
+        argmax.append(logits.argmax(dim=-1))
+        top.append(probs.max(dim=-1).values)
+        target.append(probs.gather(-1, targets[start:start + rows, None])[:, 0])
+        del logits, probs  # freed before the next chunk's
+    if not argmax:
+        empty = torch.empty(0, device=source.device)
+        return empty.long(), empty, empty
+    return torch.cat(argmax), torch.cat(top), torch.cat(target)
+
+
+def _row_stats(logits_of: Callable[[Tensor], Tensor], source: Tensor, index: Tensor,
+               targets: Tensor, counts: list[int], rows: int) -> list[_RowStats]:
+    """:func:`logit_rows` (``index`` and ``targets`` on the host), on the host and split
+    into :class:`_RowStats` of ``counts`` rows each."""
+    device = source.device
+    stats = logit_rows(logits_of, source, index.to(device), targets.to(device), rows)
+    return [_RowStats(*part) for part in zip(*(t.cpu().split(counts) for t in stats))]
 
 
 @dataclass
@@ -80,11 +127,11 @@ class _Request:
         return self.prompt_len + self.committed
 
 
-class ReFusionModelState(DefaultModelState):
+class ReFusionModelState(DiffusionModelState):
     """vLLM model state of a ReFusion checkpoint: the prompt is vLLM's causal prefill; the
     canvas forward of the next step is the first plan, and the sampler runs the rest."""
 
-    num_new_sampled_tokens_per_step: int = 0  # a canvas forward samples no bonus token
+    states: dict[int, _Request]
 
     def __init__(self, vllm_config: VllmConfig, model: nn.Module, encoder_cache: Any,
                  device: torch.device) -> None:
@@ -108,34 +155,13 @@ class ReFusionModelState(DefaultModelState):
         # causal prefill of that text writes, not ReFusion's commit-order K/V
         self.reencode = bool(vllm_config.cache_config.enable_prefix_caching)
         self.vllm_config = vllm_config
-        self.requests: dict[int, _Request] = {}  # vLLM slot -> request
-        self.slot_of: dict[str, int] = {}
-        self.forwards: dict[str, int] = {}  # request id -> engine forwards it took part in
+        self.logits_rows = DRAFT_LOGITS_ROWS  # rows of logits computed at once
         # per canvas step: (the request ids it decoded, the forwards they shared after it)
         self.decode_steps: list[tuple[list[str], int]] = []
         self._attn: tuple[Any, ...] | None = None  # this step's block table, groups, config
 
-    def get_supported_generation_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
-
     def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
         return ReFusionSampler(sampler, self), None
-
-    def add_request(self, req_index: int, new_req_data: Any) -> None:
-        super().add_request(req_index, new_req_data)
-        self.slot_of[new_req_data.req_id] = req_index
-        self.forwards.setdefault(new_req_data.req_id, 0)
-
-    def remove_request(self, req_id: str) -> None:
-        super().remove_request(req_id)
-        slot = self.slot_of.pop(req_id, None)
-        if slot is not None:
-            self.requests.pop(slot, None)
-
-    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
-        for req_id in input_batch.req_ids[: input_batch.num_reqs]:
-            self.forwards[req_id] = self.forwards.get(req_id, 0) + 1
-        return super().prepare_inputs(input_batch, req_states)
 
     def prepare_attn(self, input_batch: Any, cudagraph_mode: CUDAGraphMode, block_tables: Any,
                      slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
@@ -150,9 +176,22 @@ class ReFusionModelState(DefaultModelState):
 
     # ------------------------------------------------------------------ engine forwards
 
-    def forward(self, seqs: list[_Seq]) -> list[Tensor]:
+    def forward(self, seqs: list[_Seq]) -> list[_RowStats]:
         """One eager forward of the model over ``seqs`` on the paged KV cache; returns each
-        sequence's fp32 logits ``[n, vocab]``."""
+        sequence's :class:`_RowStats`, computed from the forward's final hidden states
+        ``logits_rows`` rows at a time, for the rows the decoder reads only: the logits
+        of the whole forward never exist."""
+        hidden = self._hidden(seqs)  # [T, hidden]
+        sizes = [len(s.input_ids) for s in seqs]
+        firsts = np.cumsum([0, *sizes[:-1]]).tolist()
+        index = torch.cat([torch.arange(f + s.logits_from, f + n)
+                           for f, n, s in zip(firsts, sizes, seqs)])
+        targets = torch.cat([s.input_ids.roll(-1)[s.logits_from:] for s in seqs])
+        return _row_stats(self.model.compute_logits, hidden, index, targets,
+                          [n - s.logits_from for n, s in zip(sizes, seqs)], self.logits_rows)
+
+    def _hidden(self, seqs: list[_Seq]) -> Tensor:  # [T, hidden]
+        """The final hidden states of one eager forward over ``seqs``, in order."""
         from vllm.forward_context import set_forward_context
 
         block_table, groups, kv_config = self._attn
@@ -198,9 +237,7 @@ class ReFusionModelState(DefaultModelState):
         with set_forward_context(metadata, self.vllm_config, num_tokens=len(input_ids),
                                  slot_mapping=mapping), \
                 _phased_attention(model, phases if len(phases) > 1 or final else None, final):
-            hidden = _decoder_forward(model.model, input_ids, positions)
-            logits = model.compute_logits(hidden).float()
-        return list(logits.split(sizes))
+            return decoder_forward(model.model, input_ids, positions)
 
 
 @contextmanager
@@ -265,38 +302,20 @@ class _PhasedAttention(nn.Module):
 # ------------------------------------------------------------------------------ sampler
 
 
-class ReFusionSampler:
-    """Replaces vLLM's sampler for ReFusion (``ModelState.custom_sampler``): after a
-    request's prefill its canvas (draft tokens) is all masks; on its canvas step the
-    request's whole generation is decoded (with the other decoding requests of the step,
-    several per forward) and emitted."""
+class ReFusionSampler(DiffusionSampler):
+    """Replaces vLLM's sampler for ReFusion: after a request's prefill its canvas (draft
+    tokens) is all masks; on its canvas step the request's whole generation is decoded
+    (with the other decoding requests of the step, several per forward) and emitted."""
+
+    method, rules = "ReFusion", "slot"
+    state: ReFusionModelState
 
     def __init__(self, sampler: Any, state: ReFusionModelState) -> None:
-        self.sampling_states = sampler.sampling_states
-        self.logprob_token_ids_state = sampler.logprob_token_ids_state
-        self.req_states = sampler.req_states
-        self.penalties_state = SimpleNamespace(output_bin_counts=None)  # no penalties
-        self.compute_nans = False
-        self.state = state
-        n, width = state.max_num_reqs, state.canvas
-        self._sampled = torch.zeros(n, width, dtype=torch.int32, device=state.device)
-        self._num_sampled = torch.zeros(n, dtype=torch.int32, device=state.device)
-        self._num_rejected = torch.zeros(n, dtype=torch.int32, device=state.device)
+        super().__init__(sampler, state, state.canvas)
 
-    def add_request(self, req_idx: int, sampling_params: Any) -> None:
-        ignored = _ignored_sampling(sampling_params)
-        if ignored:
-            logger.warning("ReFusion decodes greedily with its own slot rules; ignoring %s",
-                           ", ".join(ignored))
-        self.sampling_states.add_request(req_idx, sampling_params)
-        self.logprob_token_ids_state.add_request(req_idx, sampling_params)
-        self.state.requests[req_idx] = _Request(
-            max_tokens=int(sampling_params.max_tokens),
-            stops=tuple(request_stops(sampling_params)))
-
-    def apply_staged_writes(self) -> None:
-        self.sampling_states.apply_staged_writes()
-        self.logprob_token_ids_state.apply_staged_writes()
+    def new_state(self, sampling_params: Any) -> _Request:
+        return _Request(max_tokens=int(sampling_params.max_tokens),
+                        stops=tuple(request_stops(sampling_params)))
 
     def __call__(self, logits: Tensor, input_batch: Any,
                  draft_logits: Tensor | None = None) -> SamplerOutput:
@@ -311,14 +330,12 @@ class ReFusionSampler:
         sampled = torch.zeros(num_reqs, state.canvas, dtype=torch.long)
         decoding: list[tuple[int, _Request]] = []
         for i, s in enumerate(slots):
-            req = state.requests.get(s)
+            req = state.states.get(s)
             rows = int(cu[i + 1] - cu[i])
             if req is None:  # a dummy (profiling) request
                 continue
             if req.phase == PREFILL:
-                done = (input_batch.num_computed_prefill_tokens_np[i]
-                        + input_batch.num_scheduled_tokens[i] >= input_batch.prefill_len_np[i])
-                if rows == 0 and done:
+                if rows == 0 and self._prefill_done(input_batch, i):
                     req.phase = DECODE
                 continue
             rejected[i] = int(query[i])  # unless it decodes below
@@ -337,8 +354,8 @@ class ReFusionSampler:
             req.batch, req.prompt_len = i, int(input_batch.num_computed_tokens_np[i])
             decoding.append((i, req))
         if decoding:
-            firsts = [logits[int(cu[i]): int(cu[i + 1])] for i, _ in decoding]
-            self._decode([r for _, r in decoding], firsts, input_batch)
+            self._decode([r for _, r in decoding], self._first_plans(logits, decoding, cu),
+                         input_batch)
             outputs = [_tokens(req) for _, req in decoding]
             if state.reencode:
                 self._reencode([r for _, r in decoding], outputs, input_batch)
@@ -349,7 +366,18 @@ class ReFusionSampler:
         self._write_canvases(slots)
         return self._output(num_reqs, sampled, emit, rejected)
 
-    def _decode(self, reqs: list[_Request], firsts: list[Tensor], input_batch: Any) -> None:
+    def _first_plans(self, logits: Tensor, decoding: list[tuple[int, _Request]],
+                     cu: np.ndarray) -> list[_RowStats]:
+        """The first plan of each decoding request: the :class:`_RowStats` of its canvas
+        forward's rows (vLLM's ``logits``) that plan its first serial block (inputs all
+        masks), ``logits_rows`` rows at a time."""
+        st = self.state
+        counts = [_plan_rows(r.max_tokens, st.slot_size, st.num_blocks) for _, r in decoding]
+        index = torch.cat([int(cu[i]) + torch.arange(n) for (i, _), n in zip(decoding, counts)])
+        return _row_stats(lambda rows: rows, logits, index,
+                          torch.full_like(index, st.mask_token_id), counts, st.logits_rows)
+
+    def _decode(self, reqs: list[_Request], firsts: list[_RowStats], input_batch: Any) -> None:
         """Every request's rounds to the end; one engine forward per round holds the
         sequences of every request that has a forward to run."""
         decoders = [self._rounds(r, f) for r, f in zip(reqs, firsts)]
@@ -381,7 +409,7 @@ class ReFusionSampler:
         prompt: the K/V a causal prefill of that text writes, which is what vLLM's prefix
         cache may hand a later prompt holding it (one forward more than the reference)."""
         seqs = [_Seq(r.batch, torch.tensor(out), r.prompt_len + torch.arange(len(out)),
-                     r.prompt_len) for r, out in zip(reqs, outputs)]
+                     r.prompt_len, logits_from=len(out)) for r, out in zip(reqs, outputs)]
         self.state.forward(seqs)
         for r in reqs:
             rid = input_batch.req_ids[r.batch]
@@ -389,12 +417,12 @@ class ReFusionSampler:
 
     # -------------------------------------------------------------- one request's rounds
 
-    def _rounds(self, req: _Request, first: Tensor) -> _Decoder:
+    def _rounds(self, req: _Request, first: _RowStats) -> _Decoder:
         """The request's serial blocks, round after round (the reference's loop);
-        ``first``: the canvas forward's logits, the first round's plan."""
+        ``first``: the canvas forward's, the first round's plan."""
         S, blocks = self.state.slot_size, self.state.num_blocks
-        per_block = _gen_len(req.max_tokens, S) // S // blocks
-        plan: Tensor | None = first
+        per_block = _plan_rows(req.max_tokens, S, blocks) // S
+        plan: _RowStats | None = first
         for serial in range(blocks):
             req.masked = list(range(serial * per_block, (serial + 1) * per_block))
             while req.masked:
@@ -403,7 +431,7 @@ class ReFusionSampler:
             if req.stopped:
                 break
 
-    def _round(self, req: _Request, plan: Tensor | None) -> _Decoder:
+    def _round(self, req: _Request, plan: _RowStats | None) -> _Decoder:
         """Plan, global verify, parallel completion: commits at least one slot."""
         st, S, b = self.state, self.state.slot_size, req.batch
         mask = st.mask_token_id
@@ -414,15 +442,15 @@ class ReFusionSampler:
         if plan is None:  # (the first plan is the canvas forward: masks from the prompt on)
             [plan] = yield [_Seq(b, torch.full((positions.numel(),), mask), positions.view(-1),
                                  req.kv_len)]
-        logits = plan[: positions.numel()].float().view(len(masked), S, -1)  # [m, S, V]
-        scores, _ = score_slots(logits[:, 0])
-        chosen = select_slots(scores, st.slot_threshold).nonzero().flatten().cpu()
+        n = positions.numel()
+        scores = plan.top_prob[:n].view(len(masked), S)[:, 0]  # score_slots' plan scores
+        chosen = select_slots(scores, st.slot_threshold).nonzero().flatten()
         slots, positions = masked[chosen], positions[chosen]  # [k], [k, S]
-        drafts = logits[chosen].argmax(dim=-1).cpu()  # [k, S]
+        drafts = plan.argmax[:n].view(len(masked), S)[chosen]  # [k, S]
 
         # global verify: the drafts one after another, causally, writing their KV in place
         [out] = yield [_Seq(b, drafts.view(-1), positions.view(-1), req.kv_len)]
-        accepted = self._accept(drafts, out.view(len(slots), S, -1), 0)
+        accepted = self._accept(drafts, out.next_prob.view(len(slots), S), 0)
         stop_at = first_stop_in_slots(drafts, accepted, req.stops)
         keep, stopped = committed_slot_lengths(accepted, stop_at, S)
         if keep:
@@ -436,11 +464,11 @@ class ReFusionSampler:
         while int(accepted.min()) < S:
             open_ = torch.arange(S)[None] >= accepted[:, None]  # [rows, S]
             outs = yield self._rows(req, torch.where(open_, mask, tokens), positions, start)
-            proposed = torch.stack([o[-(S - start):] for o in outs]).argmax(-1).cpu()
+            proposed = torch.stack([o.argmax for o in outs])  # [rows, S - start]
             tokens[:, start:] = torch.where(open_[:, start:], proposed, tokens[:, start:])
             outs = yield self._rows(req, tokens, positions, start)
-            logits = torch.stack([o[-(S - start):] for o in outs])  # [rows, S - start, V]
-            accepted = self._accept(tokens, logits, start, accepted)
+            accepted = self._accept(tokens, torch.stack([o.next_prob for o in outs]), start,
+                                    accepted)
             stop_at = first_stop_in_slots(tokens, accepted, req.stops)
             if bool((stop_at >= 0).any()):  # rows after the first stop are dropped
                 stopped, rows = True, int((stop_at >= 0).nonzero()[0]) + 1
@@ -457,21 +485,21 @@ class ReFusionSampler:
         committed KV and its own first ``start`` entries. Several rows: each row whole, in
         its own attention call over the committed KV (they share the entries after it),
         and rows ``r >= 1`` copied to their commit-order entries (row ``r`` after ``r``
-        full slots: only the last row may be cut, by a stop)."""
+        full slots: only the last row may be cut, by a stop). Either way the logits of
+        the window ``[start:]`` are read."""
         b, L, S = req.batch, req.kv_len, self.state.slot_size
         if len(tokens) == 1:
             return [_Seq(b, tokens[0, start:], positions[0, start:], L + start)]
-        return [_Seq(b, tokens[r], positions[r], L, phase=r, final=L + r * S if r else None)
-                for r in range(len(tokens))]
+        return [_Seq(b, tokens[r], positions[r], L, phase=r, final=L + r * S if r else None,
+                     logits_from=start) for r in range(len(tokens))]
 
-    def _accept(self, tokens: Tensor, logits: Tensor, start: int,
+    def _accept(self, tokens: Tensor, next_probs: Tensor, start: int,
                 accepted: Tensor | None = None) -> Tensor:  # [rows]
-        """Token-threshold acceptance of ``tokens`` [rows, S] from the causal logits of
-        the window ``[start:]`` ([rows, S - start, V]), as the reference's ``_verify``."""
+        """Token-threshold acceptance of ``tokens`` [rows, S] from the causal pass over the
+        window ``[start:]``, as the reference's ``_verify``: ``next_probs`` [rows, S - start],
+        window row ``j``'s softmax probability of token ``start + j + 1``."""
         probs = torch.ones(tokens.shape, dtype=torch.float32)
-        window = tokens[:, start + 1:]
-        probs[:, start + 1:] = torch.softmax(logits[:, :-1].float(), -1).gather(
-            -1, window[..., None].to(logits.device))[..., 0].cpu()
+        probs[:, start + 1:] = next_probs[:, :-1]
         return verify_slot_drafts(tokens, probs, self.state.token_threshold, accepted)
 
     @staticmethod
@@ -491,30 +519,21 @@ class ReFusionSampler:
 
     def _write_canvases(self, slots: list[int]) -> None:
         """Every live request's canvas (its next draft tokens) is all masks."""
-        live = [s for s in slots if s in self.state.requests]
+        live = [s for s in slots if s in self.state.states]
         if live:
             draft = self.req_states.draft_tokens
             index = torch.tensor(live, dtype=torch.long, device=draft.device)
             draft[index, : self.state.canvas] = self.state.mask_token_id
 
-    def _output(self, num_reqs: int, sampled: Tensor, emit: np.ndarray,
-                rejected: np.ndarray) -> SamplerOutput:
-        out = self._sampled[:num_reqs]
-        out.copy_(sampled.to(out.dtype))
-        num_sampled = self._num_sampled[:num_reqs]
-        num_sampled.copy_(torch.from_numpy(emit))
-        num_rejected = self._num_rejected[:num_reqs]
-        num_rejected.copy_(torch.from_numpy(rejected))
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None, num_nans=None,
-                             num_sampled=num_sampled, num_rejected=num_rejected)
-
-    def get_logprobs_dims(self, *_: Iterable[Any], **__: Any) -> Any:
-        raise NotImplementedError("ReFusion returns no logprobs")
-
 
 def _gen_len(max_tokens: int, slot_size: int) -> int:
     """``max_tokens`` rounded up to whole slots (the reference's ``layout``)."""
     return -(-max_tokens // slot_size) * slot_size
+
+
+def _plan_rows(max_tokens: int, slot_size: int, num_blocks: int) -> int:
+    """Positions of one serial block (whole slots): the rows of its first plan."""
+    return _gen_len(max_tokens, slot_size) // slot_size // num_blocks * slot_size
 
 
 def _tokens(req: _Request) -> list[int]:

@@ -27,8 +27,8 @@ from diffspec.spec_workers.vllm.proposer import (
     on_device,
 )
 
-__all__ = ["BranchPlan", "TiDARProposer", "check_decoder_layers", "next_draft_count",
-           "plan_branches"]
+__all__ = ["BranchPlan", "TiDARProposer", "check_decoder_layers", "decoder_forward",
+           "next_draft_count", "plan_branches"]
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class TiDARProposer:
         ids = torch.cat([input_ids, branches.input_ids])  # [T + B]
         pos = torch.cat([positions[:num_verify], branches.positions])  # [T + B]
         with _quadratic_attention(model, num_verify, branches):
-            return _decoder_forward(model.model, ids, pos), branches  # [T + B, hidden]
+            return decoder_forward(model.model, ids, pos), branches  # [T + B, hidden]
 
     def _adapt(self, runner, plans: list[BranchPlan]) -> list[BranchPlan]:
         """The policy's draft count for the step: every request that samples a token
@@ -324,7 +324,7 @@ def _num_left(runner) -> list[int | None]:
     return out
 
 
-def _decoder_forward(
+def decoder_forward(
     inner: nn.Module,  # vLLM's *Model (Qwen3Model, LlamaModel, ...)
     input_ids: torch.Tensor,  # [N]
     positions: torch.Tensor,  # [N]

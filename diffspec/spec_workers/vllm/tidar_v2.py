@@ -15,9 +15,9 @@ from diffspec.spec_workers.vllm.proposer import draft_argmax, non_causal_metadat
 from diffspec.spec_workers.vllm.tidar import (
     BranchPlan,
     _Branches,
-    _decoder_forward,
     _quadratic_attention,
     check_decoder_layers,
+    decoder_forward,
     next_draft_count,
     plan_branches,
 )
@@ -198,7 +198,7 @@ class TiDARSpeculator(DraftModelSpeculator):
         ids = torch.cat([input_ids, branches.input_ids])  # [T + B]
         pos = torch.cat([positions[:num_verify], branches.positions])  # [T + B]
         with _quadratic_attention(self.model, num_verify, branches):
-            hidden = _decoder_forward(self.model.model, ids, pos)  # [T + B, hidden]
+            hidden = decoder_forward(self.model.model, ids, pos)  # [T + B, hidden]
         self.num_forwards += 1
         self._ran = (branches, hidden[num_verify:])
         return hidden[:num_verify]
