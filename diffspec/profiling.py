@@ -30,7 +30,8 @@ from typing import Any
 from diffspec.core.adaptive import LatencyProfile
 
 __all__ = ["CACHE_ENV", "DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "DraftTimings",
-           "cache_dir", "cached_latency_profile", "checkpoint_identity", "device_timer",
+           "cache_dir", "cached_latency_profile", "checkpoint_identity", "device_name",
+           "device_timer",
            "forward_latency",
            "profile_grid", "read_cached_profile",
            "read_draft_timings", "read_step_grid", "reused_profile_message", "time_forwards",
@@ -41,6 +42,25 @@ CACHE_ENV = "DIFFSPEC_CACHE_DIR"
 PROFILE_FORMAT = 1  # bump when what a cached profile means changes: older files are remeasured
 
 PREFILL_CHUNK = 1024  # context prefilled in chunks: bounded activation memory at 8k
+
+
+def device_name(device: Any) -> str:
+    """What a cached profile's key says of the device (a ``torch.device``): a GPU's model;
+    a CPU's model name and core count."""
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{device.type}: {name} x{os.cpu_count()}"
 
 
 def device_timer(device: str) -> Any:

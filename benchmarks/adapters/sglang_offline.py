@@ -47,7 +47,8 @@ def engine_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
         if not b.drafter:
             raise ValueError(f"baseline {b.method} needs --{b.method}-drafter PATH")
         kwargs["speculative_draft_model_path"] = b.drafter
-    if b.method in SELF_SPEC:  # a fixed K, as the baseline's name says: no prompt lookup
+    if b.method in SELF_SPEC:  # a fixed K, as the baseline's name says (not the
+        # adaptive default), the drafter alone (no prompt lookup)
         kwargs["json_model_override_args"] = json.dumps({"diffspec": {"adaptive": False}})
     if b.method == "eagle3":  # a chain of K drafts (EAGLE-3's tree off: topk 1)
         kwargs |= {"speculative_num_steps": b.num_draft_tokens, "speculative_eagle_topk": 1}

@@ -234,10 +234,11 @@ def sglang_cpu_env(
     return env
 
 
-def run_generate_job(job: dict, tmp: Path, timeout: int = 1200) -> dict:
+def run_generate_job(job: dict, tmp: Path, timeout: int = 1200,
+                     env: dict[str, str] | None = None) -> dict:
     """Run ``sglang_generate.py`` on ``job`` under the SGLang interpreter with the CPU
-    harness's environment and return its result (an assertion with the output's tail when
-    it fails)."""
+    harness's environment (plus ``env``) and return its result (an assertion with the
+    output's tail when it fails)."""
     import json
 
     from tests.engine.conftest import require_sglang
@@ -248,7 +249,8 @@ def run_generate_job(job: dict, tmp: Path, timeout: int = 1200) -> dict:
     job_file.write_text(json.dumps(job))
     proc = subprocess.run([python, str(Path(__file__).resolve().parent / "sglang_generate.py"),
                            str(job_file)], capture_output=True, text=True, timeout=timeout,
-                          check=False, env=sglang_cpu_env(python), start_new_session=True)
+                          check=False, env={**sglang_cpu_env(python), **(env or {})},
+                          start_new_session=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1][len(RESULT_PREFIX):])

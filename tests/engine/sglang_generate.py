@@ -7,7 +7,8 @@ detokenizer processes, so the engine is created under ``if __name__ == "__main__
     python tests/engine/sglang_generate.py JOB_JSON
 
 JOB_JSON is {"runs": [{"name": str, "model": path, "engine": {Engine kwargs},
-"batches": {batch name: [requests]}, "count_forwards": bool}], "config_errors": {name:
+"batches": {batch name: [requests]}, "count_forwards": bool, "rewrite_cached_profiles":
+{tokens: seconds}}], "config_errors": {name:
 {"model": path, "server_args": {...}}}}; a run with "prometheus" also reports diffspec's
 Prometheus counters under server_info (prometheus_client's multiprocess mode, as SGLang's
 ``--enable-metrics`` sets it up). A request is {"input_ids": [...], "max_new_tokens": N} plus
@@ -15,8 +16,11 @@ optional sampling fields ("temperature", "top_p", "top_k", "ignore_eos",
 "stop_token_ids"); temperature
 defaults to 0 (greedy). Each run starts one engine (fp32, CPU kwargs) and generates its
 batches one after the other, each batch as one ``generate`` call (continuous batching);
-each config_errors entry only builds ``ServerArgs`` (SGLang's argument resolution, which
-runs the plugin's validation) and records the error it raises.
+a run with "rewrite_cached_profiles" first replaces the points of every latency profile
+in diffspec's cache (``diffspec.profiling.cache_dir()``) with those (a test of where a
+server's profile came from); each config_errors entry only builds ``ServerArgs``
+(SGLang's argument resolution, which runs the plugin's validation) and records the error
+it raises.
 
 Prints one line: RESULT_PREFIX + {"runs": {run: {batch: {"outputs": [[ids]],
 "finish_reasons": [...], "meta": [{spec_verify_ct, spec_correct_drafts_histogram,
@@ -78,6 +82,12 @@ def _run(run: dict) -> tuple[dict, dict]:
     import sglang
 
     kwargs = {**CPU_ENGINE_KWARGS, **run.get("engine", {})}
+    if run.get("rewrite_cached_profiles") is not None:
+        from diffspec.profiling import cache_dir
+
+        for path in (cache_dir() / "latency-profiles").glob("*.json"):
+            data = json.loads(path.read_text())
+            path.write_text(json.dumps({**data, "points": run["rewrite_cached_profiles"]}))
     folder = tempfile.mkdtemp(prefix="diffspec-forwards-") if run.get("count_forwards") else None
     if folder is not None:
         os.environ[FORWARD_COUNT_ENV] = folder  # inherited by the engine's processes

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from diffspec.assets import SYNTH_TIDAR_DIR
+from diffspec.profiling import CACHE_ENV
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
@@ -51,7 +52,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 SYNTH_WIDTH = 9  # synth-tidar: block_size 8, shifted drafts -> anchor + 8 drafts (default)
 NLD_WIDTH = 8  # the tiny NLD (block_size 32, unshifted): anchor + 7 drafts, 8 masks a branch
-SPEC = {"speculative_algorithm": "TIDAR", "decode_log_interval": 1, "max_total_tokens": 32768}
+# the default: adaptive drafting, priced by a profile the worker measures at start-up
+DEFAULT = {"speculative_algorithm": "TIDAR", "decode_log_interval": 1, "max_total_tokens": 32768}
+# a fixed draft count (every step the most), as the reference decoder's steps are compared at
+SPEC = {**DEFAULT, "json_model_override_args": json.dumps({"diffspec": {"adaptive": False}})}
 NLD_SPEC = {**SPEC, "speculative_num_draft_tokens": NLD_WIDTH}
 # Sampling on the trained model: 4 tokens after a one-token prompt at T = 0.3, top-p 0.9 put
 # about 70% of the mass on ~20 sequences (enough per chi-square cell), and its drafts are
@@ -174,6 +178,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": {"greedy": _nld_requests()}},
             {"name": "synth_adaptive", "model": synth, "engine": adaptive, "prometheus": True,
              "batches": {"greedy": greedy}},
+            {"name": "synth_default", "model": synth, "engine": DEFAULT, "prometheus": True,
+             "batches": {"greedy": greedy}},
         ],
         "config_errors": {
             "too_many_drafts": {"model": synth, "server_args": {
@@ -190,7 +196,11 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 json.dumps({"diffspec": {"prompt_lookup": True}})}},
         },
     }
-    return run_generate_job(job, tmp, timeout=1800)
+    cache = tmp / "cache"  # this job's latency-profile cache (DIFFSPEC_CACHE_DIR)
+    result = run_generate_job(job, tmp, timeout=1800, env={CACHE_ENV: str(cache)})
+    result["profiles"] = [json.loads(f.read_text())
+                          for f in sorted((cache / "latency-profiles").glob("*.json"))]
+    return result
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -402,3 +412,17 @@ def test_adaptive_drafts_follow_the_batch(engine) -> None:
     assert set(steps) <= {0, 1, 2}, steps  # never past the knee
     assert metrics["diffspec:adaptive_draft_tokens_total"] > 0
     assert sum(m["spec_num_correct_drafts"] for m in run["meta"]) > 0
+
+
+def test_the_default_is_adaptive_with_a_profile_measured_at_start_up(engine) -> None:
+    """No diffspec options: adaptive drafting (its choices counted) on a profile the
+    worker timed at start-up over TiDAR's step widths and cached; output == AR."""
+    ar = engine["runs"]["synth_ar"]["greedy"]
+    run = engine["runs"]["synth_default"]["greedy"]
+    assert run["outputs"] == ar["outputs"] and run["finish_reasons"] == ar["finish_reasons"]
+    metrics = engine["server_info"]["synth_default"]["diffspec_metrics"]
+    assert any(k.startswith("diffspec:adaptive_steps_total") for k in metrics), metrics
+    (profile,) = engine["profiles"]
+    assert profile["key"]["method"] == "tidar" and profile["key"]["engine"] == "sglang"
+    assert profile["key"]["max_drafts"] == SYNTH_WIDTH - 1
+    assert len(profile["points"]) >= 2 and all(s > 0 for s in profile["points"].values())

@@ -25,11 +25,15 @@ one ``sglang_generate.py`` run starts the engines one after the other (Orthrus A
   refused alone (the others of the batch equal AR);
 * clear errors at server-argument time (fp8 KV cache included); ``avg_spec_accept_length``
   in the server info;
-* prompt lookup, on by default (the runs above switch it off to check the drafter alone):
-  on mixed-length prompts that repeat themselves, AR's output token for token, each
-  step's acceptance the reference decoder's with its
+* prompt lookup at a fixed width (the runs above say ``"adaptive": false``, the drafter
+  alone at 31 drafts a step): on mixed-length prompts that repeat themselves, AR's output
+  token for token, each step's acceptance the reference decoder's with its
   :class:`~diffspec.spec_workers.reference.decoder.LookupDrafter`, lookup drafts counted
-  (Prometheus) as the reference counts its lookup steps.
+  (Prometheus) as the reference counts its lookup steps;
+* the default (no diffspec options: adaptive drafting with prompt lookup) equals AR, on a
+  latency profile the worker measured at start-up and cached; a second start reuses the
+  cached file (rewritten to a compute-bound profile in between: it drafts nothing); an
+  explicit ``latency_profile`` where drafting is free drafts the block.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 import pytest
 
 from diffspec.assets import ASSETS_DIR
+from diffspec.profiling import CACHE_ENV
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
@@ -58,16 +63,22 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 WIDTH = 32  # --speculative-num-draft-tokens: the anchor + 31 drafts, the checkpoints' block
 SYNTH_ORTHRUS = ASSETS_DIR / "synth-orthrus"
-NO_LOOKUP = {"prompt_lookup": False}  # the diffusion view drafts every step
-# the default (prompt lookup on)
-HYBRID = {"speculative_algorithm": "ORTHRUS", "speculative_num_draft_tokens": WIDTH,
-          "decode_log_interval": 1}
-SPEC = {**HYBRID, "json_model_override_args": json.dumps({"diffspec": NO_LOOKUP})}
+# the default: adaptive drafting (priced by the latency profile the worker measures at
+# start-up) with prompt lookup
+DEFAULT = {"speculative_algorithm": "ORTHRUS", "speculative_num_draft_tokens": WIDTH,
+           "decode_log_interval": 1}
+# a fixed width (31 drafts every step), the diffusion view alone: as the reference decoder's
+# acceptance is compared at
+SPEC = {**DEFAULT, "json_model_override_args": json.dumps({"diffspec": {"adaptive": False}})}
+# the fixed width with prompt lookup (the reference decoder's LookupDrafter, step for step)
+HYBRID = {**DEFAULT, "json_model_override_args": json.dumps(
+    {"diffspec": {"adaptive": False, "prompt_lookup": True}})}
 NLD_SPEC = {**SPEC, "speculative_algorithm": "LINEAR_SELF_SPEC"}
 SYNC = {"disable_overlap_schedule": True}
 # Sampling with a low temperature and top-p (a few tokens kept per position by the tiny
 # random model), so a chi-square test over whole sequences has enough mass per cell.
 TEMPERATURE, TOP_P, NUM_SAMPLES, SAMPLED_TOKENS = 0.03, 0.95, 300, 4
+COMPUTE_BOUND = {"1": 0.001, "1000": 1.0}  # every query token costs the same: never draft
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -188,13 +199,10 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     lookup_batches = {"repeats": _repeat_requests(),
                       "alone": [{**_repeat_requests()[0], "ignore_eos": True}]}
     tmp = tmp_path_factory.mktemp("sglang_self_spec")
-    adaptive = {}
-    for name, points in (("free", {"1": 0.01, "4096": 0.01}),
-                         ("compute", {"1": 0.001, "1000": 1.0})):
-        profile = tmp / f"profile_{name}.json"
-        profile.write_text(json.dumps({"points": points}))
-        adaptive[name] = {**SPEC, "json_model_override_args": json.dumps(
-            {"diffspec": {"adaptive": True, "latency_profile": str(profile), **NO_LOOKUP}})}
+    free = tmp / "profile_free.json"  # extra query tokens cost nothing: draft the block
+    free.write_text(json.dumps({"points": {"1": 0.01, "4096": 0.01}}))
+    adaptive_free = {**SPEC, "json_model_override_args": json.dumps({"diffspec": {
+        "adaptive": True, "latency_profile": str(free), "prompt_lookup": False}})}
     job = {
         "runs": [
             # AR without overlap scheduling, as the speculative runs: SGLang's overlap
@@ -205,15 +213,23 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "orthrus_hybrid", "model": orthrus, "engine": HYBRID, "prometheus": True,
              "batches": lookup_batches},
             {"name": "synth_ar", "model": str(SYNTH_ORTHRUS),
-             "batches": {"near_context_end": _near_context_end_requests()}},
+             "batches": {"near_context_end": _near_context_end_requests(),
+                         "greedy": _synth_requests()}},
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"greedy": _synth_requests()}, "logits_rows": WIDTH},
             {"name": "synth_near_end_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"near_context_end": _near_context_end_requests()}},
+            # the default twice: the first measures the profile at start-up and caches it
+            # (in this job's cache folder); the second reuses it, rewritten first to one
+            # where every query token costs the same (so it never drafts: what it did shows
+            # where its profile came from, and how the policy follows a compute-bound one)
+            {"name": "synth_default", "model": str(SYNTH_ORTHRUS), "prometheus": True,
+             "engine": DEFAULT, "batches": {"greedy": _synth_requests()}},
+            {"name": "synth_default_compute", "model": str(SYNTH_ORTHRUS), "prometheus": True,
+             "rewrite_cached_profiles": COMPUTE_BOUND, "engine": DEFAULT,
+             "batches": {"greedy": _synth_requests()}},
             {"name": "synth_adaptive_free", "model": str(SYNTH_ORTHRUS), "prometheus": True,
-             "engine": adaptive["free"], "batches": {"greedy": _synth_requests()}},
-            {"name": "synth_adaptive_compute", "model": str(SYNTH_ORTHRUS), "prometheus": True,
-             "engine": adaptive["compute"], "batches": {"greedy": _synth_requests()}},
+             "engine": adaptive_free, "batches": {"greedy": _synth_requests()}},
             {"name": "llama_orthrus_ar", "model": llama,
              "batches": {"greedy": _greedy_requests()}},
             {"name": "llama_orthrus_spec", "model": llama, "engine": SPEC,
@@ -236,7 +252,11 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 **SPEC, "kv_cache_dtype": "fp8_e4m3"}},
         },
     }
-    return run_generate_job(job, tmp, timeout=1800)
+    cache = tmp / "cache"  # this job's latency-profile cache (DIFFSPEC_CACHE_DIR)
+    result = run_generate_job(job, tmp, timeout=1800, env={CACHE_ENV: str(cache)})
+    result["profiles"] = [json.loads(f.read_text())
+                          for f in sorted((cache / "latency-profiles").glob("*.json"))]
+    return result
 
 
 # ------------------------------------------------------------------------------ lossless
@@ -379,28 +399,30 @@ def test_avg_spec_accept_length_in_server_info(engine) -> None:
 
 
 def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
-    """``--json-model-override-args '{"diffspec": {"adaptive": true, "latency_profile":
-    P}}'``: one draft count per step from the policy. Where extra query tokens are free it
-    drafts (nearly) the full block, as the fixed width does; where every token costs the
-    same it drafts nothing (width-1 verify steps: plain AR, no draft accepted); the output
-    is AR's either way."""
+    """One draft count per step from the policy. Where extra query tokens are free
+    (``--json-model-override-args '{"diffspec": {"adaptive": true, "latency_profile": P}}'``,
+    prompt lookup off) it drafts (nearly) the full block, as the fixed width does; where
+    every token costs the same (the default, its cached profile rewritten so) it drafts
+    nothing, by lookup or otherwise (width-1 verify steps: plain AR, no draft accepted);
+    the output is AR's either way."""
     fixed = engine["runs"]["synth_spec"]["greedy"]
-    runs = {name: engine["runs"][f"synth_adaptive_{name}"]["greedy"]
-            for name in ("free", "compute")}
+    names = {"free": "synth_adaptive_free", "compute": "synth_default_compute"}
+    runs = {name: engine["runs"][run]["greedy"] for name, run in names.items()}
     assert runs["free"]["outputs"] == fixed["outputs"] == runs["compute"]["outputs"]
     compute = runs["compute"]["meta"]
     assert sum(m["spec_num_correct_drafts"] for m in compute) == 0
-    assert engine["server_info"]["synth_adaptive_compute"]["avg_spec_accept_length"] == 1.0
-    free = engine["server_info"]["synth_adaptive_free"]["avg_spec_accept_length"]
+    assert engine["server_info"][names["compute"]]["avg_spec_accept_length"] == 1.0
+    free = engine["server_info"][names["free"]]["avg_spec_accept_length"]
     assert free >= 0.9 * engine["server_info"]["synth_spec"]["avg_spec_accept_length"]
     # the choices, as Prometheus counters (SGLang's /metrics with --enable-metrics)
-    metrics = {name: engine["server_info"][f"synth_adaptive_{name}"]["diffspec_metrics"]
-               for name in ("free", "compute")}
+    metrics = {name: engine["server_info"][run]["diffspec_metrics"]
+               for name, run in names.items()}
     steps = {name: {k: v for k, v in m.items() if k.startswith("diffspec:adaptive_steps_total")}
              for name, m in metrics.items()}
     assert steps["compute"] and set(steps["compute"]) == {
         'diffspec:adaptive_steps_total{drafts="0"}'}
     assert metrics["compute"]["diffspec:adaptive_draft_tokens_total"] == 0
+    assert metrics["compute"]["diffspec:prompt_lookup_blocks_total"] == 0
     full = f'diffspec:adaptive_steps_total{{drafts="{WIDTH - 1}"}}'
     # mostly the block (narrower only where every request is near its max_new_tokens)
     assert max(steps["free"], key=steps["free"].get) == full
@@ -408,7 +430,8 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
 
 
 def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> None:
-    """The default (prompt lookup on, fixed width) on mixed-length prompts that repeat
+    """Prompt lookup at a fixed width (``"adaptive": false, "prompt_lookup": true``) on
+    mixed-length prompts that repeat
     themselves, in a batch and one alone: SGLang's AR output token for token; each
     request's steps the reference decoder's with the same rule (:class:`LookupDrafter`);
     the worker's Prometheus count of lookup blocks is the reference's count of lookup
@@ -446,6 +469,35 @@ def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> Non
     assert metrics["diffspec:draft_blocks_total"] > 0, metrics
     # alone, every lookup step skips the draft forward
     assert metrics["diffspec:draft_forwards_skipped_total"] >= alone.num_lookup_steps > 0
+
+
+def test_the_default_is_adaptive_with_a_profile_measured_at_start_up_and_cached(engine) -> None:
+    """No diffspec options: adaptive drafting with prompt lookup (the policy's choices and
+    the draft sources counted), priced by a profile the worker timed on SGLang's own model
+    runner at start-up and cached, keyed as vLLM's; output == SGLang's AR output. The next
+    start with the same key reuses the cached file (rewritten in between to a profile where
+    drafting never pays: that server drafted nothing,
+    :func:`test_adaptive_drafts_follow_the_latency_profile`, and measuring again would have
+    overwritten it)."""
+    ar = engine["runs"]["synth_ar"]["greedy"]
+    run = engine["runs"]["synth_default"]["greedy"]
+    assert run["outputs"] == ar["outputs"] and run["finish_reasons"] == ar["finish_reasons"]
+    metrics = engine["server_info"]["synth_default"]["diffspec_metrics"]
+    steps = {k: v for k, v in metrics.items() if k.startswith("diffspec:adaptive_steps_total")}
+    assert sum(steps.values()) > 0, metrics  # the policy chose every step's drafts
+    # draft sources are counted only with prompt lookup on; the trained model's long
+    # accepted runs make drafting pay on a measured profile
+    assert (metrics["diffspec:draft_blocks_total"]
+            + metrics["diffspec:prompt_lookup_blocks_total"]) > 0, metrics
+    (profile,) = engine["profiles"]  # one start measured; the other reused it
+    key = profile["key"]
+    assert key["engine"] == "sglang" and key["engine_version"] == engine["sglang_version"]
+    assert key["method"] == "orthrus" and key["max_drafts"] == WIDTH - 1
+    assert key["attention_backend"] == "TorchNativeAttnBackend" and key["dtype"] == "torch.float32"
+    assert key["checkpoint"]["path"] == str(SYNTH_ORTHRUS.resolve())
+    assert {"device", "threads", "tensor_parallel", "grid", "torch"} <= set(key)
+    assert 0 < profile["measured_s"] < 40
+    assert profile["points"] == COMPUTE_BOUND  # as rewritten before the second start
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -580,7 +632,7 @@ def test_plugin_registers_through_the_entry_point() -> None:
 
 def test_launch_server_reports_acceptance_length(ckpts, engine, tmp_path: Path) -> None:
     """``python -m sglang.launch_server --speculative-algorithm ORTHRUS
-    --speculative-num-draft-tokens 32`` on a loopback port: greedy completions equal the
+    --speculative-num-draft-tokens 32`` (a fixed width) on a loopback port: greedy completions equal the
     offline AR outputs, and ``/server_info`` carries ``avg_spec_accept_length`` (what
     ``sglang.bench_serving`` reports): tokens per verify step over the requests served,
     from their own ``meta_info`` counters, which
@@ -601,7 +653,8 @@ def test_launch_server_reports_acceptance_length(ckpts, engine, tmp_path: Path) 
         "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
         "--disable-cuda-graph", "--dtype", "float32", "--mem-fraction-static", "0.3",
         "--max-total-tokens", "8192", "--decode-log-interval", "1",
-        "--json-model-override-args", json.dumps({"diffspec": NO_LOOKUP}),
+        # the fixed width, the drafter alone: the offline fixed-width run's steps, below
+        "--json-model-override-args", json.dumps({"diffspec": {"adaptive": False}}),
         # no warm-up request: /server_info then averages over our requests only
         "--skip-server-warmup", python=python)
     requests = _greedy_requests()[:3]

@@ -63,6 +63,44 @@ def test_a_profile_with_a_fixed_count_is_refused(tmp_path: Path) -> None:
         diffspec_options({"method": "orthrus", "latency_profile": str(tmp_path / "none")})
 
 
+def test_sglang_options_are_vllms(tmp_path: Path) -> None:
+    """SGLang reads the same keys from ``--json-model-override-args '{"diffspec": {...}}'``
+    and refuses, with the server arguments, what vLLM refuses in its speculative config:
+    ``adaptive`` other than true / false, a latency profile with ``"adaptive": false`` or
+    one that cannot be read, an unknown key; no options at all is the default (adaptive,
+    prompt lookup on)."""
+    from types import SimpleNamespace
+
+    from diffspec.plugin.sglang.config import _validate_diffspec_options
+
+    def check(options: dict | None, method: str = "orthrus") -> None:
+        raw = None if options is None else json.dumps({"diffspec": options})
+        _validate_diffspec_options(SimpleNamespace(json_model_override_args=raw), method)
+
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"points": {"1": 0.01}}))
+    for options in (None, {}, {"adaptive": False}, {"adaptive": True},
+                    {"latency_profile": str(profile)}, {"adaptive": False, "prompt_lookup": True}):
+        check(options)
+        spec = {"method": "orthrus", **(options or {})}
+        diffspec_options(spec)  # vLLM takes the same
+    check({"latency_profile": str(profile)}, "tidar")
+    refused = [
+        ({"adaptive": "yes"}, r"^set \"adaptive\" to true .* or false"),
+        ({"adaptive": False, "latency_profile": str(profile)},
+         r"^remove \"latency_profile\" or the \"adaptive\": false"),
+        ({"latency_profile": str(tmp_path / "none")},
+         r"^point \"latency_profile\" at .*leave it out"),
+        ({"adaptiv": False}, r"^remove 'adaptiv' from --json-model-override-args"),
+    ]
+    for options, message in refused:
+        with pytest.raises(CheckpointError, match=message):
+            check(options)
+        if "latency_profile" in options:  # (vLLM checks the others' keys and values first)
+            with pytest.raises(CheckpointError, match=message):
+                diffspec_options({"method": "orthrus", **options})
+
+
 # ------------------------------------------------------------------ grid, timing, cache
 
 

@@ -93,6 +93,22 @@ def test_baseline_specs() -> None:
         parse(["medusa"], 3)
 
 
+def test_self_speculative_baselines_draft_a_fixed_k_in_both_engines() -> None:
+    """A baseline named ``orthrus:3`` drafts 3 every step: the engines' default (adaptive
+    drafting) is switched off explicitly; AR and EAGLE-3 get no diffspec options."""
+    from benchmarks.adapters import sglang_offline, vllm_offline
+    from benchmarks.baselines import parse
+
+    ar, eagle3, orthrus, tidar = parse(["eagle3:3", "orthrus:3", "tidar:8"], 31, {"eagle3": "/d"})
+    for b in (orthrus, tidar):
+        sglang = sglang_offline.engine_kwargs(b, 512)
+        assert json.loads(sglang["json_model_override_args"]) == {"diffspec": {"adaptive": False}}
+        assert vllm_offline.llm_kwargs(b, 512)["speculative_config"]["adaptive"] is False
+    assert sglang_offline.engine_kwargs(orthrus, 512)["speculative_num_draft_tokens"] == 4
+    for b in (ar, eagle3):
+        assert "json_model_override_args" not in sglang_offline.engine_kwargs(b, 512)
+
+
 def test_tiny_drafters_have_the_published_layouts(tmp_path: Path) -> None:
     from safetensors import safe_open
 

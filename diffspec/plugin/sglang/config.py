@@ -122,18 +122,53 @@ def diffspec_options(server_args) -> dict[str, Any]:
     return options or {}
 
 
+DIFFSPEC_OPTIONS = ("adaptive", "latency_profile", "prompt_lookup")  # as vLLM's config keys
+_OVERRIDE = "--json-model-override-args '{\"diffspec\": {...}}'"
+
+
 def _validate_diffspec_options(server_args, method: str) -> None:
-    """Refuse a ``prompt_lookup`` option the worker would refuse (a clear error at
-    server-argument time rather than in the scheduler process)."""
+    """Refuse the ``diffspec`` options the worker would refuse, with the server arguments
+    (a clear error here rather than in the scheduler process), by vLLM's rules for the
+    same keys (:func:`diffspec.plugin.vllm.config.diffspec_options`): ``adaptive`` true
+    (the default) or false; ``latency_profile`` a readable profile, and only with
+    adaptive drafting; ``prompt_lookup`` (:func:`~diffspec.core.lookup.
+    prompt_lookup_settings`: on by default unless ``"adaptive": false``, never for TIDAR)."""
+    from pathlib import Path
+
     from diffspec.core.lookup import prompt_lookup_settings
 
     options = diffspec_options(server_args)
+    unknown = sorted(set(options) - set(DIFFSPEC_OPTIONS))
+    if unknown:
+        raise CheckpointError(f"remove {', '.join(map(repr, unknown))} from {_OVERRIDE} "
+                              f"(its keys: {', '.join(DIFFSPEC_OPTIONS)})")
+    adaptive = options.get("adaptive")
+    if adaptive not in (None, True, False):
+        raise CheckpointError(f"set \"adaptive\" to true (the default: draft counts chosen "
+                              f"per step) or false (--speculative-num-draft-tokens - 1 every "
+                              f"step) in {_OVERRIDE}, got {adaptive!r}")
     try:
         prompt_lookup_settings(options.get("prompt_lookup"), method,
-                               default=options.get("adaptive") is not False)
+                               default=adaptive is not False)
     except ValueError as exc:
-        raise CheckpointError(f"{exc} (--json-model-override-args '{{\"diffspec\": "
-                              f"{{...}}}}')") from None
+        raise CheckpointError(f"{exc} ({_OVERRIDE})") from None
+    path = options.get("latency_profile")
+    if path and adaptive is False:
+        raise CheckpointError(f"remove \"latency_profile\" or the \"adaptive\": false from "
+                              f"{_OVERRIDE}: a latency profile prices the adaptive policy's "
+                              f"steps, and \"adaptive\": false drafts "
+                              f"--speculative-num-draft-tokens - 1 every step")
+    if path:
+        from diffspec.core.adaptive import load_latency_profile
+
+        try:
+            load_latency_profile(json.loads(Path(path).expanduser().read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"point \"latency_profile\" at a forward-latency profile (python -m "
+                f"benchmarks.adaptive_sweep --profile-only --engines sglang --model CKPT "
+                f"--method {method} --out DIR writes one), or leave it out: the worker "
+                f"measures one at start-up; {path!r} cannot be read as one: {exc}") from None
 
 
 def attention_backend_error(algorithm: str, backends, page_size=None) -> str | None:

@@ -16,7 +16,11 @@ from typing import ClassVar
 
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
@@ -25,8 +29,9 @@ from diffspec.core.sampling import process_logits
 from diffspec.model_executors.sglang import views
 from diffspec.spec_workers.sglang.requests import refuse_unsupported_requests
 
-__all__ = ["SpecDraftInput", "StepLogits", "TargetModelSpecWorker", "accept",
-           "adaptive_policy", "choice_metrics", "prompt_lookup", "remaining",
+__all__ = ["PROFILE_BUDGET_S", "SpecDraftInput", "StepLogits", "TargetModelSpecWorker",
+           "accept", "adaptive_policy", "choice_metrics", "measure_profile", "prompt_lookup",
+           "remaining",
            "request_penalties", "step_logits"]
 
 logger = logging.getLogger("diffspec")
@@ -90,6 +95,12 @@ class TargetModelSpecWorker(BaseSpecWorker):
     def draft_worker(self):
         return None  # every pass runs the target model on the target KV pool
 
+    # tokens per request of the widest step the adaptive policy can choose (the start-up
+    # profile times forwards up to this many tokens per running request)
+    @property
+    def profile_tokens_per_request(self) -> int:
+        return self.width
+
     def clear_cache_pool(self) -> None:
         pass  # no private state outside SGLang's pools
 
@@ -99,6 +110,25 @@ class TargetModelSpecWorker(BaseSpecWorker):
         return getattr(self._target_worker, name)
 
     # ---------------------------------------------------------------------- scheduler API
+
+    def init_cuda_graphs(self, *args, **kwargs) -> None:
+        """SGLang's scheduler calls this on the speculative worker after the target's, once
+        the KV pools and attention backends exist (``Scheduler.init_model_worker``: memory
+        pools, attention backends, then graphs): the target worker's own capture, as
+        before, then the adaptive policy's latency profile, measured on this model runner
+        (:meth:`measure_latency_profile`)."""
+        self._target_worker.init_cuda_graphs(*args, **kwargs)
+        self.measure_latency_profile()
+
+    def measure_latency_profile(self) -> None:
+        """Give the adaptive policy (when it has no profile: on by default, no
+        ``latency_profile`` given) the latency profile of this model runner's own forwards,
+        from diffspec's cache or timed now (:func:`measure_profile`). Idempotent."""
+        policy = getattr(self, "adaptive", None)
+        if policy is not None and policy.profile is None:
+            policy.set_profile(measure_profile(self.model_runner, self.server_args,
+                                               self.method, policy.max_drafts,
+                                               self.profile_tokens_per_request))
 
     def forward_batch_generation(
         self, batch, on_publish=None, **_: object
@@ -213,30 +243,38 @@ def remaining(req) -> int:
 
 
 def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthrus"):
-    """The adaptive draft-count policy, when the model config carries ``diffspec:
-    {"adaptive": true, "latency_profile": PATH}`` (SGLang's ``--json-model-override-args``;
-    SGLang has no flag of ours), else ``None``."""
+    """The adaptive draft-count policy, on by default: ``None`` (``max_drafts`` every step)
+    only when the model config carries ``diffspec: {"adaptive": false}`` (SGLang's
+    ``--json-model-override-args``; SGLang has no flag of ours). With ``"latency_profile":
+    PATH`` the policy prices steps from that profile; otherwise it has none yet, and the
+    worker measures one at start-up (:meth:`TargetModelSpecWorker.init_cuda_graphs`)."""
     import json
     from pathlib import Path
 
     from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
 
     options = getattr(hf_config, "diffspec", None) or {}
-    if not isinstance(options, dict) or not options.get("adaptive"):
-        return None
+    if not isinstance(options, dict):
+        options = {}
+    adaptive = options.get("adaptive", True)
     path = options.get("latency_profile")
-    if not path:
-        raise ValueError("add \"latency_profile\": PATH next to \"adaptive\": true in "
-                         "--json-model-override-args '{\"diffspec\": {...}}': the adaptive "
-                         "policy needs a latency profile (python -m benchmarks.adaptive_sweep "
-                         f"--profile-only --engines sglang --model CKPT --method {method} "
-                         "--out DIR measures one through SGLang: "
-                         "DIR/sglang-latency-profile.json)")
+    if adaptive is False and path:
+        raise ValueError("remove \"latency_profile\" or the \"adaptive\": false from "
+                         "--json-model-override-args '{\"diffspec\": {...}}': a latency "
+                         "profile prices the adaptive policy's steps, and \"adaptive\": false "
+                         "drafts --speculative-num-draft-tokens - 1 every step")
+    if adaptive is False:
+        return None
+    if not path:  # measured by the worker once SGLang has built its pools and backends
+        return AdaptiveDrafts(max_drafts, None, StepCost(cost))
     try:
         profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"latency_profile {path!r} cannot be read as a forward-latency "
-                         f"profile: {exc}") from exc
+        raise ValueError(f"point latency_profile at a forward-latency profile (python -m "
+                         f"benchmarks.adaptive_sweep --profile-only --engines sglang --model "
+                         f"CKPT --method {method} --out DIR writes one), or leave it out: the "
+                         f"worker measures one at start-up; {path!r} cannot be read as "
+                         f"one: {exc}") from exc
     logger.info("diffspec: adaptive draft counts (at most %d per step) from the latency "
                 "profile %s", max_drafts, path)
     return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
@@ -547,3 +585,115 @@ def _accept_in_chunks(drafts: torch.Tensor, logits: StepLogits, batch,
         outputs.append(out.output_token_ids)
         accepted.append(out.num_accepted)
     return AcceptOutput(torch.cat(outputs), torch.cat(accepted))
+
+
+# ------------------------------------------------------------------- start-up profile
+
+PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
+PROFILE_CONTEXT = 256  # context tokens each row of a profile forward attends over
+
+
+def _dummy_decode_batch(runner, tokens: int, context: int) -> ForwardBatch:
+    """A DECODE forward batch of ``tokens`` rows, each at position ``context - 1`` over
+    ``context`` keys, built as SGLang builds its own dummy batches (``CPUGraphRunner.
+    capture_one_batch_size``, ``BaseRunner._dummy_run``): every row on request-pool row 0
+    and KV slot 0, the padding row and slot SGLang reserves so that dummy reads and writes
+    land there harmlessly (``ReqToTokenPool``, the KV pools); bound to the runner's KV
+    index translator as a runner-built batch (``bind_runner_slots``)."""
+    device = runner.device
+    lens = torch.full((tokens,), context, dtype=torch.int64, device=device)
+    forward_batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=tokens,
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
+        req_pool_indices=torch.zeros(tokens, dtype=torch.int64, device=device),
+        seq_lens=lens, seq_lens_cpu=lens.cpu(), orig_seq_lens=lens,
+        out_cache_loc=torch.zeros(tokens, dtype=torch.int64, device=device),
+        seq_lens_sum=tokens * context, return_logprob=False, positions=lens - 1,
+        spec_algorithm=runner.spec_algorithm, capture_hidden_mode=CaptureHiddenMode.NULL,
+        global_forward_mode=ForwardMode.DECODE)
+    runner.kv_index_translator.bind_runner_slots(forward_batch)
+    return forward_batch
+
+
+def measure_profile(runner, server_args, method: str, max_drafts: int,
+                    tokens_per_request: int):
+    """The latency profile of ``runner``'s own forwards: a DECODE forward of ``T`` rows
+    (each over :data:`PROFILE_CONTEXT` keys, or the model's length) with the argmax of the
+    logits of all ``T`` (:func:`step_logits`, ``LOGITS_ROWS`` rows at a time), for the widths of :func:`~diffspec.profiling.profile_grid` up to the widest step
+    the policy can choose (every running request at ``tokens_per_request``; on a backend
+    other than the torch-native one, at most one row per request slot, the backend's decode
+    buffers: the profile extrapolates past it), within about :data:`PROFILE_BUDGET_S`
+    seconds. On the torch-native backend (SGLang's CPU path) the two-pass draft and verify
+    run exactly such rows. Cached per checkpoint, SGLang and torch versions, dtype,
+    quantization, device, threads, tensor parallelism, attention backend, method, drafts
+    and grid (:func:`~diffspec.profiling.read_cached_profile`); one log line says which and
+    what it cost. Tensor-parallel ranks run the forwards together and take rank 0's
+    profile (and its cache decision)."""
+    import time
+
+    import sglang
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from diffspec.core.adaptive import LatencyProfile
+    from diffspec.profiling import (
+        checkpoint_identity,
+        device_name,
+        device_timer,
+        profile_grid,
+        read_cached_profile,
+        reused_profile_message,
+        time_forwards,
+        write_cached_profile,
+    )
+
+    model_config = runner.model_config
+    backend = runner.attn_backend
+    slots = int(runner.req_to_token_pool.size)  # request slots (row 0, padding, aside)
+    widest = slots * tokens_per_request
+    if not isinstance(backend, TorchNativeAttnBackend):
+        widest = min(widest, slots)
+    context = max(1, min(PROFILE_CONTEXT, int(model_config.context_len) - 1))
+    grid = profile_grid(max(1, widest))
+    tp = get_tp_group()
+    device = torch.device(runner.device)
+    key = {
+        "engine": "sglang", "engine_version": sglang.__version__, "torch": torch.__version__,
+        "checkpoint": checkpoint_identity(server_args.model_path,
+                                          model_config.hf_config.to_dict()),
+        "dtype": str(model_config.dtype), "quantization": server_args.quantization,
+        "device": device_name(device), "threads": torch.get_num_threads(),
+        "tensor_parallel": tp.world_size, "attention_backend": type(backend).__name__,
+        "method": method, "max_drafts": max_drafts, "grid": grid,
+    }
+
+    @torch.inference_mode()
+    def forward(tokens: int) -> None:
+        forward_batch = _dummy_decode_batch(runner, tokens, context)
+        backend.init_forward_metadata(forward_batch)
+        with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
+            # the logits of all T rows, LOGITS_ROWS at a time (never one [T, vocab] tensor)
+            logits = step_logits(runner.model, lambda: runner.model(
+                forward_batch.input_ids, forward_batch.positions, forward_batch), tokens, 1)
+        rows = torch.arange(tokens, device=device)[:, None]
+        logits.argmax(rows, torch.zeros_like(rows))
+
+    rank0 = tp.rank_in_group == 0
+    cached, path = read_cached_profile(key) if rank0 else (None, None)
+    points = None if cached is None else dict(cached.points)
+    if tp.world_size > 1:
+        points = tp.broadcast_object(points)
+    if points is not None:
+        if rank0:
+            logger.info("%s", reused_profile_message(cached, path))
+        return LatencyProfile(points)
+    start = time.perf_counter()
+    measured = time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
+                             timer=device_timer(str(device)),
+                             agree=None if tp.world_size == 1 else tp.broadcast_object)
+    if rank0:
+        logger.info("%s", write_cached_profile(key, measured, time.perf_counter() - start))
+    if tp.world_size > 1:
+        measured = tp.broadcast_object(measured if rank0 else None)
+    return LatencyProfile(measured)

@@ -103,6 +103,10 @@ class TiDARWorker(TargetModelSpecWorker):
                     "%d tokens per request and step", self.num_drafts, self.num_masks,
                     "shifted" if self.logits_shift else "unshifted", self.tokens_per_req)
 
+    @property
+    def profile_tokens_per_request(self) -> int:
+        return self.tokens_per_req  # a step's tokens per request at the most drafts
+
     # ---------------------------------------------------------------------------- prefill
 
     def _layout(self, n: int, k: int) -> _StepLayout:
@@ -120,6 +124,7 @@ class TiDARWorker(TargetModelSpecWorker):
         step, counted in the metrics and the log), else the server's."""
         if self.adaptive is None:
             return self.num_drafts
+        self.measure_latency_profile()  # done at start-up, unless SGLang skipped the hook
         rids = [req.rid for req in batch.reqs]
         limits = [self.num_drafts] * len(rids)
         if not record:  # the prefill's branch: no decode step to count

@@ -71,6 +71,7 @@ class TwoPassWorker(TargetModelSpecWorker):
                 for req, c in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True)]
         found = self._lookup(batch, caps)  # [bs] lookup drafts ([]: no match)
         if self.adaptive is not None:  # one width per step: W = the policy's k + 1
+            self.measure_latency_profile()  # done at start-up, unless SGLang skipped the hook
             self.adaptive.forget(set(rids))
             k, lookup = self.adaptive.choose_shared_hybrid(rids, caps, [len(f) for f in found])
             choice_metrics().record(k, bs)

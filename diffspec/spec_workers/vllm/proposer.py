@@ -192,6 +192,7 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
     from diffspec.core.adaptive import LatencyProfile
     from diffspec.profiling import (
         checkpoint_identity,
+        device_name,
         device_timer,
         profile_grid,
         read_cached_profile,
@@ -220,7 +221,7 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
         "engine": "vllm", "engine_version": vllm.__version__, "torch": torch.__version__,
         "checkpoint": checkpoint_identity(model_config.model, model_config.hf_config.to_dict()),
         "dtype": str(model_config.dtype), "quantization": model_config.quantization,
-        "device": _device_name(device), "threads": torch.get_num_threads(),
+        "device": device_name(device), "threads": torch.get_num_threads(),
         "tensor_parallel": tp.world_size, "enforce_eager": model_config.enforce_eager,
         "method": method, "max_drafts": policy.max_drafts, "grid": grid,
     }
@@ -259,20 +260,3 @@ def _dummy_query_len(tokens: int, max_seqs: int) -> int:
     ``min(tokens, max_seqs)`` requests of ``tokens // n``, the last with the remainder)."""
     n = max(1, min(tokens, max_seqs))
     return tokens // n + tokens % n
-
-
-def _device_name(device: torch.device) -> str:
-    """The device's name (a GPU's model; a CPU's model name and core count)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import os
-    import platform
-
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{device.type}: {name} x{os.cpu_count()}"
