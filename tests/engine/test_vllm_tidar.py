@@ -346,9 +346,10 @@ def test_no_forward_exceeds_the_profiled_rows(engine) -> None:
     plus branches, metered on the model's first layer) runs more rows. The greedy batches
     decode 6 requests at once without the reservation: 6 x (9 + 72) rows per step on the
     trained model, 6 x (8 + 64) on the NLD, about twice the 256-row budget."""
-    for run, budget in (("synth_spec", LLM_KWARGS["max_num_batched_tokens"]),
-                        ("nld_spec", LLM_KWARGS["max_num_batched_tokens"]),
-                        ("synth_adaptive", ADAPTIVE_BUDGET)):
+    budget = LLM_KWARGS["max_num_batched_tokens"]
+    for run in ("synth_spec", "nld_spec"):
         rows = engine["runs"][run]["greedy"]["forwards"]["max_rows"]
-        assert budget // 2 < rows <= budget, (run, rows)
-    assert engine["runs"]["synth_spec"]["sampled"]["forwards"]["max_rows"] <= 256
+        assert budget // 2 < rows <= budget, (run, rows)  # steps near the budget ran
+    assert engine["runs"]["synth_spec"]["sampled"]["forwards"]["max_rows"] <= budget
+    # the adaptive policy drafts within the reservation too (here less: the knee)
+    assert engine["runs"]["synth_adaptive"]["greedy"]["forwards"]["max_rows"] <= ADAPTIVE_BUDGET
