@@ -232,7 +232,7 @@ def activation_tokens(server_args) -> int:
     memory it leaves for activations (``mem_fraction_static``) per token of its largest
     planned forward, ``max(chunked_prefill_size, 2048)`` (``max_prefill_tokens`` without
     chunked prefill; disaggregated decode: running requests x draft tokens), as
-    ``arg_groups/memory_hook.py`` computes ``activation_tokens`` (0.5.23: lines 299-310);
+    ``arg_groups/memory_hook.py`` computes ``activation_tokens`` (0.5.23: lines 297-313);
     its scheduler keeps every prefill batch within the chunk. Read from the resolved server
     arguments (the worker's)."""
     if getattr(server_args, "disaggregation_mode", None) == "decode":
