@@ -131,6 +131,10 @@ class TiDARWorker(TargetModelSpecWorker):
     def profile_tokens_per_request(self) -> int:
         return self.tokens_per_req  # a step's tokens per request at the most drafts
 
+    @property
+    def profile_max_tokens(self) -> int:
+        return self.max_step_tokens  # no step runs more (_within_budget)
+
     # ---------------------------------------------------------------------------- prefill
 
     def _layout(self, n: int, k: int) -> _StepLayout:
