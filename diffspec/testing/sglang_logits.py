@@ -13,7 +13,8 @@ the largest storage (bytes) of a tensor whose last dimension is the config's voc
 (a slice of the LM head's padded output counts whole: its storage; a width equal to the
 padded vocabulary alone is not counted, another layer may have it) and the most tokens one
 forward of a step embedded
-(``aten.embedding``: the step's rows), into ``FOLDER/<pid>.json``; :func:`logits_meter`
+(``aten.embedding``: the step's rows) and the most requests one step held, into
+``FOLDER/<pid>.json``; :func:`logits_meter`
 reads them. Whole logits of a step would be ``rows x vocab x 4`` bytes; chunked, at most
 ``max(ROWS, one request's verify rows) x vocab x 4``.
 """
@@ -42,7 +43,7 @@ def install_logits_meter(spec: str) -> None:
     views.LOGITS_ROWS = int(rows)
     target = Path(folder) / f"{os.getpid()}.json"
     record = {"logits_rows": int(rows), "steps": 0, "largest_vocab_bytes": 0,
-              "most_step_tokens": 0, "vocab": None, "padded_vocab": None,
+              "most_step_tokens": 0, "most_step_requests": 0, "vocab": None, "padded_vocab": None,
               "largest_op": None}
 
     class Meter(TorchDispatchMode):
@@ -73,6 +74,7 @@ def install_logits_meter(spec: str) -> None:
         with Meter({record["vocab"]}):
             out = original(self, batch, on_publish, **kwargs)
         record["steps"] += 1
+        record["most_step_requests"] = max(record["most_step_requests"], len(batch.reqs))
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         tmp.replace(target)
@@ -94,5 +96,6 @@ def logits_meter(folder: str) -> dict:
         if rec["largest_vocab_bytes"] > merged["largest_vocab_bytes"]:
             merged["largest_vocab_bytes"], merged["largest_op"] = (
                 rec["largest_vocab_bytes"], rec["largest_op"])
-        merged["most_step_tokens"] = max(merged["most_step_tokens"], rec["most_step_tokens"])
+        for key in ("most_step_tokens", "most_step_requests"):
+            merged[key] = max(merged[key], rec[key])
     return merged

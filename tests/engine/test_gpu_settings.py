@@ -61,6 +61,10 @@ VLLM_REFUSED = {
     "tidar_full_graphs": ("nld", {"speculative_config": {"method": "tidar"},
                                   "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
                           "set compilation_config's cudagraph_mode to PIECEWISE or NONE"),
+    # item 5: a token budget that cannot hold one request's step and its branch rows
+    "tidar_budget": ("nld", {"speculative_config": {"method": "tidar"},
+                             "max_num_batched_tokens": 48},
+                     "raise max_num_batched_tokens (--max-num-batched-tokens) to at least "),
     # row 6: the per-request causal flag of vLLM's diffusion path
     "fast_dllm_flashinfer": ("llada", {"attention_backend": "FLASHINFER",
                                        "diffusion_config": {"canvas_length": 8}},
@@ -79,10 +83,17 @@ def test_vllm_refuses_at_start(ckpts, case: str) -> None:
 def test_vllm_checked_settings_build(ckpts) -> None:
     """The settings diffspec runs (CPU: CPU_ATTN picked by vLLM, no CUDA graphs) build,
     and TiDAR under an explicit PIECEWISE mode is accepted as given."""
+    from diffspec.core.checkpoint import inspect_checkpoint
+    from diffspec.plugin.vllm.config import tidar_branch_rows
+
     config = _vllm_config(ckpts["nld"], speculative_config={"method": "tidar"},
                           attention_backend="CPU_ATTN", enforce_eager=True)
     assert config.speculative_config.method == "custom_class"
     assert config.attention_config.use_non_causal
+    # item 5: vLLM's scheduler reserves the branch rows of every scheduled request
+    spec, info = config.speculative_config, inspect_checkpoint(ckpts["nld"])
+    assert spec.max_num_new_slots_for_drafting == tidar_branch_rows(
+        spec.num_speculative_tokens, info.logits_shift) > 0
     config = _vllm_config(ckpts["nld"], speculative_config={"method": "tidar"},
                           compilation_config={"cudagraph_mode": "PIECEWISE"})
     assert config.speculative_config.method == "custom_class"

@@ -66,6 +66,9 @@ SINGLES = ("single_0", "single_1")  # requests served alone: forwards per step
 # part): its batches (81 step rows per request) span many chunks; every lossless test on it
 # checks the chunked path
 LOGITS_ROWS = 16
+# synth_spec's chunked prefill: SGLang's memory accounting then covers forwards of
+# max(2048, chunk) = 2048 tokens, which 48 running requests' full steps (48 x 81) exceed
+STEP_BUDGET = 2048
 # flat up to 12 query tokens, then every token costs 9 flat steps: a TiDAR step with k drafts
 # forwards (k + 1)^2 tokens per request (synth-tidar's drafts are shifted), so one request
 # drafts 2, two or three 1 each, and of four or more only two draft (one each, per request)
@@ -171,7 +174,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "runs": [
             {"name": "synth_ar", "model": synth, "engine": {"disable_overlap_schedule": True},
              "batches": batches, "count_forwards": True},
-            {"name": "synth_spec", "model": synth, "engine": SPEC, "batches": batches,
+            {"name": "synth_spec", "model": synth,
+             "engine": {**SPEC, "chunked_prefill_size": STEP_BUDGET}, "batches": batches,
              "count_forwards": True, "logits_rows": LOGITS_ROWS},
             {"name": "nld_ar", "model": nld, "batches": {"greedy": _nld_requests()}},
             {"name": "nld_spec", "model": nld, "engine": NLD_SPEC,
@@ -302,6 +306,17 @@ def test_logits_stay_within_the_chunk_on_a_long_batch(engine) -> None:
     meter = engine["server_info"]["synth_spec"]["logits_meter"]
     assert meter["most_step_tokens"] >= 8 * (SYNTH_WIDTH * SYNTH_WIDTH), meter
     assert_sglang_logits_chunked(meter, SYNTH_WIDTH)
+
+
+def test_steps_stay_within_sglangs_activation_budget(engine) -> None:
+    """Issue 29, item 5: SGLang sizes the memory it leaves for activations per token of its
+    largest planned forward (here ``max(--chunked-prefill-size, 2048)`` = 2048); the
+    sampled batch runs 48 requests a step, whose full steps (48 x 81 tokens) would exceed
+    it: the worker pre-drafts fewer there, so no decode forward runs more tokens (the
+    lossless and sampling tests run on this server)."""
+    meter = engine["server_info"]["synth_spec"]["logits_meter"]
+    assert meter["most_step_requests"] * SYNTH_WIDTH * SYNTH_WIDTH > STEP_BUDGET, meter
+    assert meter["most_step_tokens"] <= STEP_BUDGET, meter
 
 
 def test_one_forward_per_step(engine, ckpts) -> None:

@@ -19,7 +19,10 @@ and builds engine configs that must fail. The checks:
 * clear errors at engine-config time; the ``vllm:spec_decode_*`` counters;
 * adaptive draft counts (``"adaptive": true``) on a hand-built latency profile whose
   knee makes the policy draft less as the batch grows: output equals AR, and the counters
-  show steps with 3 drafts, steps with fewer and plain AR steps.
+  show steps with 3 drafts, steps with fewer and plain AR steps;
+* memory: no forward runs more rows (scheduled tokens plus branches) than
+  ``max_num_batched_tokens``, the rows vLLM's memory profile forwarded, on batches whose
+  branches alone would exceed it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ SPEC_KWARGS = {"per_request_spec_decode_metrics": "detailed", "disable_log_stats
 # about 70% of the mass on ~20 sequences (enough per chi-square cell), and its drafts are
 # accepted at some steps and rejected at others.
 TEMPERATURE, TOP_P, NUM_SEEDS, SAMPLED_TOKENS = 0.3, 0.9, 300, 4
+# the adaptive runs: a budget for all 6 greedy requests with full branches (6 x (9 + 72))
+ADAPTIVE_BUDGET = 512
 # flat up to 12 query tokens, then every token costs 9 flat steps: a TiDAR step with k drafts
 # forwards (k + 1)^2 tokens per request (synth-tidar's drafts are shifted), so with one
 # count per step one request drafts 2, two or three 1 each, and four or more none
@@ -141,11 +146,13 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"name": "nld_spec", "model": str(ckpts["nld"]),
              "llm": {**LLM_KWARGS, **SPEC_KWARGS}, "batches": nld},
             {"name": "synth_adaptive", "model": str(ckpts["synth"]),
-             "llm": {**LLM_KWARGS, **SPEC_KWARGS, "speculative_config": adaptive(profile)},
+             "llm": {**LLM_KWARGS, **SPEC_KWARGS, "speculative_config": adaptive(profile),
+                     "max_num_batched_tokens": ADAPTIVE_BUDGET},
              "batches": {"greedy": synth["greedy"]}},
             # the default: adaptive, on the profile the engine measures at start-up
             {"name": "synth_default", "model": str(ckpts["synth"]),
-             "llm": {**LLM_KWARGS, "speculative_config": {"method": "tidar"}},
+             "llm": {**LLM_KWARGS, "speculative_config": {"method": "tidar"},
+                     "max_num_batched_tokens": ADAPTIVE_BUDGET},
              "batches": {"greedy": synth["greedy"]}},
         ],
         "config_errors": {
@@ -163,6 +170,10 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 **adaptive(profile), "adaptive": False}},
             "adaptive_bad_profile": {"model": str(ckpts["synth"]),
                                      "speculative_config": adaptive(tmp / "bad-profile.json")},
+            # 8 drafts: 9 scheduled tokens and 9 branches of 8 masks
+            "budget_below_one_step": {"model": str(ckpts["synth"]),
+                                      "speculative_config": {"method": "tidar"},
+                                      "engine_args": {"max_num_batched_tokens": 80}},
         },
     }
     return run_vllm_job(ckpts["synth"], job, tmp, timeout=1500,
@@ -268,6 +279,9 @@ def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
                                       r"false from the speculative_config")),
         ("adaptive_bad_profile", (r"^\w+: point \"latency_profile\" at a forward-latency "
                                   r"profile.*--method tidar.*at least one measured point")),
+        ("budget_below_one_step", (r"^\w+: raise max_num_batched_tokens \(--max-num-batched-"
+                                   r"tokens\) to at least 81 \(got 80\) or lower "
+                                   r"num_speculative_tokens: .*72 branch rows per request")),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:
@@ -320,3 +334,22 @@ def test_default_is_adaptive_on_a_measured_profile_and_equals_ar(engine) -> None
     assert log.count("diffspec: measured a latency profile in ") == 1, log[-3000:]
     # the policy's line, with the fit of step times only a measured profile gets
     assert re.search(r"diffspec: adaptive drafts: batch \d+, .*; step time [\d.]+ x profile", log)
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def test_no_forward_exceeds_the_profiled_rows(engine) -> None:
+    """vLLM sized the KV cache from a memory profile that forwarded
+    ``max_num_batched_tokens`` rows; its scheduler reserves each request's branch rows
+    in that budget (patch ``drafting_rows``), so no forward of a step (scheduled tokens
+    plus branches, metered on the model's first layer) runs more rows. The greedy batches
+    decode 6 requests at once without the reservation: 6 x (9 + 72) rows per step on the
+    trained model, 6 x (8 + 64) on the NLD, about twice the 256-row budget."""
+    budget = LLM_KWARGS["max_num_batched_tokens"]
+    for run in ("synth_spec", "nld_spec"):
+        rows = engine["runs"][run]["greedy"]["forwards"]["max_rows"]
+        assert budget // 2 < rows <= budget, (run, rows)  # steps near the budget ran
+    assert engine["runs"]["synth_spec"]["sampled"]["forwards"]["max_rows"] <= budget
+    # the adaptive policy drafts within the reservation too (here less: the knee)
+    assert engine["runs"]["synth_adaptive"]["greedy"]["forwards"]["max_rows"] <= ADAPTIVE_BUDGET

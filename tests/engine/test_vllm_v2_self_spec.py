@@ -21,7 +21,10 @@ scheduler, input preparation, sampler, rejection sampler and paged KV cache; the
   twice give the same samples, and a batch of one-token prompts passes a chi-square test
   against the exact AR sequence probabilities;
 * the launches the V2 path refuses at engine-config time, each with what to do first:
-  ``"adaptive": true``, prompt lookup, async scheduling.
+  ``"adaptive": true``, prompt lookup, async scheduling;
+* memory: no TiDAR forward runs more rows (scheduled tokens plus branches) than
+  ``max_num_batched_tokens``, the rows vLLM's memory profile forwarded (its scheduler
+  reserves each request's branch rows: patch ``drafting_rows``).
 
 The interpreter is slow: few requests, few tokens; the one job takes about 3 minutes on the
 2-core box (188 s with other jobs on it, of which the TiDAR run about 30 s): three engine
@@ -41,6 +44,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 NUM_DRAFTS = 7
 LLM_KWARGS = {"block_size": 32, "max_num_batched_tokens": 48, "probe_runner": True,
               "per_request_spec_decode_metrics": "detailed", "disable_log_stats": False}
+# TiDAR reserves 8 x 7 branch rows per scheduled request (synth-tidar's drafts are shifted):
+# two requests' full steps per forward, and the 83-token prompt still prefilled in chunks
+TIDAR_BUDGET = 128
 SPECULATORS = {"orthrus": "diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator",
                "nld": "diffspec.spec_workers.vllm.two_pass_v2.TwoPassSpeculator",
                "tidar": "diffspec.spec_workers.vllm.tidar_v2.TiDARSpeculator"}
@@ -119,7 +125,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
              "llm": {**LLM_KWARGS, **_spec("linear_self_spec")},
              "batches": {"greedy": _greedy_requests()}},
             {"name": "tidar", "model": str(SYNTH_TIDAR_DIR),
-             "llm": {**LLM_KWARGS, **_spec("tidar")},
+             "llm": {**LLM_KWARGS, **_spec("tidar"), "max_num_batched_tokens": TIDAR_BUDGET,
+                     "count_forwards": True},
              "batches": {"greedy": _tidar_requests()}},
         ],
         "config_errors": {
@@ -196,6 +203,14 @@ def test_acceptance_per_step_equals_reference_decoder(engine, family: str) -> No
     assert sum(accepted) / len(accepted) > 2
     if family == "tidar":  # the first, the last and a middle branch were each selected
         assert {0, NUM_DRAFTS} < set(accepted), accepted
+
+
+def test_tidar_forwards_stay_within_the_profiled_rows(engine) -> None:
+    """Without the reservation the 4 requests' steps would forward up to 4 x (8 + 56) rows
+    (twice the budget); with it no forward (metered on the model's first layer) runs more
+    than ``max_num_batched_tokens``."""
+    rows = engine["runs"]["tidar"]["greedy"]["forwards"]["max_rows"]
+    assert TIDAR_BUDGET // 2 < rows <= TIDAR_BUDGET, rows
 
 
 def test_seeded_sampling_is_reproducible(engine) -> None:

@@ -27,7 +27,8 @@ engine config and records the error it raises. Without JOB_JSON there is one pla
 
 Prints one JSON object after RESULT_PREFIX: {"runs": {run: {batch: {"outputs": [[token
 ids]], "finish_reasons": [...], "spec_steps": [[accepted drafts per verify step] | null],
-"forwards": {"model": n, "drafter": n} (with count_forwards), "lookup": {counter: n} (with
+"forwards": {"model": n, "drafter": n, "max_rows": the most rows one forward of the
+model ran during the batch} (with count_forwards), "lookup": {counter: n} (with
 lookup_stats), "runner": {"classes": [model runner class and its bases, "module.Name"],
 "kernels": {kernel: launches}, "speculator": the V2 runner's speculator class or null,
 "draft_forwards": its forwards so far (diffspec's)} (with probe_runner)}},
@@ -75,7 +76,8 @@ def _run(model: str, llm_kwargs: dict, batches: dict[str, list[dict]]) -> tuple[
             outputs[name]["lookup"] = {k: after[k] - looked_up[k] for k in after}
         if count:
             after = llm.collective_rpc(_read_forward_counter)[0]
-            outputs[name]["forwards"] = {k: after[k] - before[k] for k in after}
+            outputs[name]["forwards"] = {k: after[k] - before[k] if k != "max_rows"
+                                         else after[k] for k in after}
         if probe:
             runner = llm.collective_rpc(_probe_runner)[0]
             runner["kernels"] = {k: n - launched.get(k, 0) for k, n in runner["kernels"].items()
@@ -94,18 +96,24 @@ def _install_forward_counter(worker) -> None:
     model = worker.model_runner.get_model()
     layer = model.model.layers[model.model.start_layer]
     layer._diffspec_forwards = 0
+    layer._diffspec_max_rows = 0  # since the last read
 
     def hook(module, args, output):
         module._diffspec_forwards += 1
+        # a decoder layer's first argument: the forward's positions, one per row
+        module._diffspec_max_rows = max(module._diffspec_max_rows, int(args[0].shape[-1]))
 
     layer.register_forward_hook(hook)
 
 
 def _read_forward_counter(worker) -> dict:
-    """{"model": forwards of the model, "drafter": forwards the drafter ran itself}."""
+    """{"model": forwards of the model, "drafter": forwards the drafter ran itself,
+    "max_rows": the most rows one forward of the model ran since the last read}."""
     model = worker.model_runner.get_model()
     drafter = getattr(worker.model_runner, "drafter", None)
-    return {"model": model.model.layers[model.model.start_layer]._diffspec_forwards,
+    layer = model.model.layers[model.model.start_layer]
+    max_rows, layer._diffspec_max_rows = layer._diffspec_max_rows, 0
+    return {"model": layer._diffspec_forwards, "max_rows": max_rows,
             "drafter": getattr(drafter, "num_forwards", 0)}
 
 

@@ -147,3 +147,48 @@ def test_kv_window_per_step() -> None:
     assert tidar_kv_window(9, SYNTH_TIDAR_DIR, torch_native=True) == 9
     assert tidar_kv_window(9, SYNTH_TIDAR_DIR, torch_native=False) == 81 == tokens_per_step(8, True)
     assert tidar_kv_window(5, SYNTH_TIDAR_DIR, torch_native=False) == 25
+
+
+def test_steps_fit_sglangs_activation_budget() -> None:
+    """A TIDAR forward never runs more tokens than SGLang's memory accounting is sized for
+    (:func:`~diffspec.plugin.sglang.config.activation_tokens`, SGLang's
+    ``memory_hook.py`` rule): the step pre-drafts the most it can within it, 0 (no
+    branches) when even one draft would not fit."""
+    from types import SimpleNamespace
+
+    from diffspec.model_executors.sglang.quadratic import (
+        decode_step_rows,
+        fit_drafts,
+        prefill_rows,
+    )
+    from diffspec.plugin.sglang.config import activation_tokens
+
+    assert decode_step_rows(48, 8, 8, True) == 48 * 81 == 48 * tokens_per_step(8, True)
+    assert decode_step_rows(48, 8, 0, True) == 48 * 9  # verify rows only
+    assert decode_step_rows(4, 7, 7, False) == 4 * 72
+    assert prefill_rows(300, 48, 8, True) == 300 + 48 * 8
+    assert prefill_rows(300, 48, 0, True) == 300
+
+    budget = 2048
+    for bs, n in ((8, 8), (48, 8), (48, 3), (300, 8)):
+        rows = lambda k: decode_step_rows(bs, n, k, True)  # noqa: E731
+        k = fit_drafts(8, budget, rows)
+        assert k == 0 or rows(k) <= budget
+        assert k == 8 or rows(k + 1) > budget  # the most that fits
+    assert fit_drafts(8, budget, lambda k: decode_step_rows(8, 8, k, True)) == 8  # 648 rows
+    assert fit_drafts(8, budget, lambda k: decode_step_rows(48, 8, k, True)) == 3  # 48 x 36
+    assert fit_drafts(8, budget, lambda k: decode_step_rows(48, 3, k, True)) == 8  # 48 x 36
+    assert fit_drafts(8, budget, lambda k: decode_step_rows(300, 8, k, True)) == 0
+    assert fit_drafts(8, budget, lambda k: prefill_rows(2000, 16, k, True)) == 3
+
+    def args(**kw) -> SimpleNamespace:
+        base = {"disaggregation_mode": "null", "chunked_prefill_size": 4096,
+                "max_prefill_tokens": 16384, "max_running_requests": 48,
+                "speculative_num_draft_tokens": 9}
+        return SimpleNamespace(**{**base, **kw})
+
+    assert activation_tokens(args()) == 4096
+    assert activation_tokens(args(chunked_prefill_size=512)) == 2048  # SGLang's floor
+    assert activation_tokens(args(chunked_prefill_size=-1)) == 16384  # no chunking
+    assert activation_tokens(args(disaggregation_mode="decode", max_running_requests=512)) \
+        == 512 * 9

@@ -17,8 +17,11 @@ __all__ = [
     "MaskedAttention",
     "MaskedLayout",
     "branch_size",
+    "decode_step_rows",
     "draft_rows",
+    "fit_drafts",
     "prefill_branch_layout",
+    "prefill_rows",
     "tokens_per_step",
     "verify_step_layout",
 ]
@@ -36,6 +39,29 @@ def branch_size(num_drafts: int, logits_shift: bool) -> int:
 def tokens_per_step(num_drafts: int, logits_shift: bool) -> int:
     """Tokens one request puts in a decode step: ``(n + 1) * (1 + K')``."""
     return (num_drafts + 1) * (1 + branch_size(num_drafts, logits_shift))
+
+
+def fit_drafts(num_drafts: int, budget: int, rows) -> int:
+    """The most drafts ``<= num_drafts`` whose step ``rows(k)`` (tokens one forward runs
+    when it pre-drafts ``k``) is within ``budget``; 0 when none is (no branches)."""
+    for k in range(num_drafts, 0, -1):
+        if rows(k) <= budget:
+            return k
+    return 0
+
+
+def decode_step_rows(batch_size: int, num_verify: int, num_drafts: int,
+                     logits_shift: bool) -> int:
+    """Tokens of a TIDAR decode step: ``bs`` requests verifying ``num_verify`` drafts and
+    pre-drafting ``num_drafts`` (``(n + 1)(1 + K')`` each; ``n + 1`` without branches)."""
+    masks = branch_size(num_drafts, logits_shift) if num_drafts else 0
+    return batch_size * (num_verify + 1) * (1 + masks)
+
+
+def prefill_rows(num_prompt: int, batch_size: int, num_drafts: int, logits_shift: bool) -> int:
+    """Tokens of the fused prefill: the batch's prompt tokens plus branch 0 per request."""
+    return num_prompt + (batch_size * branch_size(num_drafts, logits_shift) if num_drafts
+                         else 0)
 
 
 def verify_step_layout(

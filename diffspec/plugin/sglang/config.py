@@ -23,7 +23,7 @@ from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["VERIFY_BACKENDS", "attention_backend_error", "graphs_off_message",
+__all__ = ["VERIFY_BACKENDS", "activation_tokens", "attention_backend_error", "graphs_off_message",
            "self_spec_algorithms", "spec_class", "validate_server_args"]
 
 # Attention backends diffspec's speculative steps run on. A step's verify (and the
@@ -225,6 +225,23 @@ def _validate_quadratic_drafts(info, drafts: int) -> None:
             f"checkpoint {info.path} was trained with block_size={info.block_size} "
             f"({'shifted' if info.logits_shift else 'unshifted'} draft logits), so one "
             f"quadratic branch drafts at most {limit} tokens per step; {drafts} requested")
+
+
+def activation_tokens(server_args) -> int:
+    """The tokens one forward may run within SGLang's memory accounting: SGLang sizes the
+    memory it leaves for activations (``mem_fraction_static``) per token of its largest
+    planned forward, ``max(chunked_prefill_size, 2048)`` (``max_prefill_tokens`` without
+    chunked prefill; disaggregated decode: running requests x draft tokens), as
+    ``arg_groups/memory_hook.py`` computes ``activation_tokens`` (0.5.23: lines 297-313);
+    its scheduler keeps every prefill batch within the chunk. Read from the resolved server
+    arguments (the worker's)."""
+    if getattr(server_args, "disaggregation_mode", None) == "decode":
+        running = server_args.max_running_requests or 1
+        return max(running * (server_args.speculative_num_draft_tokens or 1), 2048)
+    chunk = server_args.chunked_prefill_size
+    if chunk is not None and chunk > 0:
+        return max(int(chunk), 2048)
+    return max(int(server_args.max_prefill_tokens), 2048)
 
 
 def tidar_kv_window(width: int, model_path, torch_native: bool) -> int:

@@ -28,9 +28,10 @@ from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
-__all__ = ["GPU_ATTENTION_BACKEND", "attention_backend_error", "cudagraph_plan",
-           "diffspec_options", "is_self_spec_proposer", "proposer_path", "self_spec_methods",
-           "translate_speculative_config", "unknown_method_message"]
+__all__ = ["GPU_ATTENTION_BACKEND", "attention_backend_error", "budget_error", "cudagraph_plan",
+           "diffspec_options", "drafting_rows", "is_self_spec_proposer", "proposer_path",
+           "self_spec_methods", "tidar_branch_rows", "translate_speculative_config",
+           "unknown_method_message"]
 
 SPEC_FLAG = "--speculative-config"
 
@@ -73,6 +74,43 @@ def is_self_spec_proposer(speculative_config: Any) -> bool:
         and getattr(speculative_config, "model", None)
         in {proposer_path(name) for name in self_spec_methods()}
     )
+
+
+def tidar_branch_rows(num_drafts: int, logits_shift: bool) -> int:
+    """The most branch rows one request adds to a ``tidar`` step's forward besides its
+    scheduled tokens: ``n + 1 <= K + 1`` branches of ``K + skip`` masks (``K`` =
+    ``num_speculative_tokens``; ``skip`` 1 for unshifted draft logits), the bound of
+    :func:`diffspec.spec_workers.vllm.tidar.plan_branches`."""
+    return (num_drafts + 1) * (num_drafts + (0 if logits_shift else 1))
+
+
+def drafting_rows(speculative_config: Any) -> int | None:
+    """Rows diffspec's method appends to the target forward per scheduled request, which
+    vLLM's scheduler reserves in each step's token budget (its
+    ``SpeculativeConfig.max_num_new_slots_for_drafting``; patch ``drafting_rows``): the
+    ``tidar`` branches (:func:`tidar_branch_rows`); ``None`` for every other config (vLLM's
+    own answer)."""
+    if not is_self_spec_proposer(speculative_config) \
+            or speculative_config.model != proposer_path("tidar"):
+        return None
+    hf_config = getattr(speculative_config.target_model_config, "hf_config", None)
+    return tidar_branch_rows(int(speculative_config.num_speculative_tokens),
+                             getattr(hf_config, "dlm_type", None) == "dream")
+
+
+def budget_error(max_num_batched_tokens: int | None, num_drafts: int,
+                 logits_shift: bool) -> str | None:
+    """The refusal of a ``tidar`` token budget that cannot hold one request's full step
+    (its ``K + 1`` scheduled tokens and its branch rows), else ``None``."""
+    rows = tidar_branch_rows(num_drafts, logits_shift)
+    need = num_drafts + 1 + rows
+    if max_num_batched_tokens is None or max_num_batched_tokens >= need:
+        return None
+    return (f"raise max_num_batched_tokens (--max-num-batched-tokens) to at least {need} (got "
+            f"{max_num_batched_tokens}) or lower num_speculative_tokens: a 'tidar' step "
+            f"forwards up to {rows} branch rows per request besides its {num_drafts + 1} "
+            f"scheduled tokens, and vLLM's scheduler reserves them in the step's token budget, "
+            f"the rows its memory profile forwarded (docs/gpu-support.md, memory)")
 
 
 def translate_speculative_config(

@@ -101,6 +101,12 @@ class TargetModelSpecWorker(BaseSpecWorker):
     def profile_tokens_per_request(self) -> int:
         return self.width
 
+    # the most tokens one step's forward runs, whatever the batch (None: no bound of the
+    # worker's own; TIDAR: SGLang's activation budget), the start-up profile's widest
+    @property
+    def profile_max_tokens(self) -> int | None:
+        return None
+
     def clear_cache_pool(self) -> None:
         pass  # no private state outside SGLang's pools
 
@@ -128,7 +134,8 @@ class TargetModelSpecWorker(BaseSpecWorker):
         if policy is not None and policy.profile is None:
             policy.set_profile(measure_profile(self.model_runner, self.server_args,
                                                self.method, policy.max_drafts,
-                                               self.profile_tokens_per_request))
+                                               self.profile_tokens_per_request,
+                                               self.profile_max_tokens))
 
     def forward_batch_generation(
         self, batch, on_publish=None, **_: object
@@ -616,13 +623,14 @@ def _dummy_decode_batch(runner, tokens: int, context: int) -> ForwardBatch:
 
 
 def measure_profile(runner, server_args, method: str, max_drafts: int,
-                    tokens_per_request: int):
+                    tokens_per_request: int, max_tokens: int | None = None):
     """The latency profile of ``runner``'s own forwards: a DECODE forward of ``T`` rows
     (each over :data:`PROFILE_CONTEXT` keys, or the model's length) with the argmax of the
     logits of all ``T`` (:func:`step_logits`, ``LOGITS_ROWS`` rows at a time), for the widths of :func:`~diffspec.profiling.profile_grid` up to the widest step
     the policy can choose (every running request at ``tokens_per_request``; on a backend
     other than the torch-native one, at most one row per request slot, the backend's decode
-    buffers: the profile extrapolates past it), within about :data:`PROFILE_BUDGET_S`
+    buffers: the profile extrapolates past it; never past ``max_tokens``, the most a step
+    of the worker runs), within about :data:`PROFILE_BUDGET_S`
     seconds. On the torch-native backend (SGLang's CPU path) the two-pass draft and verify
     run exactly such rows. Cached per checkpoint, SGLang and torch versions, dtype,
     quantization, device, threads, tensor parallelism, attention backend, method, drafts
@@ -654,6 +662,8 @@ def measure_profile(runner, server_args, method: str, max_drafts: int,
     widest = slots * tokens_per_request
     if not isinstance(backend, TorchNativeAttnBackend):
         widest = min(widest, slots)
+    if max_tokens is not None:
+        widest = min(widest, max_tokens)
     context = max(1, min(PROFILE_CONTEXT, int(model_config.context_len) - 1))
     grid = profile_grid(max(1, widest))
     tp = get_tp_group()

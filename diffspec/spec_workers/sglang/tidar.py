@@ -25,11 +25,15 @@ from diffspec.model_executors.sglang.quadratic import (
     MaskedAttention,
     MaskedLayout,
     branch_size,
+    decode_step_rows,
     draft_rows,
+    fit_drafts,
     prefill_branch_layout,
+    prefill_rows,
     verify_step_layout,
 )
 from diffspec.model_executors.sglang.views import argmax_in_chunks
+from diffspec.plugin.sglang.config import activation_tokens
 from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.sglang.target_worker import (
     SpecDraftInput,
@@ -95,17 +99,41 @@ class TiDARWorker(TargetModelSpecWorker):
         if self.adaptive is not None:
             self.adaptive.cost = StepCost("quadratic", skip=0 if self.logits_shift else 1)
         self.timings = DraftTimings(self.device)
+        # no forward runs more tokens than SGLang's memory accounting is sized for (its
+        # activation reserve, per token of its largest planned forward): a step that would
+        # run more pre-drafts fewer (docs/gpu-support.md, memory)
+        self.max_step_tokens = activation_tokens(server_args)
+        self._capped_logged = False
         # positions past the model's range (branches near its end) are clamped to its last
         max_len = getattr(config, "max_position_embeddings", None)
         self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
         self._vocab = int(config.vocab_size)
         logger.info("diffspec TIDAR: %d drafts per step, branches of %d masks (%s logits), "
-                    "%d tokens per request and step", self.num_drafts, self.num_masks,
-                    "shifted" if self.logits_shift else "unshifted", self.tokens_per_req)
+                    "%d tokens per request and step; at most %d tokens per forward (SGLang's "
+                    "activation budget)", self.num_drafts, self.num_masks,
+                    "shifted" if self.logits_shift else "unshifted", self.tokens_per_req,
+                    self.max_step_tokens)
+
+    def _within_budget(self, k: int, rows) -> int:
+        """``k`` drafts, or fewer when the step's ``rows(k)`` would exceed
+        :attr:`max_step_tokens` (logged the first time)."""
+        fitted = fit_drafts(k, self.max_step_tokens, rows)
+        if fitted < k and not self._capped_logged:
+            self._capped_logged = True
+            logger.info("diffspec TIDAR: a step pre-drafts %d instead of %d to stay within "
+                        "%d tokens per forward, what SGLang's memory accounting is sized for "
+                        "(max(--chunked-prefill-size, 2048)); raise --chunked-prefill-size "
+                        "or lower --max-running-requests for full branches", fitted, k,
+                        self.max_step_tokens)
+        return fitted
 
     @property
     def profile_tokens_per_request(self) -> int:
         return self.tokens_per_req  # a step's tokens per request at the most drafts
+
+    @property
+    def profile_max_tokens(self) -> int:
+        return self.max_step_tokens  # no step runs more (_within_budget)
 
     # ---------------------------------------------------------------------------- prefill
 
@@ -140,17 +168,19 @@ class TiDARWorker(TargetModelSpecWorker):
     @torch.inference_mode()
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
         self.timings.step([req.rid for req in batch.reqs], [], [])  # no steady step
-        n = self._choose(batch, record=False)
+        bs = len(batch.reqs)
+        num_prompt = sum(int(x) for x in batch.extend_lens)  # prompt tokens in this forward
+        n = self._within_budget(self._choose(batch, record=False), lambda k: prefill_rows(
+            num_prompt, bs, k, self.logits_shift))
         if n == 0:  # nothing to pre-draft: SGLang's own prefill
             result = self._target_worker.forward_batch_generation(batch)
             bonus = result.next_token_ids.reshape(-1).to(torch.int64)
             return self._prefilled(result, batch, TiDARDraftInput(
                 bonus_tokens=bonus, drafts=bonus.new_zeros((bonus.numel(), 0)),
                 new_seq_lens=batch.seq_lens), on_publish)
-        bs, k = len(batch.reqs), branch_size(n, self.logits_shift)
+        k = branch_size(n, self.logits_shift)
         prefix_lens = [int(x) for x in batch.prefix_lens]  # cached prompt tokens
         extend_lens = [int(x) for x in batch.extend_lens]  # prompt tokens in this forward
-        num_prompt = sum(extend_lens)
         masks = torch.full((bs * k,), self.mask_token_id, dtype=batch.input_ids.dtype,
                            device=self.device)
         # the masks' K/V are written to the pool's padding slot 0 (dummy writes)
@@ -209,7 +239,9 @@ class TiDARWorker(TargetModelSpecWorker):
         anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
         drafts = state.drafts.to(torch.int64)  # [bs, n] pre-drafted by the last step
         n = drafts.shape[1]
-        k = self._choose(batch, record=True)  # drafts to pre-draft for the next step
+        k = self._within_budget(  # drafts to pre-draft for the next step
+            self._choose(batch, record=True),
+            lambda k: decode_step_rows(bs, n, k, self.logits_shift))
         self.timings.step([req.rid for req in batch.reqs], [n] * bs, [k] * bs)
         layout = self._layout(n, k)
         t, w = layout.offsets.numel(), n + 1  # T = (n + 1)(1 + K'); the verify width

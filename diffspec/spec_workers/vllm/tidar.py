@@ -27,8 +27,8 @@ from diffspec.spec_workers.vllm.proposer import (
     on_device,
 )
 
-__all__ = ["BranchPlan", "TiDARProposer", "check_decoder_layers", "decoder_forward",
-           "next_draft_count", "plan_branches"]
+__all__ = ["BranchPlan", "TiDARProposer", "check_branch_budget", "check_decoder_layers",
+           "decoder_forward", "next_draft_count", "plan_branches"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,37 @@ def plan_branches(
     return plans
 
 
+def check_branch_budget(vllm_config, num_drafts: int, logits_shift: bool) -> int:
+    """At the drafter's start: check that vLLM's scheduler reserves each request's branch
+    rows in the step's token budget (patch ``drafting_rows``), so a step's forward never
+    has more rows than vLLM's memory profile forwarded (``max_num_batched_tokens``), and
+    that the budget holds one request's full step; log how many requests a step can then
+    carry when that is fewer than ``max_num_seqs``. Returns the rows reserved per request."""
+    from diffspec.plugin.vllm.config import budget_error, tidar_branch_rows
+
+    rows = tidar_branch_rows(num_drafts, logits_shift)
+    spec = vllm_config.speculative_config
+    if getattr(spec, "max_num_new_slots_for_drafting", None) != rows:
+        raise RuntimeError(
+            "load the diffspec vLLM plugin on a vLLM release it lists (patch drafting_rows "
+            "is not applied): method 'tidar' forwards its branch rows besides the scheduled "
+            "tokens, and without the patch vLLM's scheduler does not reserve them in the "
+            "token budget its memory profile was sized for")
+    scheduler = vllm_config.scheduler_config
+    budget = scheduler.max_num_batched_tokens
+    error = budget_error(budget, num_drafts, logits_shift)
+    if error:
+        raise ValueError(error)
+    per_request = num_drafts + 1 + rows
+    if scheduler.max_num_seqs * per_request > budget:
+        logger.info("diffspec: method 'tidar' reserves %d branch rows per scheduled request "
+                    "in the step's token budget (max_num_batched_tokens %d, the rows vLLM's "
+                    "memory profile forwarded): at most %d requests run a full step together "
+                    "(max_num_seqs %d); raise max_num_batched_tokens to run more", rows,
+                    budget, budget // per_request, scheduler.max_num_seqs)
+    return rows
+
+
 def next_draft_count(plan: BranchPlan, committed: int, num_left: int | None, num_slots: int,
                      max_drafts: int, logits_shift: bool, max_model_len: int) -> int:
     """Drafts to propose from ``plan``'s accepted branch, once ``committed`` tokens (prompt
@@ -108,6 +139,7 @@ class TiDARProposer:
         self.mask_token_id = int(hf_config.mask_token_id)
         self.logits_shift = getattr(hf_config, "dlm_type", None) == "dream"
         self.max_model_len: int = vllm_config.model_config.max_model_len
+        check_branch_budget(vllm_config, self.num_speculative_tokens, self.logits_shift)
         self.num_forwards = 0  # forwards run by forward_with_runner (one per step)
         self._branches: _Branches | None = None
         self._branch_hidden: torch.Tensor | None = None  # [B, hidden]

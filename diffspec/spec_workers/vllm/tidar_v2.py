@@ -16,6 +16,7 @@ from diffspec.spec_workers.vllm.tidar import (
     BranchPlan,
     _Branches,
     _quadratic_attention,
+    check_branch_budget,
     check_decoder_layers,
     decoder_forward,
     next_draft_count,
@@ -48,6 +49,7 @@ class TiDARSpeculator(DraftModelSpeculator):
         self.req_states = req_states
         self.mask_token_id = int(hf_config.mask_token_id)
         self.logits_shift = getattr(hf_config, "dlm_type", None) == "dream"
+        check_branch_budget(vllm_config, self.num_speculative_steps, self.logits_shift)
         self.num_forwards = 0  # forwards that carried branches (tests read it)
         self._planned: _Branches | None = None  # built by prepare_attn, run by the forward
         self._ran: tuple[_Branches, torch.Tensor] | None = None  # branches, their hidden

@@ -28,6 +28,7 @@ logger = logging.getLogger("vllm.diffspec")
 PATCHES: dict[str, tuple[str, ...]] = {
     "speculative_method": ("0.32", "0.33"),
     "lookahead_slots": ("0.32", "0.33"),
+    "drafting_rows": ("0.32", "0.33"),
     "runner_propose": ("0.32", "0.33"),
     "runner_forward": ("0.32", "0.33"),
     "cpu_expand_kernel": ("0.32", "0.33"),

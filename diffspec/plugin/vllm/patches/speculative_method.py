@@ -11,7 +11,9 @@ checkpoint and rewritten to the ``custom_class`` hook
 (:func:`diffspec.plugin.vllm.config.translate_speculative_config`), the engine options the
 drafter cannot work with are refused here, in the process the user launched, and the
 attention config asks for a backend that attends non-causally (``use_non_causal``: vLLM's
-selector then refuses an unfit backend at load). An unknown
+selector then refuses an unfit backend at load); for ``tidar``, a
+``max_num_batched_tokens`` that cannot hold one request's step with its branch rows
+(:func:`~diffspec.plugin.vllm.config.budget_error`) is refused. An unknown
 method name gets an error listing vLLM's methods and diffspec's. Anything else goes to
 vLLM untouched.
 """
@@ -210,6 +212,7 @@ def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from diffspec.plugin.vllm.config import (
+        budget_error,
         diffspec_options,
         self_spec_methods,
         translate_speculative_config,
@@ -241,6 +244,12 @@ def apply() -> None:
             hf_config = target_model_config.hf_config.to_dict()
             self.speculative_config = translate_speculative_config(
                 spec, target_model_config.model, hf_config)
+            if method == "tidar":  # its branch rows are reserved in the token budget
+                error = budget_error(self.max_num_batched_tokens,
+                                     self.speculative_config["num_speculative_tokens"],
+                                     hf_config.get("dlm_type") == "dream")
+                if error:
+                    raise ValueError(error)
             self.additional_config = {**(self.additional_config or {}),
                                       "diffspec": diffspec_options(spec)}
             self.spec_method = self.spec_model = self.spec_tokens = None
