@@ -20,9 +20,12 @@ Paths (``--paths``): ``server``: vLLM's OpenAI server (the launch settings of
 ``benchmarks.vllm_bench_serve``) and vLLM's own client (``vllm bench serve``, ``--save-detailed``
 for the generated texts) once per prompt set and concurrency c, c requests in flight;
 ``offline``: ``vllm.LLM`` in a worker subprocess, the same prompts as token ids in waves of c
-(one ``generate`` call each); ``sglang-offline`` (opt in; ``--sglang-cpu-harness`` on a
-CPU-only machine): ``sglang.Engine`` the same way. At concurrency c each cell serves the
-first N(c) = max(--min-prompts, --waves x c) prompts of the set.
+(one ``generate`` call each); opt in, SGLang (``--sglang-cpu-harness`` on a CPU-only
+machine: SGLang's CPU path is a test harness, and runs AR and diffspec's methods only):
+``sglang-offline`` (``sglang.Engine`` the same way) and ``sglang-server``
+(``sglang.launch_server`` with the same arguments, vLLM's client; acceptance length from
+SGLang's ``/server_info``, since the server started; no draft counts). At concurrency c
+each cell serves the first N(c) = max(--min-prompts, --waves x c) prompts of the set.
 
 Order: round r (``--repeats`` rounds) runs every baseline once, AR first, each on every path
 (one engine start per baseline, path and round, serving every prompt set and concurrency),
@@ -65,7 +68,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.baselines import Baseline  # noqa: E402
 
 TABLES = ("sharegpt", "gsm8k", "humaneval")
-PATHS = ("server", "offline", "sglang-offline")
+PATHS = ("server", "offline", "sglang-offline", "sglang-server")
+SERVER_PATHS = ("server", "sglang-server")
 DEFAULT_BASELINES = "ar,ngram:4,eagle3:3,default,orthrus:3"
 DEFAULT = "default"  # the baseline label of diffspec's default configuration
 # Settings that change what a cell measures: a state file written with others is not resumed.
@@ -74,6 +78,8 @@ MUST_MATCH = ("model", "output_len", "min_prompts", "waves", "max_model_len", "d
 # CPU box (SmolLM2-135M, fp32), measured by hand on 2026-11-28 (docs: benchmarks/README.md).
 PRIOR_TOK_S = {1: 30.0, 2: 50.0, 4: 80.0, 8: 110.0, 16: 130.0, 32: 140.0}
 PRIOR_START_S = 60.0  # one engine start (server or offline), before any was timed
+# SGLang paths: a KV pool that holds 32 requests of a long prompt each (the harness sets 8192)
+SGLANG_EXTRA = {"max_total_tokens": 32768}
 
 
 @dataclass(frozen=True)
@@ -230,7 +236,9 @@ def aggregate(cells: dict[str, dict[str, Any]], tables: Sequence[str], paths: Se
                         "tokens_per_s_max": max(rates.values(), default=None),
                         "x_ar": _median(ratios), "x_ar_min": min(ratios, default=None),
                         "x_ar_max": max(ratios, default=None),
-                        "acceptance_length": 1 + accepted / drafts if drafts else None,
+                        "acceptance_length": 1 + accepted / drafts if drafts else _median(
+                            [x["server_acceptance_length"] for _, x in recs
+                             if x.get("server_acceptance_length")]),
                         "draft_tokens_per_token": draft_tokens / tokens if tokens else None,
                         "lossless": matches / total if total else None,
                         "lossless_requests": [matches, total],
@@ -547,23 +555,46 @@ def plan_of(run: Run) -> list[Group]:
     return plan(s["tables"], s["paths"], s["baselines"], s["repeats"], s["concurrency"])
 
 
+def server_command(run: Run, g: Group, port: int) -> tuple[list[str], dict[str, str], str]:
+    """(command, environment, engine) of a server group: vLLM's OpenAI server, or SGLang's
+    (``sglang.launch_server`` with the offline engine's arguments as flags; on a CPU-only
+    machine through the test harness, ``--sglang-cpu-harness``)."""
+    from diffspec.serving import sglang_server_command, vllm_server_command
+
+    b = run.baselines[g.baseline]
+    if g.path == "server":
+        env = {**os.environ,
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        return vllm_server_command(run.model, port, *server_args(b, run.args)), env, "vllm"
+    from benchmarks.driver import _sglang_setup
+    from benchmarks.load_faults import _flags
+
+    python, env, extra = _sglang_setup(run.args)
+    kwargs = offline_launch("sglang-offline", b, run.args, {**extra, **SGLANG_EXTRA})
+    cmd = sglang_server_command(run.model, port, *_flags({**kwargs, "served_model_name": "model"}),
+                                python=python)
+    return cmd, {**os.environ, **env}, "sglang"
+
+
 def run_server_group(run: Run, g: Group) -> None:
     from benchmarks.vllm_bench_serve import run_client
-    from diffspec.serving import ServerProcess, free_port, vllm_server_command
+    from diffspec.serving import ServerProcess, free_port, sglang_accept_length
 
     b = run.baselines[g.baseline]
     port = free_port()
-    cmd = vllm_server_command(run.model, port, *server_args(b, run.args))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    cmd, env, engine = server_command(run, g, port)
     logs = run.work / "logs"
-    run.state["meta"].setdefault("launch", {})[f"server/{b.label}"] = shlex.join(cmd)
-    print(f"[serve-tables] round {g.round} server {b.label}: starting", file=sys.stderr,
+    run.state["meta"].setdefault("launch", {})[f"{g.path}/{b.label}"] = shlex.join(cmd)
+    print(f"[serve-tables] round {g.round} {g.path} {b.label}: starting", file=sys.stderr,
           flush=True)
     t0 = time.monotonic()
-    with ServerProcess(cmd, port, env=env, log_path=logs / f"server-{b.label.replace(':', '-')}"
-                       f"-r{g.round}.log") as server:
+    with ServerProcess(cmd, port, engine=engine, env=env,
+                       log_path=logs / f"{g.path}-{b.label.replace(':', '-')}-r{g.round}.log"
+                       ) as server:
         server.wait_ready(900)
         start_s = time.monotonic() - t0
+        print(f"[serve-tables] round {g.round} {g.path} {b.label}: ready after {start_s:.0f} s",
+              file=sys.stderr, flush=True)
         for cell in g.cells:
             data = run_client(port, "model", run.model, run.prompt_files[cell.table],
                               run.n(cell.concurrency), run.args.output_len, cell.concurrency,
@@ -580,6 +611,8 @@ def run_server_group(run: Run, g: Group) -> None:
                    "accepted": data.get("spec_decode_accepted_tokens", 0),
                    "tpot_ms": data.get("mean_tpot_ms"), "ttft_ms": data.get("mean_ttft_ms"),
                    "client_acceptance_length": data.get("spec_decode_acceptance_length")}
+            if engine == "sglang" and b.method != "ar":  # no vllm:spec_decode counters
+                rec["server_acceptance_length"] = sglang_accept_length(server.url)
             run.state["meta"]["client_command"] = data.get("diffspec_client_command")
             record_cell(run, cell, rec, data["generated_texts"])
             start_s = None  # counted once per group
@@ -755,13 +788,14 @@ def main(argv: list[str] | None = None) -> int:
         "VLLM_CPU_KVCACHE_SPACE", "2")}, {}
     for g in todo:
         try:
-            if g.path == "server":
+            if g.path in SERVER_PATHS:
                 run_server_group(run, g)
             else:
                 if g.path == "sglang-offline":
                     from benchmarks.driver import _sglang_setup
 
                     python, env, sglang_extra = _sglang_setup(args)
+                    sglang_extra = {**sglang_extra, **SGLANG_EXTRA}
                 run_offline_group(run, g, python, env, sglang_extra)
             state["errors"].pop(g.key, None)
         except Exception as e:  # noqa: BLE001 - one failing baseline must not stop the rest

@@ -153,7 +153,37 @@ def test_dry_run_prints_the_plan_and_estimate(tmp_path: Path, capsys) -> None:
     assert "36 cells (3 tables x 2 paths x 3 baselines x 2 concurrencies x 1 rounds)" in err
     assert "0 done, 36 to run in 6 engine starts" in err and "estimated time" in err
     assert (out / "work" / ".gitignore").read_text() == "*\n"
-    # a restart skips what the state file holds
-    state = json.loads((out / "tables.json").read_text()) if (out / "tables.json").exists() \
-        else None
-    assert state is None  # a dry run writes no state
+    assert not (out / "tables.json").exists()  # a dry run writes no state
+    # a restart skips the cells the state file holds, and the engines they leave nothing to
+    settings = {"model": str(SYNTH_ORTHRUS_DIR), "output_len": 128, "min_prompts": 8,
+                "waves": 2, "max_model_len": 2048, "dtype": "float32"}
+    done = [c for g in st.plan(list(st.TABLES), ["server"], ["ar"], 1, [1, 2]) for c in g.cells]
+    st.save_state(out / "tables.json", {"meta": {"settings": settings, "started": "t"},
+                                        "cells": {c.key: {} for c in done}})
+    assert st.main(argv) == 0
+    assert "6 done, 30 to run in 5 engine starts" in capsys.readouterr().err
+
+
+def test_server_commands_of_both_engines() -> None:
+    """vLLM's server with ``vllm_bench_serve``'s settings and the baseline's config; SGLang's
+    with the offline engine's arguments as flags (the default: no fixed-K override)."""
+    from types import SimpleNamespace
+
+    args = st.build_parser().parse_args(["--out", "x"])
+    bs = st.parse_baselines(["default", "orthrus:3"], 8, {})
+    run = SimpleNamespace(baselines=bs, args=args, model="/m")
+    cmd, env, engine = st.server_command(run, st.Group(0, "default", "server", ()), 8000)
+    assert engine == "vllm" and env["VLLM_CPU_KVCACHE_SPACE"]
+    assert cmd[cmd.index("--port") + 1] == "8000" and "--enforce-eager" in cmd
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
+        "method": "orthrus", "num_speculative_tokens": 7}
+    cmd, _, engine = st.server_command(run, st.Group(0, "ar", "server", ()), 8000)
+    assert "--speculative-config" not in cmd
+    cmd, _, engine = st.server_command(run, st.Group(0, "default", "sglang-server", ()), 8001)
+    assert engine == "sglang" and cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[cmd.index("--speculative-num-draft-tokens") + 1] == "8"
+    assert "--json-model-override-args" not in cmd  # adaptive: the plugin's default
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "32768"
+    cmd, _, _ = st.server_command(run, st.Group(0, "orthrus:3", "sglang-server", ()), 8001)
+    assert json.loads(cmd[cmd.index("--json-model-override-args") + 1]) == {
+        "diffspec": {"adaptive": False}}
