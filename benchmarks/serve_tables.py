@@ -784,19 +784,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.max_model_len - args.output_len} tokens offline", file=sys.stderr)
     run = Run(args, args.model, baselines, prompt_files, prompt_ids, state, state_path, work,
               len(state["planned"]), time.monotonic(), tokens_of)
-    python, env, sglang_extra = sys.executable, {"VLLM_CPU_KVCACHE_SPACE": os.environ.get(
-        "VLLM_CPU_KVCACHE_SPACE", "2")}, {}
     for g in todo:
         try:
             if g.path in SERVER_PATHS:
                 run_server_group(run, g)
+            elif g.path == "offline":
+                run_offline_group(run, g, sys.executable, {"VLLM_CPU_KVCACHE_SPACE": os.environ.get(
+                    "VLLM_CPU_KVCACHE_SPACE", "2")}, {})
             else:
-                if g.path == "sglang-offline":
-                    from benchmarks.driver import _sglang_setup
+                from benchmarks.driver import _sglang_setup
 
-                    python, env, sglang_extra = _sglang_setup(args)
-                    sglang_extra = {**sglang_extra, **SGLANG_EXTRA}
-                run_offline_group(run, g, python, env, sglang_extra)
+                python, env, extra = _sglang_setup(args)
+                run_offline_group(run, g, python, env, {**extra, **SGLANG_EXTRA})
             state["errors"].pop(g.key, None)
         except Exception as e:  # noqa: BLE001 - one failing baseline must not stop the rest
             state["errors"][g.key] = f"{type(e).__name__}: {e}"[:2000]
