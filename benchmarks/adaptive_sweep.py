@@ -124,7 +124,8 @@ def engine_launch(engine: str, b: Baseline, adaptive_profile: Path | None,
 
 
 def run_worker(engine: str, name: str, launch: dict[str, Any], job: dict[str, Any],
-               python: str, env: dict[str, str], log: Path, timeout: int) -> dict[str, Any]:
+               python: str, env: dict[str, str], log: Path, timeout: int,
+               tag: str = "adaptive-sweep") -> dict[str, Any]:
     """One engine start in a worker subprocess; its run's result (or ``{"error"}``)."""
     worker = {"vllm": vllm_offline.WORKER, "sglang": sglang_offline.WORKER}[engine]
     key = "llm" if engine == "vllm" else "engine"
@@ -132,7 +133,7 @@ def run_worker(engine: str, name: str, launch: dict[str, Any], job: dict[str, An
     with tempfile.TemporaryDirectory() as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(full))
-        print(f"[adaptive-sweep] {engine} / {name} ...", file=sys.stderr, flush=True)
+        print(f"[{tag}] {engine} / {name} ...", file=sys.stderr, flush=True)
         with log.open("w") as err:
             proc = subprocess.run([python, str(worker), str(job_file)], stdout=subprocess.PIPE, stderr=err, text=True,
                                   timeout=timeout, check=False, env={**os.environ, **env})

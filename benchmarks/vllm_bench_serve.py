@@ -34,8 +34,12 @@ if str(ROOT) not in sys.path:
 
 
 def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts: int, output_len: int,
-               concurrency: int, result_dir: Path, label: str) -> dict[str, Any]:
-    """vLLM's benchmark client, in a subprocess: ``vllm bench serve`` with these arguments."""
+               concurrency: int, result_dir: Path, label: str, *, save_detailed: bool = False,
+               log: Path | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    """vLLM's benchmark client, in a subprocess: ``vllm bench serve`` with these arguments.
+    ``save_detailed``: the saved JSON also holds each request's ``generated_texts`` (in
+    prompt order: ``--disable-shuffle``); ``log``: the client's output goes to this file
+    (appended) instead of this process's."""
     import subprocess
 
     filename = f"{label.replace(':', '-')}-c{concurrency}.json"
@@ -50,8 +54,13 @@ def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts
             "--ignore-eos", "--temperature", "0", "--max-concurrency", str(concurrency),
             "--request-rate", "inf", "--disable-shuffle", "--seed", "0",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", filename,
-            "--percentile-metrics", "ttft,tpot,itl,e2el"]
-    subprocess.run([sys.executable, "-c", code, *args], check=True)
+            "--percentile-metrics", "ttft,tpot,itl,e2el"] + (["--save-detailed"] if save_detailed else [])
+    if log is None:
+        subprocess.run([sys.executable, "-c", code, *args], check=True, timeout=timeout_s)
+    else:
+        with log.open("a") as out:
+            subprocess.run([sys.executable, "-c", code, *args], check=True, timeout=timeout_s,
+                           stdout=out, stderr=subprocess.STDOUT)
     data = json.loads((result_dir / filename).read_text())
     data["diffspec_client_command"] = "vllm bench serve " + shlex.join(args)
     return data

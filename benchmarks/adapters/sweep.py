@@ -1,7 +1,8 @@
 """Engine-free loops of the load benchmarks, shared by ``vllm_worker.py`` and
 ``sglang_worker.py`` (each passes its engine's batch call): a concurrency sweep in waves
-(:func:`waves`), AR step times by batch size (:func:`step_times`) and step times by
-context length (:func:`context_steps`).
+(:func:`waves`), the same over several prompt sets with each row written as it finishes
+(:func:`set_waves`, ``benchmarks/serve_tables.py``'s offline cells), AR step times by
+batch size (:func:`step_times`) and step times by context length (:func:`context_steps`).
 
 ``generate(prompts, max_tokens) -> (token_ids, counters)``: the engine serves ``prompts``
 (token ids) together, greedy, ``max_tokens`` each, EOS ignored, and returns each output's
@@ -51,6 +52,27 @@ def waves(generate: Generate, prompts: Sequence[list[int]], concurrency: Sequenc
             print(f"[sweep] repeat {repeat} c={c}: {rows[-1]['tokens'] / seconds:.1f} tok/s",
                   flush=True)
     return rows
+
+
+def set_waves(generate: Generate, sets: Sequence[dict[str, Any]], max_tokens: int,
+              waves_per_concurrency: int = 2, min_prompts: int = 4,
+              rows_file: str | None = None) -> int:
+    """:func:`waves` (one repeat) for each prompt set ``{"name", "prompts", "concurrency"}``
+    at each of its concurrencies; each row (with ``"set"`` and the outputs' token ids) is
+    appended to ``rows_file`` (JSON lines) the moment it is measured, so a run that dies
+    keeps its finished rows. Returns the number of rows."""
+    import json
+
+    count = 0
+    for s in sets:
+        for c in s["concurrency"]:
+            [row] = waves(generate, s["prompts"], [c], 1, max_tokens, waves_per_concurrency,
+                          min_prompts)
+            if rows_file:
+                with open(rows_file, "a") as f:
+                    f.write(json.dumps({"set": s["name"], **row}) + "\n")
+            count += 1
+    return count
 
 
 def step_times(generate: Generate, prompts: Sequence[list[int]], batch_sizes: Sequence[int],
@@ -136,8 +158,13 @@ def context_steps(generate: Generate, prompt: Sequence[int], contexts: Sequence[
 
 
 def run_job(mode: str, generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
-    """A worker job's ``mode``: ``"waves"``, ``"steps"`` or ``"context"`` (after one
-    warm-up call)."""
+    """A worker job's ``mode``: ``"waves"``, ``"set_waves"``, ``"steps"`` or ``"context"``
+    (after one warm-up call)."""
+    if mode == "set_waves":
+        generate([list(job["sets"][0]["prompts"][0])], 4)  # warm-up
+        return {"rows": set_waves(generate, job["sets"], job["max_tokens"],
+                                  job.get("waves_per_concurrency", 2), job.get("min_prompts", 4),
+                                  job.get("rows_file"))}
     generate([list(job["prompts"][0])], 4)  # warm-up
     if mode == "waves":
         return {"waves": waves(generate, job["prompts"], job["concurrency"], job["repeats"],
@@ -154,4 +181,4 @@ def run_job(mode: str, generate: Generate, job: dict[str, Any]) -> dict[str, Any
                                          job.get("short", 4), job.get("long", 20),
                                          job.get("step_repeats", 2),
                                          os.environ.get("DIFFSPEC_DRAFT_TIMINGS"))}
-    raise ValueError(f"unknown job mode {mode!r} (serve, waves, steps, context)")
+    raise ValueError(f"unknown job mode {mode!r} (serve, waves, set_waves, steps, context)")

@@ -168,3 +168,24 @@ def test_step_vs_context_table() -> None:
     assert "| 256 | 50.0 | 100.0 | 40.0 | - | 2.00 | 1.00 |" in text
     assert "| 4096 | 100.0 | 300.0 | 150.0 | - | 3.00 | 1.50 |" in text
     assert "error: boom" in text
+
+
+def test_set_waves_writes_each_row_as_it_is_measured(clock: Clock, tmp_path) -> None:
+    """``set_waves`` (benchmarks/serve_tables.py's offline cells): each (set, c) row is in
+    the rows file once measured, with its outputs, so a worker that dies keeps them."""
+    import json
+
+    generate, calls = _echo(step_s=0.001, draft=1, clock=clock)
+    rows_file = tmp_path / "rows.jsonl"
+    sets = [{"name": "a", "prompts": [[1], [2], [3], [4]], "concurrency": [1, 2]},
+            {"name": "b", "prompts": [[9]], "concurrency": [4]}]
+    job = {"sets": sets, "max_tokens": 3, "min_prompts": 2, "waves_per_concurrency": 1,
+           "rows_file": str(rows_file)}
+    assert run_job("set_waves", generate, job) == {"rows": 3}
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert [(r["set"], r["concurrency"], r["num_prompts"]) for r in rows] == [
+        ("a", 1, 2), ("a", 2, 2), ("b", 4, 4)]
+    assert rows[0]["token_ids"] == [[1] * 3, [2] * 3]
+    assert rows[2]["token_ids"] == [[9] * 3] * 4  # fewer prompts than requests: cycled
+    assert calls[0] == (1, 4)  # the warm-up, then waves of c
+    assert [c for c, _ in calls[1:]] == [1, 1, 2, 4]
