@@ -74,10 +74,12 @@ DEFAULT_BASELINES = "ar,ngram:4,eagle3:3,default,orthrus:3"
 DEFAULT = "default"  # the baseline label of diffspec's default configuration
 # Settings that change what a cell measures: a state file written with others is not resumed.
 MUST_MATCH = ("model", "output_len", "min_prompts", "waves", "max_model_len", "dtype")
-# Estimate before any cell of a (path, c) has run: output tokens/s of one cell on the 2-core
-# CPU box (SmolLM2-135M, fp32), measured by hand on 2026-11-28 (docs: benchmarks/README.md).
-PRIOR_TOK_S = {1: 30.0, 2: 50.0, 4: 80.0, 8: 110.0, 16: 130.0, 32: 140.0}
-PRIOR_START_S = 60.0  # one engine start (server or offline), before any was timed
+# Estimate before any cell of a (path, c) has run: output tokens/s of a cell on the 2-core
+# CPU box (SmolLM2-135M, fp32): c = 1 measured by hand on 2026-11-28 (AR through the server,
+# 12 held-out prompts x 128 tokens: 8.5 tok/s, TPOT 114 ms, the box not quiet), the other
+# concurrencies scaled from it as AR scaled in benchmarks/results/adaptive-smollm2-vllm.
+PRIOR_TOK_S = {1: 8.5, 2: 15.0, 4: 35.0, 8: 40.0, 16: 57.0, 32: 58.0}
+PRIOR_START_S = 60.0  # one engine start: the server above was ready after 60 s
 # SGLang paths: a KV pool that holds 32 requests of a long prompt each (the harness sets 8192)
 SGLANG_EXTRA = {"max_total_tokens": 32768}
 
@@ -417,10 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafter_args(p)
     p.add_argument("--paths", default="server,offline", help=f"from {', '.join(PATHS)}")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
-    p.add_argument("--repeats", type=int, default=3, help="rounds, interleaved")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--min-prompts", type=int, default=8)
-    p.add_argument("--waves", type=int, default=2, help="N(c) = max(--min-prompts, WAVES x c)")
+    p.add_argument("--repeats", type=int, default=2, help="rounds, interleaved")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--waves", type=int, default=1, help="N(c) = max(--min-prompts, WAVES x c)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--sharegpt-heldout", type=Path, default=None, help="held-out ShareGPT "

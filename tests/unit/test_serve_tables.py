@@ -155,8 +155,8 @@ def test_dry_run_prints_the_plan_and_estimate(tmp_path: Path, capsys) -> None:
     assert (out / "work" / ".gitignore").read_text() == "*\n"
     assert not (out / "tables.json").exists()  # a dry run writes no state
     # a restart skips the cells the state file holds, and the engines they leave nothing to
-    settings = {"model": str(SYNTH_ORTHRUS_DIR), "output_len": 128, "min_prompts": 8,
-                "waves": 2, "max_model_len": 2048, "dtype": "float32"}
+    settings = {"model": str(SYNTH_ORTHRUS_DIR), "output_len": 64, "min_prompts": 4,
+                "waves": 1, "max_model_len": 2048, "dtype": "float32"}
     done = [c for g in st.plan(list(st.TABLES), ["server"], ["ar"], 1, [1, 2]) for c in g.cells]
     st.save_state(out / "tables.json", {"meta": {"settings": settings, "started": "t"},
                                         "cells": {c.key: {} for c in done}})
