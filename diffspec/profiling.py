@@ -364,14 +364,27 @@ def reused_profile_message(profile: LatencyProfile, path: Path) -> str:
 
 
 def cached_latency_profile(key: Mapping[str, Any], measure: Callable[[], Mapping[int, float]],
-                           log: Callable[[str], None]) -> LatencyProfile:
+                           log: Callable[[str], None], broadcast: Callable[[Any], Any] | None = None,
+                           rank0: bool = True) -> LatencyProfile:
     """The profile cached under ``key`` (:func:`read_cached_profile`), else ``measure()``'s
     points, cached (:func:`write_cached_profile`); one line to ``log`` either way (what it
-    cost, where it is)."""
-    profile, path = read_cached_profile(key)
-    if profile is not None:
-        log(reused_profile_message(profile, path))
-        return profile
+    cost, where it is). Under tensor parallelism (``broadcast``: the group's broadcast of
+    rank 0's object; ``rank0``: whether this is rank 0) rank 0 alone reads and writes the
+    cache and logs, every rank measures together (the forwards' collectives) and every rank
+    takes rank 0's points."""
+    share = broadcast or (lambda obj: obj)
+    cached, path = read_cached_profile(key) if rank0 else (None, None)
+    points = share(None if cached is None else dict(cached.points))
+    if points is not None:
+        if rank0:
+            log(reused_profile_message(cached, path))
+        return LatencyProfile(points)
+    start = time.perf_counter()
+    measured = dict(measure())
+    profile = LatencyProfile(measured)  # refuses an empty or non-positive measurement
+    if rank0:
+        log(write_cached_profile(key, measured, time.perf_counter() - start))
+    return LatencyProfile(share(measured if rank0 else None))
     start = time.perf_counter()
     points = dict(measure())
     profile = LatencyProfile(points)  # refuses an empty or non-positive measurement

@@ -172,6 +172,33 @@ def test_profile_measured_once_then_reused(monkeypatch, tmp_path: Path) -> None:
     assert measured == [1, 1, 1] and read_cached_profile(key)[0] is not None
 
 
+def test_tensor_parallel_ranks_take_rank_0s_profile(monkeypatch, tmp_path: Path) -> None:
+    """Rank 0 alone reads / writes the cache and logs; every rank measures (the forwards'
+    collectives) and takes rank 0's points (a stand-in broadcast: rank 0's object)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    key = {"engine": "sglang", "tensor_parallel": 2}
+    sent: list = []
+
+    def rank1_broadcast(obj):  # what rank 0 sends, in the order it sends it
+        return sent.pop(0)
+
+    sent[:] = [None, {1: 0.01, 4: 0.03}]  # rank 0: no cached profile, then its measurement
+    rank1_lines: list[str] = []
+    profile = cached_latency_profile(key, lambda: {1: 0.5, 4: 0.9}, rank1_lines.append,
+                                     broadcast=rank1_broadcast, rank0=False)
+    assert profile.points == {1: 0.01, 4: 0.03} and rank1_lines == []
+    assert read_cached_profile(key)[0] is None  # rank 1 writes nothing
+
+    rank0_lines: list[str] = []
+    measured = cached_latency_profile(key, lambda: {1: 0.01, 4: 0.03}, rank0_lines.append,
+                                      broadcast=lambda obj: obj, rank0=True)
+    assert measured.points == {1: 0.01, 4: 0.03} and read_cached_profile(key)[0] is not None
+    sent[:] = [{1: 0.01, 4: 0.03}]  # rank 0 found it cached: rank 1 measures nothing
+    again = cached_latency_profile(key, lambda: 1 / 0, rank1_lines.append,
+                                   broadcast=rank1_broadcast, rank0=False)
+    assert again.points == {1: 0.01, 4: 0.03} and rank1_lines == []
+
+
 def test_an_unwritable_cache_still_gives_the_profile(monkeypatch, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -637,23 +637,19 @@ def measure_profile(runner, server_args, method: str, max_drafts: int,
     and grid (:func:`~diffspec.profiling.read_cached_profile`); one log line says which and
     what it cost. Tensor-parallel ranks run the forwards together and take rank 0's
     profile (and its cache decision)."""
-    import time
 
     import sglang
     from sglang.srt.distributed import get_tp_group
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    from diffspec.core.adaptive import LatencyProfile
     from diffspec.profiling import (
+        cached_latency_profile,
         checkpoint_identity,
         device_name,
         device_timer,
         profile_grid,
-        read_cached_profile,
-        reused_profile_message,
         time_forwards,
-        write_cached_profile,
     )
 
     model_config = runner.model_config
@@ -689,21 +685,11 @@ def measure_profile(runner, server_args, method: str, max_drafts: int,
         rows = torch.arange(tokens, device=device)[:, None]
         logits.argmax(rows, torch.zeros_like(rows))
 
-    rank0 = tp.rank_in_group == 0
-    cached, path = read_cached_profile(key) if rank0 else (None, None)
-    points = None if cached is None else dict(cached.points)
-    if tp.world_size > 1:
-        points = tp.broadcast_object(points)
-    if points is not None:
-        if rank0:
-            logger.info("%s", reused_profile_message(cached, path))
-        return LatencyProfile(points)
-    start = time.perf_counter()
-    measured = time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
+    def measure() -> dict[int, float]:
+        return time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
                              timer=device_timer(str(device)),
                              agree=None if tp.world_size == 1 else tp.broadcast_object)
-    if rank0:
-        logger.info("%s", write_cached_profile(key, measured, time.perf_counter() - start))
-    if tp.world_size > 1:
-        measured = tp.broadcast_object(measured if rank0 else None)
-    return LatencyProfile(measured)
+
+    return cached_latency_profile(
+        key, measure, lambda line: logger.info("%s", line),
+        broadcast=None if tp.world_size == 1 else tp.broadcast_object, rank0=tp.rank_in_group == 0)

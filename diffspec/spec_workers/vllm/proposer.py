@@ -10,7 +10,6 @@ steps with (:func:`measure_profile`: the runner's own forwards, timed at start-u
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,16 +188,13 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
     seconds. Cached per checkpoint, vLLM version, dtype, device, threads, method, drafts and
     grid (:func:`~diffspec.profiling.cached_latency_profile`). Tensor-parallel ranks run the
     forwards together and take rank 0's profile (and its cache decision)."""
-    from diffspec.core.adaptive import LatencyProfile
     from diffspec.profiling import (
+        cached_latency_profile,
         checkpoint_identity,
         device_name,
         device_timer,
         profile_grid,
-        read_cached_profile,
-        reused_profile_message,
         time_forwards,
-        write_cached_profile,
     )
 
     if policy is None or policy.profile is not None:
@@ -240,19 +236,9 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
                              timer=device_timer(str(device)),
                              agree=None if tp.world_size == 1 else tp.broadcast_object)
 
-    rank0 = tp.rank_in_group == 0
-    cached, path = read_cached_profile(key) if rank0 else (None, None)
-    points = tp.broadcast_object(None if cached is None else dict(cached.points))
-    if points is not None:  # every rank takes rank 0's cached profile
-        if rank0:
-            logger.info("%s", reused_profile_message(cached, path))
-    else:  # every rank runs the forwards (collectives under tensor parallelism)
-        start = time.perf_counter()
-        measured = measure()
-        if rank0:
-            logger.info("%s", write_cached_profile(key, measured, time.perf_counter() - start))
-        points = tp.broadcast_object(measured if rank0 else None)
-    policy.set_profile(LatencyProfile(points))
+    policy.set_profile(cached_latency_profile(
+        key, measure, lambda line: logger.info("%s", line),
+        broadcast=None if tp.world_size == 1 else tp.broadcast_object, rank0=tp.rank_in_group == 0))
 
 
 def _dummy_query_len(tokens: int, max_seqs: int) -> int:
