@@ -19,6 +19,9 @@ BASE=${BASE:-$($PY -c 'from diffspec.default_model import base_checkpoint; print
 DATA=$RUNS/sharegpt-smollm2-256
 CPU_MINUTES=${CPU_MINUTES:-60}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+# bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX); emulated
+# elsewhere, it costs ~7x the CPU time of fp32 (measured on a 2-core Intel Xeon, 2026-11-28)
+BF16=${BF16-$($PY -c 'from diffspec.train import cpu_bf16_is_fast as f; print("--autocast-bf16" if f() else "")')}
 
 stage() {
   case "$1" in
@@ -35,13 +38,13 @@ stage() {
     train-eagle3)  # the baseline: vLLM's eagle3 layout, 16k draft vocabulary
       OMP_NUM_THREADS=1 $PY -m training.eagle3 --base "$BASE" --data "$DATA" \
           --out "$RUNS/eagle3-smollm2" --seq-len 512 --batch-size 4 --lr 1e-3 \
-          --warmup-steps 20 --steps 600 --draft-vocab 16384 --autocast-bf16 \
+          --warmup-steps 20 --steps 600 --draft-vocab 16384 $BF16 \
           --max-cpu-minutes "$CPU_MINUTES" --save-every 25 --log-every 5 ${RESUME:+--resume} ;;
     train-orthrus)  # ours: rank-64 heads, block 8, 64 answer anchors per row
       OMP_NUM_THREADS=1 $PY -m diffspec.train orthrus --base "$BASE" --data "$DATA" \
           --out "$RUNS/orthrus-smollm2" --answers-only --rank 64 --block-size 8 \
           --mask-token-id 16 --num-anchors 64 --seq-len 512 --batch-size 4 --lr 2e-3 \
-          --warmup-steps 10 --steps 200 --autocast-bf16 --max-cpu-minutes "$CPU_MINUTES" \
+          --warmup-steps 10 --steps 200 $BF16 --max-cpu-minutes "$CPU_MINUTES" \
           --save-every 10 --snapshot-every 25 --log-every 1 ${RESUME:+--resume} ;;
     curve)  # Orthrus acceptance vs training tokens, on held-out answers
       $PY -m benchmarks.acceptance_curve --base "$BASE" --run "$RUNS/orthrus-smollm2" \

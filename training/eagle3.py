@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from diffspec.train import TrainConfig, fit
+from diffspec.train import TrainConfig, fit, warn_slow_autocast
 from diffspec.train.data import (
     Row,
     StepBatches,
@@ -608,6 +608,7 @@ def train_eagle3(
         freeze_lm_head, fc_init = saved["freeze_lm_head"], saved["fc_init"]
         fc_norm = saved["fc_norm"]
         autocast_bf16 = saved.get("autocast_bf16", False)
+    warn_slow_autocast(autocast_bf16, str(device), log)
     previous_threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

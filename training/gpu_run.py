@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diffspec.default_model import sha256_file
+from diffspec.train import rank_arg
 
 CARRY_INDEX = "carry.json"
 PROMPTS_FILE = "prompts.json.gz"
@@ -556,7 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seq-len", type=int, default=512)
     r.add_argument("--orthrus-lr", type=float, default=2e-3)
     r.add_argument("--eagle3-lr", type=float, default=1e-3)
-    r.add_argument("--rank", type=int, default=64)
+    r.add_argument("--rank", type=rank_arg, default=64,
+                   help="Orthrus heads' delta rank, or 'full' (dense deltas, ~53 MB in bf16)")
     r.add_argument("--mask-token-id", type=int,
                    help=f"default: {SMOLLM2_MASK_ID} for the GGUF base (as the shipped heads), "
                         "the tokenizer's mask token for --base")

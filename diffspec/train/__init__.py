@@ -24,6 +24,9 @@ __all__ = [
     "cosine_lr_scale",
     "fit",
     "measure_speculation",
+    "cpu_bf16_is_fast",
+    "rank_arg",
+    "warn_slow_autocast",
 ]
 
 
@@ -299,3 +302,39 @@ def measure_speculation(
         "forwards": forwards,
         "equal_ar": all(a.token_ids == s.token_ids for a, s in zip(ar, spec, strict=True)),
     }
+
+
+def rank_arg(text: str) -> int | str:
+    """``--rank``: a positive integer, or ``full`` (dense deltas)."""
+    if text == "full":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'full', got {text!r}")
+    return value
+
+
+def cpu_bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Only there does CPU
+    bf16 autocast pay; elsewhere oneDNN emulates it: measured 2026-11-28 on a 2-core Intel
+    Xeon with AVX512 but no AVX512-BF16, an Orthrus row took ~7x the CPU time with
+    ``--autocast-bf16`` than in fp32."""
+    import torch
+
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def warn_slow_autocast(autocast_bf16: bool, device: str,
+                       log: Callable[[str], None]) -> None:
+    """One log line when ``--autocast-bf16`` is asked for on a CPU that emulates bf16."""
+    if autocast_bf16 and str(device).startswith("cpu") and not cpu_bf16_is_fast():
+        log("warning: --autocast-bf16 on a CPU without AVX512-BF16 or AMX is emulated and "
+            "several times slower than fp32 here; drop it (benchmarks/smollm2_drafters.sh "
+            "sets it only where the CPU has them)")

@@ -14,7 +14,7 @@ import json
 import shlex
 import sys
 
-from diffspec.train import TrainConfig
+from diffspec.train import TrainConfig, rank_arg
 
 EXAMPLES = """examples (tiny, CPU, a few minutes):
   python -m diffspec.train orthrus --base diffspec/assets/synth-qwen3 --out /tmp/synth-orthrus \\
@@ -114,10 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--ce-weight", type=float, default=0.0,
                    help="add this x CE on the true next tokens (default 0: pure KL)")
     o.add_argument("--temperature", type=float, default=1.0, help="KL temperature")
-    o.add_argument("--rank", type=int,
-                   help="low-rank heads: each *_diff projection = frozen AR weight + B @ A "
-                        "(rank R, B = 0 at the start); --out then receives a compact heads "
-                        "folder (heads.safetensors + heads.json, factors in bf16); make the "
+    o.add_argument("--rank", type=rank_arg,
+                   help="delta heads: each *_diff projection = frozen AR weight + B @ A "
+                        "(rank R, B = 0 at the start), or 'full': + a dense delta (every "
+                        "weight trains, as in the paper); --out then receives a compact heads "
+                        "folder (heads.safetensors + heads.json, deltas in bf16); make the "
                         "full checkpoint with diffspec.model_executors.reference.orthrus."
                         "materialize_orthrus(base, heads, out)")
     o.add_argument("--measure", action="store_true",

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from diffspec.model_executors.reference.views import block_view_logits
-from diffspec.train import FitResult, TrainConfig, TrainResult, fit
+from diffspec.train import FitResult, TrainConfig, TrainResult, fit, warn_slow_autocast
 from diffspec.train.data import anchor_blocks, make_dataloader, sample_anchors, training_rows
 from diffspec.train.losses import Divergence, DraftLoss, accepted_prefix_weights, draft_loss
 
@@ -441,6 +441,7 @@ def train_orthrus_answers(
         block_size, mask_token_id = saved["block_size"], saved["mask_token_id"]
         num_anchors, rank = saved["num_anchors"], saved["rank"]
         autocast_bf16 = saved["autocast_bf16"]
+    warn_slow_autocast(autocast_bf16, str(device), log)
     previous_threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

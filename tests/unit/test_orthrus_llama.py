@@ -20,6 +20,7 @@ from diffspec.model_executors.reference.orthrus import (
     HEADS_CONFIG,
     HEADS_WEIGHTS,
     PROJECTIONS,
+    DenseDelta,
     LowRankDelta,
     OrthrusModel,
     base_weights_sha256,
@@ -326,6 +327,46 @@ def test_heads_round_trip_is_bit_identical(trained_heads, llama_base, tmp_path):
     _assert_lossless(full, requests, 7)
 
 
+def test_dense_heads_start_at_ar_and_round_trip_bit_identical(llama_base, tmp_path):
+    """``rank="full"`` (every projection weight trains, as in the paper): zero deltas give
+    the AR projections; trained deltas stored in bf16 load and materialize to the same
+    weights bit for bit and draft the same tokens; the folder says ``"rank": "full"``."""
+    model = orthrus_from_base(llama_base, block_size=8, mask_token_id=MASK, rank="full")
+    assert model.rank == "full"
+    attn = model.lm.model.layers[0].self_attn
+    assert isinstance(attn.q_proj_diff, DenseDelta)
+    assert torch.equal(attn.q_proj_diff.merged_weight(), attn.q_proj.weight)
+    assert sorted(n for n, _ in model.lm.named_parameters() if "layers.0." in n and "_diff." in n
+                  ) == [f"model.layers.0.self_attn.{p}_diff.delta" for p in sorted(PROJECTIONS)]
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.diffusion_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    heads = save_orthrus_heads(model, tmp_path / "heads")
+    record = json.loads((heads / HEADS_CONFIG).read_text())
+    assert record["rank"] == "full"
+    tensors = load_file(str(heads / HEADS_WEIGHTS))
+    assert tensors["model.layers.0.self_attn.k_proj_diff.delta"].shape == \
+        attn.k_proj.weight.shape
+    assert all(v.dtype == torch.bfloat16 for v in tensors.values())
+    loaded = load_orthrus_heads(llama_base, heads)
+    full = load_orthrus(materialize_orthrus(llama_base, heads, tmp_path / "full"))
+    for layers in zip(model.lm.model.layers, loaded.lm.model.layers, full.lm.model.layers):
+        for name in PROJECTIONS:
+            a, b, c = (getattr(layer.self_attn, f"{name}_diff") for layer in layers)
+            assert torch.equal(a.merged_weight(), b.merged_weight())
+            assert torch.equal(b.merged_weight(), c.weight)
+            assert not torch.equal(c.weight, getattr(layers[2].self_attn, name).weight)
+    requests = [Request(p, 12) for p in _prompts([2, 7, 20])]
+    outs = [speculative_generate(m.lm, BlockDrafter(m), requests, 7)
+            for m in (model, loaded, full)]
+    for a, b, c in zip(*outs):
+        assert a.token_ids == b.token_ids == c.token_ids
+    _assert_lossless(full, requests, 7)
+    with pytest.raises(ValueError, match="positive integer or 'full'"):
+        orthrus_from_base(llama_base, block_size=8, mask_token_id=MASK, rank="dense")
+
+
 def test_merge_is_the_same_function_of_the_stored_factors():
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(48, 40, generator=generator)
@@ -387,8 +428,8 @@ def test_wrong_base_is_refused(trained_heads, tmp_path):
         load_orthrus_heads(other_weights, tmp_path)
 
 
-def test_save_heads_needs_low_rank(copies, tmp_path):
-    with pytest.raises(ValueError, match="needs low-rank heads"):
+def test_save_heads_needs_delta_heads(copies, tmp_path):
+    with pytest.raises(ValueError, match="needs delta heads"):
         save_orthrus_heads(copies, tmp_path / "h")
 
 

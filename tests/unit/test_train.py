@@ -536,3 +536,30 @@ def test_shipped_synth_orthrus_drafts_are_accepted_and_lossless():
     assert report["equal_ar"]
     assert report["mean_accept_length"] > 1.5, report
     assert math.isfinite(report["tpf"])
+
+
+def test_slow_bf16_autocast_is_named_once_and_only_where_emulated(monkeypatch) -> None:
+    """``--autocast-bf16`` on a CPU without native bf16 gets one warning line that says what
+    to do; on a CPU with it, or on a GPU, nothing."""
+    import diffspec.train as train
+
+    lines: list[str] = []
+    monkeypatch.setattr(train, "cpu_bf16_is_fast", lambda: False)
+    train.warn_slow_autocast(True, "cpu", lines.append)
+    train.warn_slow_autocast(False, "cpu", lines.append)
+    train.warn_slow_autocast(True, "cuda", lines.append)
+    assert len(lines) == 1 and "drop it" in lines[0]
+    monkeypatch.setattr(train, "cpu_bf16_is_fast", lambda: True)
+    train.warn_slow_autocast(True, "cpu", lines.append)
+    assert len(lines) == 1
+
+
+def test_rank_arg_takes_a_positive_integer_or_full() -> None:
+    import argparse
+
+    from diffspec.train import rank_arg
+
+    assert rank_arg("64") == 64 and rank_arg("full") == "full"
+    for bad in ("0", "-3", "dense", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integer or 'full'"):
+            rank_arg(bad)

@@ -33,6 +33,8 @@ __all__ = [
     "DIFF_MODULES",
     "HEADS_CONFIG",
     "HEADS_WEIGHTS",
+    "DenseDelta",
+    "FULL_RANK",
     "LowRankDelta",
     "OrthrusModel",
     "base_weights_sha256",
@@ -75,9 +77,10 @@ class OrthrusModel:
         return self.lm.config
 
     @property
-    def rank(self) -> int | None:
-        """The rank of the low-rank ``*_diff`` projections, or ``None`` (full weights)."""
-        deltas = [m for m in self.lm.modules() if isinstance(m, LowRankDelta)]
+    def rank(self) -> int | str | None:
+        """The rank of the ``*_diff`` projections' deltas (``"full"``: dense deltas), or
+        ``None`` (full weights, no deltas)."""
+        deltas = [m for m in self.lm.modules() if isinstance(m, (LowRankDelta, DenseDelta))]
         return deltas[0].rank if deltas else None
 
     def diffusion_parameters(self) -> list[nn.Parameter]:
@@ -185,19 +188,56 @@ class LowRankDelta(nn.Module):
         return frozen + low_rank  # x W^T + b + (x A^T) B^T
 
 
+FULL_RANK = "full"  # heads.json "rank" of dense deltas (DenseDelta)
+
+
+def _rank(rank: int | str) -> int:
+    if isinstance(rank, str) and rank != FULL_RANK and not rank.isdigit():
+        raise ValueError(f"rank must be a positive integer or {FULL_RANK!r}, got {rank!r}")
+    return int(rank)
+
+
+class DenseDelta(nn.Module):
+    """A ``*_diff`` projection parameterized as the AR projection plus a dense ``delta``
+    ``[out, in]`` (zero at the start): every weight of the projection trains, as in the
+    Orthrus paper, while the stored heads hold only the difference from the AR weight
+    (small, so bf16 keeps it close). Like :class:`LowRankDelta` the AR ``nn.Linear`` is
+    referenced, not registered, and weight decay pulls the head toward the AR view."""
+
+    def __init__(self, ar: nn.Linear) -> None:
+        super().__init__()
+        self.__dict__["ar"] = ar  # plain attribute: not a submodule, not in the state dict
+        self.delta = nn.Parameter(torch.zeros_like(ar.weight))
+
+    @property
+    def rank(self) -> str:
+        return FULL_RANK
+
+    def merged_weight(self) -> Tensor:  # [out, in]
+        """``W + delta``, summed in fp64 and rounded once to ``W``'s dtype."""
+        return (self.ar.weight.double() + self.delta.double()).to(self.ar.weight.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        return nn.functional.linear(x, self.ar.weight + self.delta, self.ar.bias)
+
+
 # ------------------------------------------------------------------------------ building
 
 
-def _attach_diffusion_modules(lm: nn.Module, rank: int | None = None, seed: int = 0) -> None:
+def _attach_diffusion_modules(lm: nn.Module, rank: int | str | None = None,
+                              seed: int = 0) -> None:
     """Give every layer's attention ``*_diff`` twins of its AR projections (and norms):
-    copies, or with ``rank`` :class:`LowRankDelta` projections (norms are still copies)."""
+    copies, or with ``rank`` :class:`LowRankDelta` projections (``rank="full"``:
+    :class:`DenseDelta`; norms are still copies)."""
     generator = torch.Generator().manual_seed(seed)
     for layer in lm.model.layers:
         attn = layer.self_attn
         for name in diff_module_names(attn):
             ar = getattr(attn, name)
-            if rank is not None and name in PROJECTIONS:
-                attn.add_module(f"{name}_diff", LowRankDelta(ar, rank, generator))
+            if rank == FULL_RANK and name in PROJECTIONS:
+                attn.add_module(f"{name}_diff", DenseDelta(ar))
+            elif rank is not None and name in PROJECTIONS:
+                attn.add_module(f"{name}_diff", LowRankDelta(ar, _rank(rank), generator))
             else:
                 attn.add_module(f"{name}_diff", copy.deepcopy(ar))
 
@@ -285,12 +325,13 @@ def orthrus_from_base(
     block_size: int = 32,
     mask_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
-    rank: int | None = None,
+    rank: int | str | None = None,
     seed: int = 0,
 ) -> OrthrusModel:
     """An Orthrus model on a base Qwen3 or Llama whose diffusion projections start as the
     AR projections (the trainer's starting point): copies, or with ``rank`` low-rank
-    deltas ``W + B @ A`` with ``B = 0`` (``A`` drawn from ``seed``). ``base`` is a
+    deltas ``W + B @ A`` with ``B = 0`` (``A`` drawn from ``seed``), or with
+    ``rank="full"`` dense deltas ``W + delta`` with ``delta = 0``. ``base`` is a
     checkpoint folder or a loaded ``*ForCausalLM`` (used in place). ``mask_token_id``
     defaults to the folder tokenizer's ``mask_token``; a vocabulary without a spare row
     (Llama) takes an existing token id, which must be < ``vocab_size``."""
@@ -341,9 +382,10 @@ def orthrus_state_dict(model: OrthrusModel) -> dict[str, Tensor]:
     """The model's tensors under the published names: AR weights plus full ``*_diff``
     weights (low-rank projections materialized with :func:`merge_low_rank`)."""
     lm = model.lm
-    tensors = {k: v.detach() for k, v in lm.state_dict().items() if ".lora_" not in k}
+    tensors = {k: v.detach() for k, v in lm.state_dict().items()
+               if ".lora_" not in k and not k.endswith("_diff.delta")}
     for name, module in lm.named_modules():
-        if isinstance(module, LowRankDelta):
+        if isinstance(module, (LowRankDelta, DenseDelta)):
             tensors[f"{name}.weight"] = module.merged_weight().detach()
             if module.ar.bias is not None:
                 tensors[f"{name}.bias"] = module.ar.bias.detach()
@@ -454,7 +496,8 @@ def save_orthrus_heads(
 ) -> Path:
     """Write the compact heads folder of a low-rank Orthrus model: ``heads.safetensors``
     (``model.layers.N.self_attn.{q,k,v,o}_proj_diff.lora_A`` ``[rank, in]`` / ``.lora_B``
-    ``[out, rank]`` in ``dtype``, plus ``{q,k}_norm_diff.weight`` on Qwen3) and
+    ``[out, rank]`` in ``dtype``, or ``.delta`` ``[out, in]`` for ``rank "full"``, plus
+    ``{q,k}_norm_diff.weight`` on Qwen3) and
     ``heads.json`` (base architecture and sizes, rank, block_size, mask_token_id, EOS ids,
     the sha256 of the base weights, dtype). The factors are rounded to ``dtype`` *in the
     model too*, so the model in memory is the one the folder describes (``round_model=False``
@@ -462,8 +505,8 @@ def save_orthrus_heads(
     from safetensors.torch import save_file
 
     if model.rank is None:
-        raise ValueError("save_orthrus_heads needs low-rank heads (orthrus_from_base(..., "
-                         "rank=r)); use save_orthrus for full diffusion weights")
+        raise ValueError("save_orthrus_heads needs delta heads (orthrus_from_base(..., "
+                         "rank=r or rank='full')); use save_orthrus for full diffusion weights")
     name = {v: k for k, v in _HEADS_DTYPES.items()}.get(dtype)
     if name is None:
         raise ValueError(f"heads dtype must be one of {', '.join(_HEADS_DTYPES)}, got {dtype}")
