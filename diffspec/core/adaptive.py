@@ -15,7 +15,6 @@ __all__ = [
     "SOURCES",
     "AcceptanceEstimate",
     "AdaptiveDrafts",
-    "DraftChoice",
     "LatencyProfile",
     "StepCost",
     "StepTimeFit",
@@ -24,7 +23,6 @@ __all__ = [
     "conditional_acceptance",
     "expected_tokens",
     "load_latency_profile",
-    "recommend_draft_count",
     "tokens_per_second",
 ]
 
@@ -243,43 +241,6 @@ def choose_shared_draft_count(
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k
-
-
-@dataclass(frozen=True)
-class DraftChoice:
-    """A fixed draft count for one request (what a static ``num_speculative_tokens``
-    sets) and the estimate behind it."""
-
-    k: int  # drafts per step
-    expected_tokens: float  # committed per step
-    step_s: float  # seconds per step (all of its forwards)
-    ar_step_s: float  # seconds per plain AR step (one 1-token forward)
-    best_k: int  # the policy's own choice; k differs only when min_drafts lifted it
-
-    @property
-    def speedup(self) -> float:
-        """Estimated tokens/s relative to plain AR."""
-        return self.expected_tokens / self.step_s * self.ar_step_s
-
-
-def recommend_draft_count(per_position: Sequence[float], max_drafts: int,
-                          profile: LatencyProfile, cost: StepCost,
-                          min_drafts: int = 0) -> DraftChoice:
-    """The draft count in ``[min_drafts, max_drafts]`` with the most expected tokens per
-    second for a single request (:func:`choose_draft_counts` with a batch of one), from
-    the acceptance per draft position as vLLM counts it (:func:`conditional_acceptance`;
-    positions past the list never accept). ``min_drafts = 1`` asks for the best
-    speculative setting where plain AR (``k = 0``) would win."""
-    if not 0 <= min_drafts <= max_drafts:
-        raise ValueError(f"need 0 <= min_drafts <= max_drafts, got {min_drafts}, {max_drafts}")
-    acceptance = conditional_acceptance(per_position)
-    best = choose_draft_counts([acceptance], [max_drafts], profile, cost)[0]
-    k = best
-    if k < min_drafts:  # first best wins: ties go to fewer drafts
-        k = max(range(min_drafts, max_drafts + 1),
-                key=lambda n: tokens_per_second(acceptance, n, profile, cost))
-    return DraftChoice(k=k, expected_tokens=expected_tokens(acceptance, k),
-                       step_s=cost.latency(profile, [k]), ar_step_s=profile(1), best_k=best)
 
 
 @dataclass

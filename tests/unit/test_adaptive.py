@@ -155,27 +155,6 @@ def test_conditional_acceptance(per_position, conditional) -> None:
         1 + sum(min(p, 1.0) for p in per_position))
 
 
-def test_recommend_draft_count_for_one_request() -> None:
-    from diffspec.core.adaptive import recommend_draft_count
-
-    flat = LatencyProfile({1: 0.010, 8: 0.010})
-    full = recommend_draft_count([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], 7, flat, TWO_PASS)
-    assert (full.k, full.best_k) == (7, 7)
-    assert full.expected_tokens == pytest.approx(5.2)
-    assert (full.step_s, full.ar_step_s) == (pytest.approx(0.020), pytest.approx(0.010))
-    assert full.speedup == pytest.approx(2.6)
-    # only the first drafts are cheap: 3 tokens per forward are flat, 4 cost double
-    knee = LatencyProfile({1: 0.010, 3: 0.010, 4: 0.020, 8: 0.060})
-    assert recommend_draft_count([0.95, 0.9, 0.85, 0.1, 0.05], 7, knee, TWO_PASS).k == 2
-    # weak drafts: plain AR wins (k = 0), unless at least one draft is asked for
-    weak = LatencyProfile({1: 0.010, 8: 0.012})
-    assert recommend_draft_count([0.3, 0.0], 7, weak, TWO_PASS).k == 0
-    lifted = recommend_draft_count([0.3, 0.0], 7, weak, TWO_PASS, min_drafts=1)
-    assert (lifted.k, lifted.best_k) == (1, 0) and lifted.speedup < 1
-    with pytest.raises(ValueError):
-        recommend_draft_count([0.5], 2, weak, TWO_PASS, min_drafts=3)
-
-
 def test_one_shared_count_per_step() -> None:
     from diffspec.core.adaptive import AdaptiveDrafts, choose_shared_draft_count
 
