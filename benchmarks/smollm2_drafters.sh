@@ -4,7 +4,7 @@
 # curve, and the one-run comparison in vLLM (driver + vllm bench serve).
 #
 #   bash benchmarks/smollm2_drafters.sh STAGE [STAGE ...]
-#   stages: data heldout train-eagle3 train-orthrus curve profile compare bench-serve
+#   stages: data heldout train-eagle3 train-orthrus train-both curve profile compare bench-serve
 #
 # Every stage is resumable (data shards, training checkpoints) or cheap to rerun. Paths:
 # RUNS (default ./runs) holds data, drafters and results; OUT (default
@@ -18,6 +18,14 @@ OUT=${OUT:-benchmarks/results/smollm2-drafters}
 BASE=${BASE:-$($PY -c 'from diffspec.default_model import base_checkpoint; print(base_checkpoint())')}
 DATA=$RUNS/sharegpt-smollm2-256
 CPU_MINUTES=${CPU_MINUTES:-60}
+# longer runs (issue 28): RESUME=1 continues a run folder to a larger CPU_MINUTES / *_STEPS;
+# RANK=full trains dense deltas (every projection weight) instead of rank-64 factors
+RANK=${RANK:-64}
+ORTHRUS_LR=${ORTHRUS_LR:-2e-3}
+ORTHRUS_STEPS=${ORTHRUS_STEPS:-200}
+EAGLE3_STEPS=${EAGLE3_STEPS:-600}
+ORTHRUS_RUN=${ORTHRUS_RUN:-$RUNS/orthrus-smollm2}
+EAGLE3_RUN=${EAGLE3_RUN:-$RUNS/eagle3-smollm2}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 # bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX); emulated
 # elsewhere, it costs ~7x the CPU time of fp32 (measured on a 2-core Intel Xeon, 2026-11-28)
@@ -37,17 +45,22 @@ stage() {
           --out "$RUNS/heldout-smollm2-256" --max-new-tokens 256 --shard-size 48 --batch-size 48 ;;
     train-eagle3)  # the baseline: vLLM's eagle3 layout, 16k draft vocabulary
       OMP_NUM_THREADS=1 $PY -m training.eagle3 --base "$BASE" --data "$DATA" \
-          --out "$RUNS/eagle3-smollm2" --seq-len 512 --batch-size 4 --lr 1e-3 \
-          --warmup-steps 20 --steps 600 --draft-vocab 16384 $BF16 \
+          --out "$EAGLE3_RUN" --seq-len 512 --batch-size 4 --lr 1e-3 \
+          --warmup-steps 20 --steps "$EAGLE3_STEPS" --draft-vocab 16384 $BF16 \
           --max-cpu-minutes "$CPU_MINUTES" --save-every 25 --log-every 5 ${RESUME:+--resume} ;;
-    train-orthrus)  # ours: rank-64 heads, block 8, 64 answer anchors per row
+    train-orthrus)  # ours: rank-64 heads (RANK), block 8, 64 answer anchors per row
       OMP_NUM_THREADS=1 $PY -m diffspec.train orthrus --base "$BASE" --data "$DATA" \
-          --out "$RUNS/orthrus-smollm2" --answers-only --rank 64 --block-size 8 \
-          --mask-token-id 16 --num-anchors 64 --seq-len 512 --batch-size 4 --lr 2e-3 \
-          --warmup-steps 10 --steps 200 $BF16 --max-cpu-minutes "$CPU_MINUTES" \
+          --out "$ORTHRUS_RUN" --answers-only --rank "$RANK" --block-size 8 \
+          --mask-token-id 16 --num-anchors 64 --seq-len 512 --batch-size 4 --lr "$ORTHRUS_LR" \
+          --warmup-steps 10 --steps "$ORTHRUS_STEPS" $BF16 --max-cpu-minutes "$CPU_MINUTES" \
           --save-every 10 --snapshot-every 25 --log-every 1 ${RESUME:+--resume} ;;
+    train-both)  # both drafters side by side, one core each, the same CPU budget
+      stage train-eagle3 > "$EAGLE3_RUN.log" 2>&1 & e=$!
+      stage train-orthrus > "$ORTHRUS_RUN.log" 2>&1 & o=$!
+      echo "training both drafters (logs: $EAGLE3_RUN.log, $ORTHRUS_RUN.log)"
+      wait $e; wait $o ;;
     curve)  # Orthrus acceptance vs training tokens, on held-out answers
-      $PY -m benchmarks.acceptance_curve --base "$BASE" --run "$RUNS/orthrus-smollm2" \
+      $PY -m benchmarks.acceptance_curve --base "$BASE" --run "$ORTHRUS_RUN" \
           --data "$RUNS/heldout-smollm2-256" --max-rows 12 --max-anchors 64 --threads 2 \
           --out "$OUT/curve" ;;
     profile)  # this machine's forward latency for the block-size recommendation
@@ -55,30 +68,30 @@ stage() {
           --contexts 256 --repeats 10 --stat min --threads 2 --out "$OUT/profile" ;;
     compare)  # the Orthrus checkpoint (base + heads), then AR / ngram / EAGLE-3 / Orthrus
       $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
-materialize_orthrus('$BASE', '$RUNS/orthrus-smollm2', '$RUNS/orthrus-smollm2-ckpt')"
+materialize_orthrus('$BASE', '$ORTHRUS_RUN', '$ORTHRUS_RUN-ckpt')"
       # held-out split: the K sweep (the best K found there is used on GSM8K / HumanEval)
-      $PY -m benchmarks.driver --model "$RUNS/orthrus-smollm2-ckpt" --dataset jsonl \
+      $PY -m benchmarks.driver --model "$ORTHRUS_RUN-ckpt" --dataset jsonl \
           --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
           --max-model-len 2048 --engines vllm \
           --baselines ar,ngram:4,eagle3:1,eagle3:3,orthrus:2,orthrus:3,orthrus:7 \
-          --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 \
+          --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 \
           --profile "$OUT/profile/forward_latency.json" --out "$OUT/sharegpt-heldout"
       for ds in gsm8k humaneval; do
-        $PY -m benchmarks.driver --model "$RUNS/orthrus-smollm2-ckpt" --dataset "$ds" \
+        $PY -m benchmarks.driver --model "$ORTHRUS_RUN-ckpt" --dataset "$ds" \
             --num-prompts 8 --chat --max-tokens 128 --max-model-len 2048 --engines vllm \
             --baselines "${BASELINES:-ar,ngram:4,eagle3:3,orthrus:3}" \
-            --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 \
+            --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 \
             --profile "$OUT/profile/forward_latency.json" --out "$OUT/$ds"
       done
       $PY -m benchmarks.compare --reports "$OUT"/{sharegpt-heldout,gsm8k,humaneval}/report.json \
-          --curve "orthrus=$RUNS/orthrus-smollm2/training.json" \
-          --curve "eagle3=$RUNS/eagle3-smollm2/training.json" --out "$OUT" ;;
+          --curve "orthrus=$ORTHRUS_RUN/training.json" \
+          --curve "eagle3=$EAGLE3_RUN/training.json" --out "$OUT" ;;
     bench-serve)  # the same baselines through vLLM's own benchmark client
-      $PY -m benchmarks.vllm_bench_serve --model "$RUNS/orthrus-smollm2-ckpt" \
+      $PY -m benchmarks.vllm_bench_serve --model "$ORTHRUS_RUN-ckpt" \
           --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:3}" \
-          --eagle3-drafter "$RUNS/eagle3-smollm2" --concurrency 1,4 --num-prompts 8 \
+          --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 --num-prompts 8 \
           --output-len 128 --out "$OUT/bench-serve" ;;
-    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus curve profile compare bench-serve)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus train-both curve profile compare bench-serve)" >&2; exit 2 ;;
   esac
 }
 
