@@ -4,7 +4,7 @@
 # curve, and the one-run comparison in vLLM (driver + vllm bench serve).
 #
 #   bash benchmarks/smollm2_drafters.sh STAGE [STAGE ...]
-#   stages: data heldout train-eagle3 train-orthrus train-both curve profile compare bench-serve
+#   stages: data heldout train-eagle3 train-orthrus train-both train-long curve profile compare bench-serve
 #
 # Every stage is resumable (data shards, training checkpoints) or cheap to rerun. Paths:
 # RUNS (default ./runs) holds data, drafters and results; OUT (default
@@ -19,8 +19,8 @@ BASE=${BASE:-$($PY -c 'from diffspec.default_model import base_checkpoint; print
 DATA=$RUNS/sharegpt-smollm2-256
 CPU_MINUTES=${CPU_MINUTES:-60}
 # longer runs (issue 28): RESUME=1 continues a run folder to a larger CPU_MINUTES / *_STEPS;
-# RANK=full trains dense deltas (every projection weight) instead of rank-64 factors
-RANK=${RANK:-64}
+# ORTHRUS_RANK=full trains dense deltas (every projection weight) instead of rank-64 factors
+ORTHRUS_RANK=${ORTHRUS_RANK:-64}
 ORTHRUS_LR=${ORTHRUS_LR:-2e-3}
 ORTHRUS_STEPS=${ORTHRUS_STEPS:-200}
 EAGLE3_STEPS=${EAGLE3_STEPS:-600}
@@ -28,7 +28,7 @@ ORTHRUS_RUN=${ORTHRUS_RUN:-$RUNS/orthrus-smollm2}
 EAGLE3_RUN=${EAGLE3_RUN:-$RUNS/eagle3-smollm2}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 # bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX); emulated
-# elsewhere, it costs ~7x the CPU time of fp32 (measured on a 2-core Intel Xeon, 2026-11-28)
+# elsewhere, it costs ~3x the CPU time of fp32 (measured on a 2-core Intel Xeon, 2026-11-28)
 BF16=${BF16-$($PY -c 'from diffspec.train import cpu_bf16_is_fast as f; print("--autocast-bf16" if f() else "")')}
 
 stage() {
@@ -48,9 +48,9 @@ stage() {
           --out "$EAGLE3_RUN" --seq-len 512 --batch-size 4 --lr 1e-3 \
           --warmup-steps 20 --steps "$EAGLE3_STEPS" --draft-vocab 16384 $BF16 \
           --max-cpu-minutes "$CPU_MINUTES" --save-every 25 --log-every 5 ${RESUME:+--resume} ;;
-    train-orthrus)  # ours: rank-64 heads (RANK), block 8, 64 answer anchors per row
+    train-orthrus)  # ours: rank-64 heads (ORTHRUS_RANK), block 8, 64 answer anchors per row
       OMP_NUM_THREADS=1 $PY -m diffspec.train orthrus --base "$BASE" --data "$DATA" \
-          --out "$ORTHRUS_RUN" --answers-only --rank "$RANK" --block-size 8 \
+          --out "$ORTHRUS_RUN" --answers-only --rank "$ORTHRUS_RANK" --block-size 8 \
           --mask-token-id 16 --num-anchors 64 --seq-len 512 --batch-size 4 --lr "$ORTHRUS_LR" \
           --warmup-steps 10 --steps "$ORTHRUS_STEPS" $BF16 --max-cpu-minutes "$CPU_MINUTES" \
           --save-every 10 --snapshot-every 25 --log-every 1 ${RESUME:+--resume} ;;
@@ -59,6 +59,23 @@ stage() {
       stage train-orthrus > "$ORTHRUS_RUN.log" 2>&1 & o=$!
       echo "training both drafters (logs: $EAGLE3_RUN.log, $ORTHRUS_RUN.log)"
       wait $e; wait $o ;;
+    train-long)  # train-both in growing CPU budgets (BUDGETS, minutes each), both drafters
+      # copied at every budget to $RUNS/budget-N/ (the same-budget pair at each point)
+      first=1
+      for b in ${BUDGETS:-60 120 240 480 960}; do
+        if [ -f "$RUNS/budget-$b/done" ]; then first=0; continue; fi
+        if [ $first = 1 ] && [ ! -d "$ORTHRUS_RUN/checkpoint" ]; then
+          CPU_MINUTES=$b RESUME= stage train-both
+        else
+          CPU_MINUTES=$b RESUME=1 stage train-both
+        fi
+        first=0
+        for run in "$ORTHRUS_RUN" "$EAGLE3_RUN"; do
+          mkdir -p "$RUNS/budget-$b/$(basename "$run")"
+          find "$run" -maxdepth 1 -type f -exec cp {} "$RUNS/budget-$b/$(basename "$run")/" \;
+        done
+        touch "$RUNS/budget-$b/done"
+      done ;;
     curve)  # Orthrus acceptance vs training tokens, on held-out answers
       $PY -m benchmarks.acceptance_curve --base "$BASE" --run "$ORTHRUS_RUN" \
           --data "$RUNS/heldout-smollm2-256" --max-rows 12 --max-anchors 64 --threads 2 \
@@ -91,7 +108,7 @@ materialize_orthrus('$BASE', '$ORTHRUS_RUN', '$ORTHRUS_RUN-ckpt')"
           --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:3}" \
           --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 --num-prompts 8 \
           --output-len 128 --out "$OUT/bench-serve" ;;
-    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus train-both curve profile compare bench-serve)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus train-both train-long curve profile compare bench-serve)" >&2; exit 2 ;;
   esac
 }
 

@@ -322,7 +322,7 @@ def rank_arg(text: str) -> int | str:
 def cpu_bf16_is_fast() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Only there does CPU
     bf16 autocast pay; elsewhere oneDNN emulates it: measured 2026-11-28 on a 2-core Intel
-    Xeon with AVX512 but no AVX512-BF16, an Orthrus row took ~7x the CPU time with
+    Xeon with AVX512 but no AVX512-BF16, an Orthrus row took ~3x the CPU time with
     ``--autocast-bf16`` than in fp32."""
     import torch
 
