@@ -306,18 +306,25 @@ def test_heads_round_trip_is_bit_identical(trained_heads, llama_base, tmp_path):
     """In memory (factors rounded to bf16 on save) == load_orthrus_heads == the
     materialized full checkpoint: the same diff weights bit for bit, the same drafts."""
     model, heads = trained_heads
-    loaded = load_orthrus_heads(llama_base, heads)
-    full = load_orthrus(materialize_orthrus(llama_base, heads, tmp_path / "full"))
+    full = _assert_heads_round_trip(model, heads, llama_base, tmp_path)
     assert inspect_checkpoint(full.source).architecture == "OrthrusLlamaForCausalLM"
     assert (full.source / "tokenizer.json").is_file()
+    assert all(torch.equal(v, model.lm.state_dict()[k])
+               for k, v in full.lm.state_dict().items() if "_diff." not in k)
+
+
+def _assert_heads_round_trip(model: OrthrusModel, heads, llama_base, tmp_path) -> OrthrusModel:
+    """``model`` == its heads folder loaded == the materialized checkpoint: the same diff
+    weights bit for bit (each unlike the AR one), the same drafts and acceptance, and the
+    checkpoint lossless against AR. Returns the materialized model."""
+    loaded = load_orthrus_heads(llama_base, heads)
+    full = load_orthrus(materialize_orthrus(llama_base, heads, tmp_path / "full"))
     for layers in zip(model.lm.model.layers, loaded.lm.model.layers, full.lm.model.layers):
         for name in PROJECTIONS:
             a, b, c = (getattr(layer.self_attn, f"{name}_diff") for layer in layers)
             assert torch.equal(a.merged_weight(), b.merged_weight())
             assert torch.equal(b.merged_weight(), c.weight)
             assert not torch.equal(c.weight, getattr(layers[2].self_attn, name).weight)
-    assert all(torch.equal(v, model.lm.state_dict()[k])
-               for k, v in full.lm.state_dict().items() if "_diff." not in k)
     requests = [Request(p, 12) for p in _prompts([2, 7, 20])]
     outs = [speculative_generate(m.lm, BlockDrafter(m), requests, 7)
             for m in (model, loaded, full)]
@@ -325,6 +332,7 @@ def test_heads_round_trip_is_bit_identical(trained_heads, llama_base, tmp_path):
         assert a.token_ids == b.token_ids == c.token_ids
         assert a.accept_lengths == b.accept_lengths == c.accept_lengths
     _assert_lossless(full, requests, 7)
+    return full
 
 
 def test_dense_heads_start_at_ar_and_round_trip_bit_identical(llama_base, tmp_path):
@@ -349,20 +357,7 @@ def test_dense_heads_start_at_ar_and_round_trip_bit_identical(llama_base, tmp_pa
     assert tensors["model.layers.0.self_attn.k_proj_diff.delta"].shape == \
         attn.k_proj.weight.shape
     assert all(v.dtype == torch.bfloat16 for v in tensors.values())
-    loaded = load_orthrus_heads(llama_base, heads)
-    full = load_orthrus(materialize_orthrus(llama_base, heads, tmp_path / "full"))
-    for layers in zip(model.lm.model.layers, loaded.lm.model.layers, full.lm.model.layers):
-        for name in PROJECTIONS:
-            a, b, c = (getattr(layer.self_attn, f"{name}_diff") for layer in layers)
-            assert torch.equal(a.merged_weight(), b.merged_weight())
-            assert torch.equal(b.merged_weight(), c.weight)
-            assert not torch.equal(c.weight, getattr(layers[2].self_attn, name).weight)
-    requests = [Request(p, 12) for p in _prompts([2, 7, 20])]
-    outs = [speculative_generate(m.lm, BlockDrafter(m), requests, 7)
-            for m in (model, loaded, full)]
-    for a, b, c in zip(*outs):
-        assert a.token_ids == b.token_ids == c.token_ids
-    _assert_lossless(full, requests, 7)
+    _assert_heads_round_trip(model, heads, llama_base, tmp_path)
     with pytest.raises(ValueError, match="positive integer or 'full'"):
         orthrus_from_base(llama_base, block_size=8, mask_token_id=MASK, rank="dense")
 

@@ -192,9 +192,9 @@ FULL_RANK = "full"  # heads.json "rank" of dense deltas (DenseDelta)
 
 
 def _rank(rank: int | str) -> int:
-    if isinstance(rank, str) and rank != FULL_RANK and not rank.isdigit():
+    if not isinstance(rank, int):
         raise ValueError(f"rank must be a positive integer or {FULL_RANK!r}, got {rank!r}")
-    return int(rank)
+    return rank
 
 
 class DenseDelta(nn.Module):
