@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,26 @@ def _sigterm_in(seconds: float) -> threading.Timer:
     return timer
 
 
+def _sigterm_once(ready: Callable[[], bool], timeout_s: float = 60.0) -> threading.Event:
+    """SIGTERM this process as soon as ``ready()`` holds (polled), not after a fixed delay
+    that a loaded machine can outrun; set the returned event to cancel."""
+    import os
+    import signal
+
+    cancel = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cancel.is_set() and time.monotonic() < deadline:
+            if ready():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return cancel
+
+
 def _gone(pid: int) -> bool:
     from tests.unit.test_serving import _alive
 
@@ -325,11 +346,13 @@ def test_sigterm_before_the_server_answers_stops_it_too(tmp_path: Path, monkeypa
     from diffspec.serving import port_is_free
 
     args, pid_files, chats = _fake_quickstart(tmp_path, monkeypatch, 1e9, "--no-ar-check")
-    timer = _sigterm_in(1.5)
+    # once the stand-in server's child is up (its pid written); it never answers
+    cancel = _sigterm_once(lambda: bool(pid_files) and pid_files[0].exists()
+                           and pid_files[0].read_text().strip() != "")
     try:
         code = run_quickstart(args)
     finally:
-        timer.cancel()
+        cancel.set()
     out = capsys.readouterr().out
     assert code == 143 and chats == [] and "serving smollm2" not in out
     assert _gone(int(pid_files[0].read_text()))
