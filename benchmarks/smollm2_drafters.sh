@@ -4,7 +4,7 @@
 # curve, and the one-run comparison in vLLM (driver + vllm bench serve).
 #
 #   bash benchmarks/smollm2_drafters.sh STAGE [STAGE ...]
-#   stages: data heldout train-eagle3 train-orthrus train-both train-long curve profile compare bench-serve
+#   stages: data heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve
 #
 # Every stage is resumable (data shards, training checkpoints) or cheap to rerun. Paths:
 # RUNS (default ./runs) holds data, drafters and results; OUT (default
@@ -80,6 +80,15 @@ stage() {
       $PY -m benchmarks.acceptance_curve --base "$BASE" --run "$ORTHRUS_RUN" \
           --data "$RUNS/heldout-smollm2-256" --max-rows 12 --max-anchors 64 --threads 2 \
           --out "$OUT/curve" ;;
+    accept)  # vLLM's own acceptance per draft position at K = 7 for a heads folder (HEADS,
+      # default the Orthrus run) on 12 held-out prompts: what every recipe change is judged on
+      heads=${HEADS:-$ORTHRUS_RUN}; name=$(basename "$heads"); mkdir -p "$RUNS/accept"
+      $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
+materialize_orthrus('$BASE', '$heads', '$RUNS/accept/$name-ckpt')"
+      OMP_NUM_THREADS=1 $PY -m benchmarks.driver --model "$RUNS/accept/$name-ckpt" --dataset jsonl \
+          --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
+          --max-model-len 2048 --engines vllm --baselines ar,orthrus:7 --concurrency 1 \
+          --threads 1 --out "${ACCEPT_OUT:-$RUNS/accept/$name}" ;;
     profile)  # this machine's forward latency for the block-size recommendation
       $PY benchmarks/profile_forward.py --model "$BASE" --query-lens 1,2,3,4,5,6,7,8 \
           --contexts 256 --repeats 10 --stat min --threads 2 --out "$OUT/profile" ;;
@@ -108,7 +117,7 @@ materialize_orthrus('$BASE', '$ORTHRUS_RUN', '$ORTHRUS_RUN-ckpt')"
           --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:3}" \
           --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 --num-prompts 8 \
           --output-len 128 --out "$OUT/bench-serve" ;;
-    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus train-both train-long curve profile compare bench-serve)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve)" >&2; exit 2 ;;
   esac
 }
 
