@@ -373,6 +373,71 @@ class _FittedCost:
         return self.fit.price(self.cost.latency(profile, counts, free))
 
 
+class RateGuard:
+    """The measured check on the policy's choice: per batch size, the tokens per second of
+    the steps that drafted and of those that did not (exponentially weighted, ``decay``
+    per step learned), from the same wall times :class:`StepTimeFit` learns from. The
+    priced choice can be wrong in a way the fit does not undo (its one line prices plain
+    and drafting steps alike; a batch whose drafts accept less than the estimate says), and
+    this is what a user sees: once both kinds have ``min_steps`` measured steps at a batch
+    size, a step drafts only while drafting measures at least as fast, and the other kind
+    runs every ``explore_every``-th step there to stay measured. Once drafting steps are
+    measured and plain ones not yet, every ``probe_every``-th drafting step runs plain.
+
+    ``allows(batch)``: may this step draft (the policy chose drafts)?
+    ``observe(batch, drafted, tokens, seconds)``: one measured step."""
+
+    def __init__(self, min_steps: int = 8, explore_every: int = 32, probe_every: int = 4,
+                 decay: float = 0.95) -> None:
+        if min_steps < 1 or explore_every < 2 or probe_every < 2 or not 0 < decay <= 1:
+            raise ValueError("min_steps >= 1, explore_every >= 2, probe_every >= 2 and "
+                             "decay in (0, 1] needed")
+        self.min_steps, self.explore_every, self.probe_every = min_steps, explore_every, probe_every
+        self.decay = decay
+        # (batch size, drafted) -> [decayed tokens, decayed seconds, steps measured]
+        self.rates: dict[tuple[int, bool], list[float]] = {}
+        self._asked: dict[int, int] = {}  # batch size -> drafting choices seen
+        self.vetoed = 0  # drafting choices turned into plain steps
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if batch <= 0 or tokens <= 0 or seconds <= 0:
+            return
+        row = self.rates.setdefault((batch, drafted), [0.0, 0.0, 0])
+        row[0] = row[0] * self.decay + tokens
+        row[1] = row[1] * self.decay + seconds
+        row[2] += 1
+
+    def rate(self, batch: int, drafted: bool) -> float | None:
+        """Measured tokens per second (None: fewer than ``min_steps`` steps)."""
+        row = self.rates.get((batch, drafted))
+        if row is None or row[2] < self.min_steps:
+            return None
+        return row[0] / row[1]
+
+    def allows(self, batch: int) -> bool:
+        n = self._asked[batch] = self._asked.get(batch, 0) + 1
+        drafting, plain = self.rate(batch, True), self.rate(batch, False)
+        if drafting is None:  # nothing measured yet (or no tokens counted)
+            allowed = True
+        elif plain is None:
+            allowed = n % self.probe_every != 0
+        elif drafting >= plain:
+            allowed = n % self.explore_every != 0
+        else:
+            allowed = n % self.explore_every == 0
+        self.vetoed += not allowed
+        return allowed
+
+    def summary(self) -> str:
+        """The measured rates, per batch size with both kinds measured."""
+        parts = []
+        for batch in sorted({b for b, _ in self.rates}):
+            drafting, plain = self.rate(batch, True), self.rate(batch, False)
+            if drafting is not None and plain is not None:
+                parts.append(f"batch {batch}: {drafting:.1f} vs {plain:.1f}")
+        return "; ".join(parts)
+
+
 def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyProfile:
     """A :class:`LatencyProfile` from JSON data: ``{"points": {tokens: seconds},
     "draft_points": {...}, "verify_points": {...}, "step_grid": {requests: {drafts:
@@ -403,7 +468,8 @@ class AdaptiveDrafts:
     :meth:`choose` with the requests it may draft for and their limits. With
     ``track_step_times`` (a profile the engine measured itself), the drafter also calls
     :meth:`step_started` at the same point of every engine step with the whole batch, and
-    the steps are priced through a :class:`StepTimeFit` of the measured step times.
+    the steps are priced through a :class:`StepTimeFit` of the measured step times and the
+    choices checked by a :class:`RateGuard` of the measured tokens per second.
     ``profile`` may be ``None`` until the engine has measured it (:meth:`set_profile`)."""
 
     def __init__(self, max_drafts: int, profile: LatencyProfile | None, cost: StepCost,
@@ -424,8 +490,10 @@ class AdaptiveDrafts:
         self.track_step_times = track_step_times
         self.clock = clock
         self.fit: StepTimeFit | None = None
-        # the step in flight: (its start, the whole batch's request ids, its price)
-        self._step: tuple[float, tuple[str, ...], float] | None = None
+        self.guard = RateGuard() if track_step_times else None
+        # the step in flight: (its start, the whole batch's request ids, its price, whether
+        # it drafts)
+        self._step: tuple[float, tuple[str, ...], float, bool] | None = None
         self._batch: tuple[str, ...] = ()
         self._start = 0.0
         self.profile: LatencyProfile | None = None
@@ -445,20 +513,23 @@ class AdaptiveDrafts:
         """The cost the policy prices steps with (fitted when tracking)."""
         return self.cost if self.fit is None else _FittedCost(self.cost, self.fit)
 
-    def step_started(self, batch_req_ids: Sequence[str]) -> None:
+    def step_started(self, batch_req_ids: Sequence[str], emitted: int | None = None) -> None:
         """The engine started a step over ``batch_req_ids`` (every request in it, drafting
         or not; empty: a step that is not to be learned from, e.g. one with a prefill chunk
-        in it). The step before ran from its own start to now; it is learned from when
-        this batch is the same requests (nothing joined or left in between: no prefill, no
+        in it). The step before ran from its own start to now and emitted ``emitted``
+        tokens over the whole batch (None: not counted); it is learned from when this
+        batch is the same requests (nothing joined or left in between: no prefill, no
         pause between two ``generate`` calls)."""
         if not self.track_step_times:
             return
         now = self.clock()
         batch = tuple(batch_req_ids)
         if self._step is not None and self.fit is not None:
-            start, requests, predicted = self._step
+            start, requests, predicted, drafted = self._step
             if batch and requests == batch:
                 self.fit.observe(predicted, now - start)
+                if self.guard is not None and emitted is not None:
+                    self.guard.observe(len(batch), drafted, emitted, now - start)
         self._step = None
         self._batch = batch
         self._start = now
@@ -475,7 +546,7 @@ class AdaptiveDrafts:
         all_counts = [chosen.get(r, (0, False)) for r in self._batch]
         price = self.cost.latency(self.profile, [k for k, _ in all_counts],
                                   [f for _, f in all_counts])
-        self._step = (self._start, self._batch, price)
+        self._step = (self._start, self._batch, price, any(counts))
 
     def _require_profile(self) -> LatencyProfile:
         if self.profile is None:
@@ -507,6 +578,8 @@ class AdaptiveDrafts:
         limits = [m if f else k for k, m, f in zip(max_drafts, lookup_drafts, lookup)]
         counts = choose_draft_counts(self._acceptance(lookup), limits, profile, self.pricing,
                                      lookup)
+        if any(counts) and not self._guard_allows():
+            counts = [0] * len(counts)
         self._record(req_ids, counts, lookup)
         return counts, lookup
 
@@ -525,8 +598,15 @@ class AdaptiveDrafts:
         limits = [m if f else k for k, m, f in zip(max_drafts, lookup_drafts, lookup)]
         k = choose_shared_draft_count(self._acceptance(lookup), limits, profile,
                                       self.pricing, lookup)
+        if k > 0 and not self._guard_allows():
+            k = 0
         self._record(req_ids, [min(k, limit) for limit in limits], lookup)
         return k, lookup
+
+    def _guard_allows(self) -> bool:
+        """The :class:`RateGuard`'s word on a step the policy chose to draft in (always
+        yes without step times, or in a step that is not measured)."""
+        return self.guard is None or not self._batch or self.guard.allows(len(self._batch))
 
     def _acceptance(self, lookup: Sequence[bool]) -> list[list[float]]:
         by_source = {s: e.conditional for s, e in self.estimates.items()}
@@ -578,6 +658,10 @@ class AdaptiveDrafts:
         fit = ("" if self.fit is None else
                f"; step time {self.fit.scale:.2f} x profile + {self.fit.overhead * 1e3:.1f} ms "
                f"({self.fit.steps} steps measured)")
+        rates = "" if self.guard is None else self.guard.summary()
+        if rates:
+            fit += (f"; tokens/s drafting vs plain, {rates} ({self.guard.vetoed} drafting "
+                    f"steps run plain)")
         return (f"adaptive drafts: batch {len(counts)}, drafts per request mean "
                 f"{sum(counts) / len(counts):.1f} (min {min(counts)}, max {max(counts)}); "
                 f"acceptance of drafts 1-4 {head}{fit}")

@@ -26,6 +26,7 @@ from diffspec.profiling import (
 TWO_PASS = StepCost("two_pass")
 # compute-bound: every token costs the same (a forward of t tokens: t ms)
 LINEAR_MS = LatencyProfile({1: 0.001, 1000: 1.0})
+ROOFLINE_MS = LatencyProfile({1: 0.010, 64: 0.010, 1024: 0.160})  # flat to 64 tokens
 
 
 # ------------------------------------------------------------------ the config
@@ -321,3 +322,54 @@ def test_a_supplied_profile_is_not_fitted_and_none_is_refused() -> None:
         pending.choose(["a"], [4])
     pending.set_profile(LINEAR_MS)
     assert pending.fit is not None and pending.choose(["a"], [4]) == [0]
+
+
+def test_the_rate_guard_keeps_the_faster_kind_of_step() -> None:
+    from diffspec.core.adaptive import RateGuard
+
+    guard = RateGuard(min_steps=8, explore_every=32, probe_every=4)
+    assert all(guard.allows(4) for _ in range(5))  # nothing measured: the policy's choice
+    for _ in range(8):
+        guard.observe(4, True, 8, 0.040)  # drafting: 200 tokens/s
+    probes = [guard.allows(4) for _ in range(16)]
+    assert probes.count(False) == 4  # every 4th drafting choice measures a plain step
+    for _ in range(8):
+        guard.observe(4, False, 4, 0.010)  # plain: 400 tokens/s
+    choices = [guard.allows(4) for _ in range(64)]
+    assert choices.count(True) == 2  # plain measures faster: drafting every 32nd step
+    assert guard.allows(2)  # other batch sizes are measured on their own
+    for _ in range(100):
+        guard.observe(4, True, 16, 0.040)  # the drafts get better: 400 -> 400+ tokens/s
+        guard.observe(4, True, 20, 0.040)
+    assert guard.rate(4, True) > guard.rate(4, False)
+    assert [guard.allows(4) for _ in range(64)].count(False) == 2
+    assert "batch 4: " in guard.summary()
+    with pytest.raises(ValueError, match="min_steps >= 1"):
+        RateGuard(min_steps=0)
+
+
+def test_measured_rates_stop_drafting_that_the_fit_keeps() -> None:
+    """Drafting steps that take 4x a plain step where the profile says 2x: the fit, which
+    sees only drafting steps, reads the extra 20 ms as per-step overhead that a plain step
+    would pay too, so the priced choice keeps drafting, at 300 tokens/s against plain
+    steps' 400. The measured tokens per second stop it: of the last 40 steps, only the
+    guard's exploration steps draft."""
+    def run(guard: bool) -> list[int]:
+        clock = _Clock()
+        policy = AdaptiveDrafts(7, ROOFLINE_MS, TWO_PASS, track_step_times=True, clock=clock)
+        if not guard:
+            policy.guard = None
+        batch, counts, emitted = ["a", "b", "c", "d"], [], None
+        for _ in range(240):
+            policy.step_started(batch, emitted)
+            ks = policy.choose(batch, [7] * 4)
+            counts.append(sum(ks))
+            emitted = sum(1 + min(k, 2) for k in ks)  # two drafts accepted of each block
+            for req, k in zip(batch, ks):
+                policy.observe(req, 1 + min(k, 2))
+            clock.now += 0.040 if any(ks) else 0.010
+        return counts
+
+    assert all(run(guard=False)[-40:])
+    last = run(guard=True)[-40:]
+    assert 1 <= sum(1 for k in last if k) <= 2

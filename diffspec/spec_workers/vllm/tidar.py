@@ -147,6 +147,7 @@ class TiDARProposer:
             vllm_config, self.num_speculative_tokens,
             StepCost("quadratic", skip=0 if self.logits_shift else 1))
         self._verified: list[int] = []  # [num_reqs] drafts each row verifies this step
+        self._emitted: int | None = None  # tokens the last step emitted (all requests)
         self.timings = DraftTimings(vllm_config.device_config.device)
         self._step_timing: tuple[float | None, int] = (None, 0)  # (start, query tokens)
 
@@ -227,7 +228,8 @@ class TiDARProposer:
         # forwarding more than its anchor and drafts) is not learned
         query = np.diff(runner.query_start_loc.np[:batch.num_reqs + 1])
         decoding = all(int(q) == 1 + len(batch.spec_token_ids[i]) for i, q in enumerate(query))
-        self.adaptive.step_started(req_ids if decoding else ())
+        self.adaptive.step_started(req_ids if decoding else (), self._emitted)
+        self._emitted = None
         self._verified = [len(batch.spec_token_ids[i]) for i in range(batch.num_reqs)]
         self.adaptive.forget(set(req_ids))
         skip = 0 if self.logits_shift else 1
@@ -295,6 +297,7 @@ class TiDARProposer:
         branches, hidden = self._branches, self._branch_hidden
         self._branches = self._branch_hidden = None
         if self.adaptive is not None:  # this step's verify outcomes
+            self._emitted = sum(len(t) for t in sampled_token_ids)
             for n, emitted in zip(self._verified, sampled_token_ids):
                 if n > 0 and emitted:
                     self.adaptive.estimate.update(n, min(len(emitted) - 1, n))

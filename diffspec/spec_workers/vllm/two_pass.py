@@ -131,7 +131,8 @@ class TwoPassProposer:
         batch = runner.input_batch
         if self.adaptive is not None:  # a step boundary: the step since the last one ended;
             # one with a prefill chunk in it (a request that sampled nothing) is not learned
-            self.adaptive.step_started(batch.req_ids if all(sampled_token_ids) else ())
+            self.adaptive.step_started(batch.req_ids if all(sampled_token_ids) else (),
+                                       sum(len(t) for t in sampled_token_ids))
         num_left = []
         for req_id in batch.req_ids:
             state = runner.requests[req_id]
