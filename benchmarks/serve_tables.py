@@ -718,6 +718,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.baselines import drafters_from_args
     from benchmarks.driver import _git_commit, machine
 
+    if any(p.endswith("server") for p in paths) and not args.dry_run:
+        from benchmarks.vllm_bench_serve import require_client
+
+        require_client()
+
     if args.model is None:
         from diffspec.default_model import prepare_default
 

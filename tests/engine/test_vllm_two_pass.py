@@ -212,6 +212,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": {"repeats": _repeat_requests(), "seeded": seeded_repeats,
                          "seeded_again": seeded_repeats}},
             {"name": "orthrus_spec", "llm": spec("orthrus"), "batches": orthrus_batches},
+            # adaptive where drafting never pays: every step plain (sampled as AR samples)
+            {"name": "orthrus_plain", "llm": adaptive("compute"),
+             "batches": {k: orthrus_batches[k] for k in ("greedy", "options", "seeded")}},
             {"name": "nld_ar", "model": str(ckpts["nld"]), "llm": LLM_KWARGS,
              "batches": nld_batches},
             {"name": "nld_spec", "model": str(ckpts["nld"]), "llm": spec("linear_self_spec"),
@@ -392,6 +395,56 @@ def test_request_options_equal_vllm_ar(engine) -> None:
     assert ar["finish_reasons"][4] == "stop" and len(ar["outputs"][4]) < 20  # stop string
     assert spec["logprobs"][5] == pytest.approx(ar["logprobs"][5], abs=1e-4)
     assert all(spec["spec_steps"][:4])
+
+
+def test_steps_without_drafts_sample_as_ar_does(engine) -> None:
+    """A step in which no request drafts (the adaptive policy on a profile where drafting
+    never pays: every step) is sampled by vLLM's plain sampler, not its rejection sampler
+    over zero drafts (patch ``plain_sampling``): greedy, seeded and with request options
+    (penalties, min_tokens, stop strings, logprobs) the output is AR's token for token,
+    the logprobs AR's, and no verify step is counted."""
+    ar, plain = engine["runs"]["orthrus_ar"], engine["runs"]["orthrus_plain"]
+    for batch in ("greedy", "options", "seeded"):
+        assert plain[batch]["outputs"] == ar[batch]["outputs"], batch
+        assert plain[batch]["finish_reasons"] == ar[batch]["finish_reasons"], batch
+        assert all(not steps for steps in plain[batch]["spec_steps"]), batch
+        assert engine["metrics"]["orthrus_plain"][batch]["vllm:spec_decode_num_drafts"] == 0
+    assert plain["options"]["logprobs"][5] == pytest.approx(ar["options"]["logprobs"][5],
+                                                            abs=1e-6)
+
+
+def test_the_plain_sampling_patch_takes_the_plain_path_only_without_drafts() -> None:
+    """The patch itself, on vLLM's own ``_sample`` with a stand-in runner (its sampler and
+    rejection sampler record their calls): zero drafts under a diffspec drafter go to the
+    plain sampler; a step with drafts, or any other drafter, to the rejection sampler."""
+    require_engine("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from diffspec.plugin.vllm.patches import plain_sampling
+
+    plain_sampling.apply()
+    calls = []
+
+    def runner(drafter):
+        return SimpleNamespace(
+            drafter=drafter, use_async_scheduling=False, _draft_token_req_ids=None,
+            input_batch=SimpleNamespace(sampling_metadata="meta",
+                                        update_async_output_token_ids=lambda: None),
+            sampler=lambda logits, sampling_metadata: calls.append("plain"),
+            rejection_sampler=lambda *args: calls.append("rejection"),
+            _get_spec_decode_draft_probs=lambda metadata: None)
+
+    ours, vllms = SimpleNamespace(propose_with_runner=None), SimpleNamespace()
+    for drafts, drafter, taken in (([[], []], ours, "plain"), ([[5], []], ours, "rejection"),
+                                   ([[], []], vllms, "rejection")):
+        metadata = SpecDecodeMetadata.make_dummy(drafts, device="cpu")
+        GPUModelRunner._sample(runner(drafter), "logits", metadata)
+        assert calls.pop() == taken, (drafts, drafter)
+    GPUModelRunner._sample(runner(ours), "logits", None)
+    assert calls == ["plain"]
 
 
 def test_min_p_and_logit_bias_are_refused_per_request(engine) -> None:

