@@ -180,6 +180,21 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                         env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # forward counter rpc
 
 
+@pytest.fixture(scope="module")
+def engine_mp(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fixed-count run of the greedy batch again in vLLM's own process layout (engine
+    core and worker in processes of their own, as ``vllm serve`` runs them), where the
+    drafts reach the engine core on the step's output (patch ``drafts_in_output``) instead
+    of by an RPC of their own."""
+    require_engine("vllm")
+    spec = {k: v for k, v in SPEC_KWARGS.items() if k != "count_forwards"}
+    job = {"multiprocessing": True, "runs": [
+        {"name": "synth_spec", "model": str(ckpts["synth"]), "llm": {**LLM_KWARGS, **spec},
+         "batches": {"greedy": _synth_requests()}}]}
+    return run_vllm_job(ckpts["synth"], job, tmp_path_factory.mktemp("vllm_tidar_mp"),
+                        timeout=900)
+
+
 # ------------------------------------------------------------------------------ lossless
 
 
@@ -187,6 +202,18 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_greedy_equals_vllm_ar(engine, family: str) -> None:
     assert_equals_ar(engine["runs"][f"{family}_ar"]["greedy"],
                      engine["runs"][f"{family}_spec"]["greedy"], both_endings=family == "synth")
+
+
+def test_separate_engine_and_worker_processes_verify_the_same_drafts(engine, engine_mp) -> None:
+    """With the engine core and the worker in separate processes the engine verifies, step
+    by step, the drafts the in-process engine verifies: the same outputs and the same
+    accepted drafts per verify step of every request (a stale or lost hand-over of the
+    drafts would change them)."""
+    inproc = engine["runs"]["synth_spec"]["greedy"]
+    mp = engine_mp["runs"]["synth_spec"]["greedy"]
+    assert mp["outputs"] == inproc["outputs"]
+    assert mp["spec_steps"] == inproc["spec_steps"]
+    assert sum(map(sum, mp["spec_steps"])) > 0
 
 
 def test_prefix_cache_reuse_equals_ar(engine) -> None:

@@ -447,6 +447,57 @@ def test_the_plain_sampling_patch_takes_the_plain_path_only_without_drafts() -> 
     assert calls == ["plain"]
 
 
+def test_the_drafts_in_output_patch_saves_the_draft_rpc_only_when_carried() -> None:
+    """The executor half of patch ``drafts_in_output``, on vLLM's own
+    ``MultiprocExecutor`` methods with a stand-in executor (its ``collective_rpc`` records
+    the RPCs): drafts carried on a step's output answer the engine core's
+    ``take_draft_token_ids`` without an RPC, once (the attribute is taken off the output);
+    a step whose output carries none, or a later step after ``execute_model``, asks the
+    worker as vLLM does. (End to end, ``test_vllm_serve_reports_acceptance_length`` checks
+    that the drafts a real server verifies this way are the offline engine's.)"""
+    require_engine("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    from diffspec.plugin.vllm.patches import drafts_in_output
+
+    drafts_in_output.apply()
+    rpcs, replies = [], {}
+
+    def collective_rpc(method, **kwargs):
+        rpcs.append(method)
+        return replies[method]
+
+    executor = SimpleNamespace(collective_rpc=collective_rpc, output_rank=0,
+                               kv_output_aggregator=None, ec_output_aggregator=None)
+    ours = DraftTokenIds(["a", "b"], [[5, 6], []])
+    vllms = DraftTokenIds(["a", "b"], [[7], [8]])
+    replies["take_draft_token_ids"] = vllms
+
+    def step(carried):
+        output = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
+        if carried is not None:
+            setattr(output, drafts_in_output.ATTRIBUTE, carried)
+        replies["execute_model"], replies["sample_tokens"] = None, output
+        MultiprocExecutor.execute_model(executor, "scheduler output", non_block=False)
+        sampled = MultiprocExecutor.sample_tokens(executor, None)
+        assert not hasattr(sampled, drafts_in_output.ATTRIBUTE)
+        return MultiprocExecutor.take_draft_token_ids(executor)
+
+    assert step((ours,)) is ours and rpcs == ["execute_model", "sample_tokens"]
+    rpcs.clear()
+    assert step((None,)) is None and rpcs == ["execute_model", "sample_tokens"]
+    rpcs.clear()
+    assert step(None) is vllms and rpcs[-1] == "take_draft_token_ids"
+    rpcs.clear()
+    # kept drafts are this step's only: a step without sample_tokens asks the worker
+    step((ours,))
+    MultiprocExecutor.execute_model(executor, "scheduler output", non_block=False)
+    assert MultiprocExecutor.take_draft_token_ids(executor) is vllms
+
+
 def test_min_p_and_logit_bias_are_refused_per_request(engine) -> None:
     """vLLM refuses min_p and logit_bias for every speculative method at request validation
     (diffspec's methods included); the requests added with them still complete, equal to

@@ -32,6 +32,7 @@ PATCHES: dict[str, tuple[str, ...]] = {
     "runner_propose": ("0.32", "0.33"),
     "runner_forward": ("0.32", "0.33"),
     "plain_sampling": ("0.32", "0.33"),
+    "drafts_in_output": ("0.32", "0.33"),
     "cpu_expand_kernel": ("0.32", "0.33"),
     "generation_stops": ("0.32", "0.33"),
     "warm_up_profile": ("0.32", "0.33"),
