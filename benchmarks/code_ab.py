@@ -148,8 +148,9 @@ def render(rows: list[dict[str, Any]], servers: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     checkouts = parse_checkouts(args.checkout)
+    from benchmarks.baselines import Baseline
     from benchmarks.datasets import load_prompts
-    from benchmarks.serve_tables import prompts_for, same_outputs
+    from benchmarks.serve_tables import prompts_for, same_outputs, server_args
     from benchmarks.vllm_bench_serve import require_client, run_client
     from diffspec.serving import ServerProcess, free_port, vllm_server_command
 
@@ -171,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_files[t].write_text("".join(json.dumps({"prompt": p.text}) + "\n"
                                            for p in prompts))
     servers = [AR, *checkouts]
-    launch = ["--dtype", args.dtype, "--enforce-eager", "--block-size", "32", "--seed", "0",
-              "--max-model-len", str(args.max_model_len), "--served-model-name", "model"]
+    launch = server_args(Baseline(AR, "ar", 0), args)  # serve_tables' launch settings
     state_path = out / "code_ab.json"
     state = {"meta": {"command": "python -m benchmarks.code_ab " + shlex.join(
                           argv if argv is not None else sys.argv[1:]),

@@ -14,7 +14,8 @@ requests at concurrency 16, py-spy): 47 of ~3,270 worker samples in that RPC, pl
 hand-off itself, which no process was sampled computing.
 
 How: when the runner's drafter is diffspec's (``propose_with_runner``) and the step's
-output is a plain ``ModelRunnerOutput`` (sync scheduling), the worker reads its drafts
+output is a plain ``ModelRunnerOutput`` (sync scheduling) of a ``MultiprocExecutor``
+worker (``distributed_executor_backend == "mp"``), the worker reads its drafts
 with vLLM's own ``take_draft_token_ids`` at the end of ``sample_tokens`` and sends them on
 the output (attribute ``diffspec_draft_token_ids``: a one-tuple, ``(None,)`` when there are
 none). The executor keeps them from that output for this step and answers the engine core's
@@ -22,8 +23,8 @@ none). The executor keeps them from that output for this step and answers the en
 kept, so a step whose output carried none (another drafter, a KV-connector output, an
 output of ``execute_model`` itself) takes vLLM's RPC as before. The drafts are the ones the
 RPC would have returned: nothing runs on the worker between the end of ``sample_tokens``
-and that RPC. ``UniProcExecutor`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) calls the worker
-in-process and is left alone.
+and that RPC. Under ``UniProcExecutor`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which calls
+the worker in-process, both halves leave vLLM's path as it is.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def _patch_runner() -> None:
         output = original(self, grammar_output)
         if (type(output) is ModelRunnerOutput and output is not EMPTY_MODEL_RUNNER_OUTPUT
                 and not self.use_async_scheduling
+                # another process asks for the drafts (in-process, the RPC costs nothing)
+                and self.parallel_config.distributed_executor_backend == "mp"
                 and hasattr(getattr(self, "drafter", None), "propose_with_runner")):
             drafts = self.take_draft_token_ids()
             if drafts is not None:  # its req_ids may be the batch's live list: a copy
