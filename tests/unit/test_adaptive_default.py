@@ -373,3 +373,26 @@ def test_measured_rates_stop_drafting_that_the_fit_keeps() -> None:
     assert all(run(guard=False)[-40:])
     last = run(guard=True)[-40:]
     assert 1 <= sum(1 for k in last if k) <= 2
+
+
+def test_the_rate_guard_turns_down_the_draft_pass_not_the_lookup_drafts() -> None:
+    """The drafter's steps measure slower than plain ones (as above), while one request's
+    context holds n-gram matches: the guard stops the draft pass, and that request keeps
+    its lookup drafts (they cost no draft pass), which the guard counts with plain steps."""
+    clock = _Clock()
+    policy = AdaptiveDrafts(7, ROOFLINE_MS, TWO_PASS, track_step_times=True, clock=clock)
+    batch, emitted, history = ["a", "b", "c", "d"], None, []
+    for _ in range(240):
+        policy.step_started(batch, emitted)
+        ks, lookup = policy.choose_hybrid(batch, [7] * 4, [4, 0, 0, 0])  # "a" has a match
+        assert not any(lookup[1:])  # no match: never lookup
+        passes = any(k and not f for k, f in zip(ks, lookup))
+        history.append((ks[0] if lookup[0] else 0, passes))
+        emitted = sum(1 + min(k, 2) for k in ks)
+        for req, k in zip(batch, ks):
+            policy.observe(req, 1 + min(k, 2))
+        clock.now += 0.040 if passes else 0.010
+    last = history[-40:]
+    assert 1 <= sum(p for _, p in last) <= 2  # the draft pass: the guard's exploration only
+    assert all(k > 0 for k, _ in last)  # the lookup drafts every step
+    assert policy.guard.rate(4, False) > policy.guard.rate(4, True)

@@ -6,6 +6,7 @@ quickstart's counter arithmetic."""
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -180,6 +181,28 @@ def test_prepare_default_materializes_heads_and_is_idempotent(tmp_path: Path,
     assert logs == [] and any("materialize" in line for line in built)  # nothing rebuilt
     manifest = (cache / "tiny" / "manifest.json").read_text()
     assert spec.wheel_sha256 in manifest and sha256_file(heads / "heads.safetensors") in manifest
+    assert "diffspec_draft_acceptance" not in json.loads((out / "config.json").read_text())
+
+    # heads with a measured acceptance: config.json carries it for the engines' policy
+    record = json.loads((heads / "heads.json").read_text())
+    record["acceptance_per_position"] = [0.9, 0.4, 0.1, 0.0]
+    (heads / "heads.json").write_text(json.dumps(record))
+    out = prepare_default(cache, heads_dir=heads, spec=spec, log=logs.append)
+    config = json.loads((out / "config.json").read_text())
+    assert config["diffspec_draft_acceptance"] == [0.9, 0.4, 0.1, 0.0]
+    assert any("materialize" in line for line in logs)
+
+    # a checkpoint cached by a diffspec whose materialize wrote another layout is rebuilt
+    manifest_path = cache / "tiny" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["orthrus"]["layout"] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    logs.clear()
+    prepare_default(cache, heads_dir=heads, spec=spec, log=logs.append)
+    assert any("materialize" in line for line in logs)
+    logs.clear()
+    prepare_default(cache, heads_dir=heads, spec=spec, log=logs.append)
+    assert logs == []
 
 
 def test_prepare_refuses_a_wheel_with_another_hash(tmp_path: Path, monkeypatch) -> None:

@@ -616,7 +616,11 @@ def materialize_orthrus(
     """Write a full Orthrus checkpoint (the published layout vLLM and :func:`load_orthrus`
     read) from a base checkpoint and a heads folder, with the base's tokenizer files.
     ``dtype`` defaults to the base's ``torch_dtype`` (else fp32); the ``*_diff`` weights
-    are :func:`merge_low_rank` of the stored factors in that dtype."""
+    are :func:`merge_low_rank` of the stored factors in that dtype. Where heads.json has
+    the heads' measured ``acceptance_per_position``, config.json gets it too
+    (:data:`~diffspec.core.adaptive.CHECKPOINT_ACCEPTANCE_KEY`): the engines' adaptive
+    policy starts from it instead of measuring from an optimistic guess."""
+    from diffspec.core.adaptive import CHECKPOINT_ACCEPTANCE_KEY, measured_prior
     from diffspec.core.checkpoint import resolve_checkpoint
 
     base = resolve_checkpoint(base_dir)
@@ -625,7 +629,14 @@ def materialize_orthrus(
         dtype = _HEADS_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")),
                                   torch.float32)
     model = load_orthrus_heads(base, heads_dir, dtype)
-    return save_orthrus(model, out_dir)
+    out = save_orthrus(model, out_dir)
+    measured = read_heads_config(heads_dir).get("acceptance_per_position")
+    if measured_prior(measured) is not None:
+        config_path = out / "config.json"
+        config = json.loads(config_path.read_text())
+        config[CHECKPOINT_ACCEPTANCE_KEY] = [float(p) for p in measured]
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
 
 
 def load_ar_view(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -254,11 +254,18 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
     only when the model config carries ``diffspec: {"adaptive": false}`` (SGLang's
     ``--json-model-override-args``; SGLang has no flag of ours). With ``"latency_profile":
     PATH`` the policy prices steps from that profile; otherwise it has none yet, and the
-    worker measures one at start-up (:meth:`TargetModelSpecWorker.init_cuda_graphs`)."""
+    worker measures one at start-up (:meth:`TargetModelSpecWorker.init_cuda_graphs`). Its
+    acceptance estimate starts from the checkpoint's measured acceptance where config.json
+    has one (:func:`~diffspec.core.adaptive.checkpoint_prior`)."""
     import json
     from pathlib import Path
 
-    from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
+    from diffspec.core.adaptive import (
+        AdaptiveDrafts,
+        StepCost,
+        checkpoint_prior,
+        load_latency_profile,
+    )
 
     options = getattr(hf_config, "diffspec", None) or {}
     if not isinstance(options, dict):
@@ -272,8 +279,12 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
                          "drafts --speculative-num-draft-tokens - 1 every step")
     if adaptive is False:
         return None
+    prior = checkpoint_prior(hf_config)
+    if prior:
+        logger.info("diffspec: adaptive drafts start from the checkpoint's measured acceptance "
+                    "(drafts 1-4: %s)", ", ".join(f"{a:.2f}" for a in prior[:4]))
     if not path:  # measured by the worker once SGLang has built its pools and backends
-        return AdaptiveDrafts(max_drafts, None, StepCost(cost))
+        return AdaptiveDrafts(max_drafts, None, StepCost(cost), draft_prior=prior)
     try:
         profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))
     except (OSError, ValueError) as exc:
@@ -284,7 +295,7 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
                          f"one: {exc}") from exc
     logger.info("diffspec: adaptive draft counts (at most %d per step) from the latency "
                 "profile %s", max_drafts, path)
-    return AdaptiveDrafts(max_drafts, profile, StepCost(cost))
+    return AdaptiveDrafts(max_drafts, profile, StepCost(cost), draft_prior=prior)
 
 
 def prompt_lookup(hf_config, method: str):

@@ -140,25 +140,36 @@ def adaptive_policy(vllm_config, max_drafts: int, cost):
     translation), or ``None`` for a fixed draft count. With ``"latency_profile": PATH`` it
     prices steps from that file, as is; otherwise its profile is measured at start-up
     (:func:`measure_profile`) and step times are tracked online (one tensor-parallel rank
-    alone: wall times differ between ranks, which must choose alike). ``cost``: a
+    alone: wall times differ between ranks, which must choose alike). Its acceptance
+    estimate starts from the checkpoint's measured acceptance where config.json has one
+    (:func:`~diffspec.core.adaptive.checkpoint_prior`). ``cost``: a
     :class:`~diffspec.core.adaptive.StepCost` or its kind."""
     import json
     from pathlib import Path
 
-    from diffspec.core.adaptive import AdaptiveDrafts, StepCost, load_latency_profile
+    from diffspec.core.adaptive import (
+        AdaptiveDrafts,
+        StepCost,
+        checkpoint_prior,
+        load_latency_profile,
+    )
 
     options = (getattr(vllm_config, "additional_config", None) or {}).get("diffspec") or {}
     if not options.get("adaptive", True):
         return None
     cost = StepCost(cost) if isinstance(cost, str) else cost
+    prior = checkpoint_prior(vllm_config.model_config.hf_config)
+    if prior:
+        logger.info("diffspec: adaptive drafts start from the checkpoint's measured acceptance "
+                    "(drafts 1-4: %s)", ", ".join(f"{a:.2f}" for a in prior[:4]))
     path = options.get("latency_profile")
     if path:
         profile = load_latency_profile(json.loads(Path(path).read_text()))
         logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
                     "profile %s", max_drafts, path)
-        return AdaptiveDrafts(max_drafts, profile, cost)
+        return AdaptiveDrafts(max_drafts, profile, cost, draft_prior=prior)
     tp = vllm_config.parallel_config.tensor_parallel_size
-    return AdaptiveDrafts(max_drafts, None, cost, track_step_times=tp == 1)
+    return AdaptiveDrafts(max_drafts, None, cost, track_step_times=tp == 1, draft_prior=prior)
 
 
 def prompt_lookup(vllm_config, method: str):
