@@ -396,3 +396,24 @@ def test_the_rate_guard_turns_down_the_draft_pass_not_the_lookup_drafts() -> Non
     assert 1 <= sum(p for _, p in last) <= 2  # the draft pass: the guard's exploration only
     assert all(k > 0 for k, _ in last)  # the lookup drafts every step
     assert policy.guard.rate(4, False) > policy.guard.rate(4, True)
+
+
+def test_vllm_policy_starts_from_the_checkpoints_measured_acceptance() -> None:
+    """vLLM's drafters build their policy from the engine config: config.json's
+    diffspec_draft_acceptance (what materialize_orthrus writes for the embedded default)
+    is the drafter's prior; without it, 0.8 at every position."""
+    from types import SimpleNamespace
+
+    from diffspec.spec_workers.vllm.proposer import adaptive_policy
+
+    def config(**hf) -> SimpleNamespace:
+        return SimpleNamespace(additional_config={"diffspec": {"adaptive": True}},
+                               model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf)),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+    measured = adaptive_policy(config(diffspec_draft_acceptance=[0.9, 0.45, 0.09]), 7,
+                               "two_pass")
+    assert measured.estimate.conditional[:3] == pytest.approx([0.9, 0.5, 0.2])
+    assert measured.estimate.conditional[3:] == pytest.approx([0.2] * 4)  # the last rate on
+    plain = adaptive_policy(config(), 7, "two_pass")
+    assert plain.estimate.conditional == pytest.approx([0.8] * 7)
