@@ -32,8 +32,9 @@ one ``sglang_generate.py`` run starts the engines one after the other (Orthrus A
   (Prometheus) as the reference counts its lookup steps;
 * the default (no diffspec options: adaptive drafting with prompt lookup) equals AR, on a
   latency profile the worker measured at start-up and cached; a second start reuses the
-  cached file (rewritten to a compute-bound profile in between: it drafts nothing); an
-  explicit ``latency_profile`` where drafting is free drafts the block.
+  cached file (rewritten to a compute-bound profile in between); an explicit
+  ``latency_profile`` where drafting is free drafts the block, one where every token costs
+  the same drafts nothing.
 """
 
 from __future__ import annotations
@@ -203,6 +204,10 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     free.write_text(json.dumps({"points": {"1": 0.01, "4096": 0.01}}))
     adaptive_free = {**SPEC, "json_model_override_args": json.dumps({"diffspec": {
         "adaptive": True, "latency_profile": str(free), "prompt_lookup": False}})}
+    compute = tmp / "profile_compute.json"  # every query token costs the same: never draft
+    compute.write_text(json.dumps({"points": COMPUTE_BOUND}))
+    adaptive_compute = {**SPEC, "json_model_override_args": json.dumps({"diffspec": {
+        "adaptive": True, "latency_profile": str(compute)}})}
     job = {
         "runs": [
             # AR without overlap scheduling, as the speculative runs: SGLang's overlap
@@ -221,8 +226,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": {"near_context_end": _near_context_end_requests()}},
             # the default twice: the first measures the profile at start-up and caches it
             # (in this job's cache folder); the second reuses it, rewritten first to one
-            # where every query token costs the same (so it never drafts: what it did shows
-            # where its profile came from, and how the policy follows a compute-bound one)
+            # where every query token costs the same (what it reads back shows where its
+            # profile came from; its steps are then priced through the fit of their measured
+            # times, so what it drafts is the machine's word, not the profile's)
             {"name": "synth_default", "model": str(SYNTH_ORTHRUS), "prometheus": True,
              "engine": DEFAULT, "batches": {"greedy": _synth_requests()}},
             {"name": "synth_default_compute", "model": str(SYNTH_ORTHRUS), "prometheus": True,
@@ -230,6 +236,9 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": {"greedy": _synth_requests()}},
             {"name": "synth_adaptive_free", "model": str(SYNTH_ORTHRUS), "prometheus": True,
              "engine": adaptive_free, "batches": {"greedy": _synth_requests()}},
+            # a profile given is taken as is (no fit): where every token costs, no drafts
+            {"name": "synth_adaptive_compute", "model": str(SYNTH_ORTHRUS), "prometheus": True,
+             "engine": adaptive_compute, "batches": {"greedy": _synth_requests()}},
             {"name": "llama_orthrus_ar", "model": llama,
              "batches": {"greedy": _greedy_requests()}},
             {"name": "llama_orthrus_spec", "model": llama, "engine": SPEC,
@@ -402,11 +411,12 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
     """One draft count per step from the policy. Where extra query tokens are free
     (``--json-model-override-args '{"diffspec": {"adaptive": true, "latency_profile": P}}'``,
     prompt lookup off) it drafts (nearly) the full block, as the fixed width does; where
-    every token costs the same (the default, its cached profile rewritten so) it drafts
-    nothing, by lookup or otherwise (width-1 verify steps: plain AR, no draft accepted);
-    the output is AR's either way."""
+    every token costs the same (a profile given so, prompt lookup on) it drafts nothing, by
+    lookup or otherwise (width-1 verify steps: plain AR, no draft accepted); the output is
+    AR's either way, and the default's on a cached profile rewritten so."""
     fixed = engine["runs"]["synth_spec"]["greedy"]
-    names = {"free": "synth_adaptive_free", "compute": "synth_default_compute"}
+    assert engine["runs"]["synth_default_compute"]["greedy"]["outputs"] == fixed["outputs"]
+    names = {"free": "synth_adaptive_free", "compute": "synth_adaptive_compute"}
     runs = {name: engine["runs"][run]["greedy"] for name, run in names.items()}
     assert runs["free"]["outputs"] == fixed["outputs"] == runs["compute"]["outputs"]
     compute = runs["compute"]["meta"]
@@ -476,9 +486,7 @@ def test_the_default_is_adaptive_with_a_profile_measured_at_start_up_and_cached(
     the draft sources counted), priced by a profile the worker timed on SGLang's own model
     runner at start-up and cached, keyed as vLLM's; output == SGLang's AR output. The next
     start with the same key reuses the cached file (rewritten in between to a profile where
-    drafting never pays: that server drafted nothing,
-    :func:`test_adaptive_drafts_follow_the_latency_profile`, and measuring again would have
-    overwritten it)."""
+    drafting never pays, which it reads back: measuring again would have overwritten it)."""
     ar = engine["runs"]["synth_ar"]["greedy"]
     run = engine["runs"]["synth_default"]["greedy"]
     assert run["outputs"] == ar["outputs"] and run["finish_reasons"] == ar["finish_reasons"]

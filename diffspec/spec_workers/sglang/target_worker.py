@@ -140,12 +140,23 @@ class TargetModelSpecWorker(BaseSpecWorker):
     def forward_batch_generation(
         self, batch, on_publish=None, **_: object
     ) -> GenerationBatchResult:
+        policy = getattr(self, "adaptive", None)
+        timed = policy is not None and policy.track_step_times
         if batch.forward_mode.is_extend() and not batch.forward_mode.is_target_verify():
             refuse_unsupported_requests(batch, self.method)
+            if timed:  # a prefill: the step around it is not learned from
+                policy.step_started(())
+                self._step_emitted = None
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_decode():
             refuse_unsupported_requests(batch, self.method)  # (all were, at their prefill)
-            return self._decode(batch, on_publish)
+            if timed:  # the decode step before this one ended now: its wall time
+                policy.step_started([req.rid for req in batch.reqs],
+                                    getattr(self, "_step_emitted", None))
+            result = self._decode(batch, on_publish)
+            if timed:
+                self._step_emitted = int(result.accept_lens.sum())
+            return result
         raise RuntimeError(f"{self.method}: unexpected batch mode {batch.forward_mode} "
                            f"(idle and mixed batches are not supported)")
 
@@ -249,14 +260,18 @@ def remaining(req) -> int:
     return int(req.sampling_params.max_new_tokens) - len(req.output_ids)
 
 
-def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthrus"):
+def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthrus",
+                    track_step_times: bool = False):
     """The adaptive draft-count policy, on by default: ``None`` (``max_drafts`` every step)
     only when the model config carries ``diffspec: {"adaptive": false}`` (SGLang's
     ``--json-model-override-args``; SGLang has no flag of ours). With ``"latency_profile":
     PATH`` the policy prices steps from that profile; otherwise it has none yet, and the
-    worker measures one at start-up (:meth:`TargetModelSpecWorker.init_cuda_graphs`). Its
-    acceptance estimate starts from the checkpoint's measured acceptance where config.json
-    has one (:func:`~diffspec.core.adaptive.checkpoint_prior`)."""
+    worker measures one at start-up (:meth:`TargetModelSpecWorker.init_cuda_graphs`), and
+    with ``track_step_times`` (one tensor-parallel rank: wall times differ between ranks,
+    which must choose alike) prices steps through the online fit of measured step times
+    and checks them with the rate guard, as vLLM's drafters do. Its acceptance estimate
+    starts from the checkpoint's measured acceptance where config.json has one
+    (:func:`~diffspec.core.adaptive.checkpoint_prior`)."""
     import json
     from pathlib import Path
 
@@ -284,7 +299,8 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
         logger.info("diffspec: adaptive drafts start from the checkpoint's measured acceptance "
                     "(drafts 1-4: %s)", ", ".join(f"{a:.2f}" for a in prior[:4]))
     if not path:  # measured by the worker once SGLang has built its pools and backends
-        return AdaptiveDrafts(max_drafts, None, StepCost(cost), draft_prior=prior)
+        return AdaptiveDrafts(max_drafts, None, StepCost(cost), draft_prior=prior,
+                              track_step_times=track_step_times)
     try:
         profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))
     except (OSError, ValueError) as exc:

@@ -47,7 +47,8 @@ class TwoPassWorker(TargetModelSpecWorker):
         self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
         hf_config = self.model_runner.model_config.hf_config
-        self.adaptive = adaptive_policy(hf_config, self.width - 1, "two_pass", self.method)
+        self.adaptive = adaptive_policy(hf_config, self.width - 1, "two_pass", self.method,
+                                        track_step_times=self.server_args.tp_size == 1)
         self.prompt_lookup = prompt_lookup(hf_config, self.method)
         self.lookup_stats = LookupStats()
         self.timings = DraftTimings(self.device)
