@@ -529,7 +529,6 @@ class AdaptiveDrafts:
         self.estimates = {source: AcceptanceEstimate(max_drafts) for source in SOURCES}
         if draft_prior:
             self.estimates["draft"] = AcceptanceEstimate(max_drafts, prior=draft_prior)
-        self.draft_prior = list(draft_prior) if draft_prior else None
         self.estimate = self.estimates["draft"]
         self.max_drafts = max_drafts
         self.cost = cost
