@@ -4,7 +4,7 @@
 # curve, and the one-run comparison in vLLM (driver + vllm bench serve).
 #
 #   bash benchmarks/smollm2_drafters.sh STAGE [STAGE ...]
-#   stages: data heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve
+#   stages: data pack heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve
 #
 # Every stage is resumable (data shards, training checkpoints) or cheap to rerun. Paths:
 # RUNS (default ./runs) holds data, drafters and results; OUT (default
@@ -17,10 +17,15 @@ RUNS=${RUNS:-runs}
 OUT=${OUT:-benchmarks/results/smollm2-drafters}
 BASE=${BASE:-$($PY -c 'from diffspec.default_model import base_checkpoint; print(base_checkpoint())')}
 DATA=$RUNS/sharegpt-smollm2-256
+ANSWERS=${ANSWERS:-training/data/smollm2-sharegpt-answers.jsonl.gz}
 CPU_MINUTES=${CPU_MINUTES:-60}
 # longer runs (issue 28): RESUME=1 continues a run folder to a larger CPU_MINUTES / *_STEPS;
 # ORTHRUS_RANK=full trains dense deltas (every projection weight) instead of rank-64 factors
 ORTHRUS_RANK=${ORTHRUS_RANK:-64}
+# WALL_MINUTES stops a training session (and saves) before the machine's session ends.
+# ORTHRUS_INIT=HEADS starts a new Orthrus run from a heads folder (the shipped heads: the
+# next session's training continues this one's, with a fresh optimizer and schedule)
+ORTHRUS_INIT=${ORTHRUS_INIT:-}
 ORTHRUS_LR=${ORTHRUS_LR:-2e-3}
 ORTHRUS_STEPS=${ORTHRUS_STEPS:-200}
 EAGLE3_STEPS=${EAGLE3_STEPS:-600}
@@ -37,8 +42,13 @@ stage() {
       $PY -m diffspec.default_model --base-only
       # the run behind the published figures used the first 15 shards (3,840 prompts);
       # --max-prompts 3840 reproduces exactly those
+      # answers already generated on an earlier machine are replayed from ANSWERS (seconds);
+      # vLLM answers only the prompts it lacks
+      replay=(); [ -f "$ANSWERS" ] && replay=(--replay-answers "$ANSWERS")
       $PY -m training.sharegpt generate --out "$DATA" --max-new-tokens 256 \
-          --shard-size 256 --batch-size 64 --max-prompts "${MAX_PROMPTS:-3840}" ;;
+          --shard-size 256 --batch-size 64 --max-prompts "${MAX_PROMPTS:-3840}" "${replay[@]}" ;;
+    pack)  # store the generated answers (no prompt text) for the next machine's data stage
+      $PY -m training.sharegpt pack-answers --from "$DATA" --out "$ANSWERS" ;;
     heldout)  # held-out prompts (benchmark) and the model's answers to 48 of them (curve)
       $PY -m training.sharegpt held-out --out "$RUNS/heldout.jsonl"
       $PY -m training.sharegpt generate --split held-out --max-prompts 48 \
@@ -47,13 +57,16 @@ stage() {
       OMP_NUM_THREADS=1 $PY -m training.eagle3 --base "$BASE" --data "$DATA" \
           --out "$EAGLE3_RUN" --seq-len 512 --batch-size 4 --lr 1e-3 \
           --warmup-steps 20 --steps "$EAGLE3_STEPS" --draft-vocab 16384 $BF16 \
-          --max-cpu-minutes "$CPU_MINUTES" --save-every 25 --log-every 5 ${RESUME:+--resume} ;;
+          --max-cpu-minutes "$CPU_MINUTES" --save-every 25 --log-every 5 ${RESUME:+--resume} \
+          ${WALL_MINUTES:+--max-wall-minutes "$WALL_MINUTES"} ;;
     train-orthrus)  # ours: rank-64 heads (ORTHRUS_RANK), block 8, 64 answer anchors per row
       OMP_NUM_THREADS=1 $PY -m diffspec.train orthrus --base "$BASE" --data "$DATA" \
           --out "$ORTHRUS_RUN" --answers-only --rank "$ORTHRUS_RANK" --block-size 8 \
           --mask-token-id 16 --num-anchors 64 --seq-len 512 --batch-size 4 --lr "$ORTHRUS_LR" \
           --warmup-steps 10 --steps "$ORTHRUS_STEPS" $BF16 --max-cpu-minutes "$CPU_MINUTES" \
-          --save-every 10 --snapshot-every 25 --log-every 1 ${RESUME:+--resume} ;;
+          --save-every 10 --snapshot-every 25 --log-every 1 ${RESUME:+--resume} \
+          ${ORTHRUS_INIT:+--init-heads "$ORTHRUS_INIT"} ${ORTHRUS_SEED:+--seed "$ORTHRUS_SEED"} \
+          ${WALL_MINUTES:+--max-wall-minutes "$WALL_MINUTES"} ;;
     train-both)  # both drafters side by side, one core each, the same CPU budget
       stage train-eagle3 > "$EAGLE3_RUN.log" 2>&1 & e=$!
       stage train-orthrus > "$ORTHRUS_RUN.log" 2>&1 & o=$!
@@ -117,7 +130,7 @@ materialize_orthrus('$BASE', '$ORTHRUS_RUN', '$ORTHRUS_RUN-ckpt')"
           --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:3}" \
           --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 --num-prompts 8 \
           --output-len 128 --out "$OUT/bench-serve" ;;
-    *) echo "unknown stage $1 (data heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (data pack heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve)" >&2; exit 2 ;;
   esac
 }
 

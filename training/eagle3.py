@@ -838,7 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffspec.train.__main__ import _config
+    from diffspec.train.__main__ import _config, wall_deadline
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -850,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         fc_norm=args.fc_norm, autocast_bf16=args.autocast_bf16, resume=args.resume,
         max_rows=args.max_rows,
         max_cpu_s=None if args.max_cpu_minutes is None else 60 * args.max_cpu_minutes,
+        deadline=wall_deadline(args.max_wall_minutes),
         device=args.device, command="python -m training.eagle3 " + shlex.join(argv),
     )
     keys = ("steps", "tokens_seen", "cpu_time_s", "wall_time_s", "first_loss",

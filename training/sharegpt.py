@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_MAX_PROMPT_TOKENS",
     "MANIFEST",
     "ManifestMismatch",
+    "ReplayEngine",
     "Shard",
     "VLLMEngine",
     "build_row",
@@ -32,6 +33,7 @@ __all__ = [
     "generate",
     "is_held_out",
     "load_conversations",
+    "pack_answers",
     "pending_shards",
     "plan_shards",
     "prompts_sha256",
@@ -45,6 +47,7 @@ __all__ = [
 SOURCE = "sharegpt"
 MANIFEST = "manifest.json"
 FORMAT = "diffspec-sharegpt-distill"
+ANSWERS_FORMAT = "diffspec-sharegpt-answers"
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # ~92% of the opening prompts (median 35 tokens)
 HUMAN_ROLES = ("human", "user")
 SKIPPED_ROLES = ("system",)
@@ -363,6 +366,106 @@ class VLLMEngine:
         return [(list(r.outputs[0].token_ids), r.outputs[0].finish_reason) for r in results]
 
 
+def prompt_key(prompt_ids: Sequence[int]) -> str:
+    """What a stored answer is filed under: 16 hex digits of the sha256 of the prompt's
+    token ids (the prompt text itself is not stored)."""
+    return hashlib.sha256(json.dumps([int(t) for t in prompt_ids]).encode()).hexdigest()[:16]
+
+
+def pack_answers(out_dir: str | Path, path: str | Path) -> dict[str, int]:
+    """The answers of a generated folder as one gzip JSONL (``ANSWERS_FORMAT``): a header
+    line (the model's file hashes, the settings) and one line per row, ``{"p": prompt_key,
+    "a": answer token ids, "f": finish}``. No prompt text: :class:`ReplayEngine` rebuilds
+    the rows from the ShareGPT package and these answers, so a new machine gets the
+    distillation set in seconds instead of hours of vLLM generation."""
+    import gzip
+
+    out_dir, path = Path(out_dir), Path(path)
+    manifest = read_manifest(out_dir)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{out_dir} has no {FORMAT} manifest")
+    if manifest.get("prompts", {}).get("split") == "held-out":
+        raise ValueError(f"{out_dir} holds answers to held-out prompts: those are measured "
+                         "on, never packed for training")
+    header = {"format": ANSWERS_FORMAT, "version": 1, "model_files": manifest["model"]["files"],
+              "settings": {k: manifest["settings"][k] for k in MUST_MATCH},
+              "source": {k: manifest["prompts"].get(k) for k in (
+                  "sharegpt", "train_sha256", "max_prompt_tokens", "held_out", "split_seed")}}
+    lines, answer_tokens = [json.dumps(header)], 0
+    for name in sorted(manifest["shards"]):
+        for line in (out_dir / name).read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            answer = row["token_ids"][row["prompt_len"]:]
+            answer_tokens += len(answer)
+            lines.append(json.dumps({"p": prompt_key(row["token_ids"][:row["prompt_len"]]),
+                                     "a": answer, "f": row["finish"]}, separators=(",", ":")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    data = ("\n".join(lines) + "\n").encode("utf-8")
+    tmp.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))  # same rows: same bytes
+    tmp.replace(path)
+    return {"rows": len(lines) - 1, "answer_tokens": answer_tokens,
+            "bytes": path.stat().st_size}
+
+
+class ReplayEngine:
+    """Answers from a :func:`pack_answers` file for the prompts it holds; the others go to
+    ``fallback()`` (a :class:`VLLMEngine`, started only if a prompt is missing). Refuses a
+    file written for other model weights or other generation settings."""
+
+    name = "replay"
+
+    def __init__(self, path: str | Path, model: dict[str, Any], settings: dict[str, Any],
+                 fallback: Callable[[], Engine] | None = None,
+                 log: Callable[[str], None] = _stderr) -> None:
+        import gzip
+
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            header = json.loads(f.readline())
+            if header.get("format") != ANSWERS_FORMAT:
+                raise ValueError(f"{path} is not a {ANSWERS_FORMAT} file")
+            problems = [f"{k}: {header['settings'].get(k)!r} there, {settings[k]!r} now"
+                        for k in MUST_MATCH if header["settings"].get(k) != settings[k]]
+            if header["model_files"] != model["files"]:
+                changed = sorted(k for k in set(model["files"]) | set(header["model_files"])
+                                 if model["files"].get(k) != header["model_files"].get(k))
+                problems.append(f"model files differ ({', '.join(changed)})")
+            if problems:
+                raise ValueError(f"leave out --replay-answers or regenerate it: {path} holds "
+                                 f"answers of another model or settings ({'; '.join(problems)})")
+            self.answers = {}
+            for line in f:
+                if line.strip():
+                    entry = json.loads(line)
+                    self.answers[entry["p"]] = (entry["a"], entry["f"])
+        self.path, self.fallback, self.log = Path(path), fallback, log
+        self.replayed = self.generated = 0
+        self._engine: Engine | None = None
+
+    def __call__(self, prompt_ids: list[list[int]], max_new_tokens: int
+                 ) -> list[tuple[list[int], str | None]]:
+        keys = [prompt_key(ids) for ids in prompt_ids]
+        missing = [i for i, k in enumerate(keys) if k not in self.answers]
+        out: list[tuple[list[int], str | None]] = [
+            self.answers.get(k, ([], None)) for k in keys]
+        if missing:
+            if self.fallback is None:
+                raise ValueError(f"{len(missing)} of {len(keys)} prompts have no answer in "
+                                 f"{self.path}")
+            if self._engine is None:
+                self.log(f"[sharegpt] {len(missing)} prompts not in {self.path.name}: "
+                         "starting vLLM for them")
+                self._engine = self.fallback()
+            for i, answer in zip(missing, self._engine([prompt_ids[i] for i in missing],
+                                                       max_new_tokens)):
+                out[i] = answer
+        self.replayed += len(keys) - len(missing)
+        self.generated += len(missing)
+        return out
+
+
 class _ProgressBar:
     """What vLLM's offline engine drives as its tqdm bar (``use_tqdm=<factory>``:
     ``update``, ``n``, ``postfix``, ``format_dict["elapsed"]``, ``refresh``, ``close``),
@@ -405,7 +508,8 @@ def generate(model: str | Path, prompts: Sequence[str], out_dir: str | Path, *,
              max_new_tokens: int = 256, shard_size: int = 256, batch_size: int = 64,
              dtype: str = "float32", seed: int = 0, kv_cache_gib: int = 2,
              provenance: dict[str, Any] | None = None, engine: Engine | None = None,
-             tokenizer: Any = None, log: Callable[[str], None] = _stderr) -> dict[str, Any]:
+             tokenizer: Any = None, replay: str | Path | None = None,
+             log: Callable[[str], None] = _stderr) -> dict[str, Any]:
     """Answer ``prompts`` greedily with the model at ``model`` into ``out_dir`` (see the
     module docstring), skipping the shards already there; returns the manifest.
 
@@ -413,7 +517,8 @@ def generate(model: str | Path, prompts: Sequence[str], out_dir: str | Path, *,
     (tests); by default a :class:`VLLMEngine` is started only when a shard is pending.
     ``provenance`` (where the prompts come from: file, split, filters) goes into the
     manifest. Raises :class:`ManifestMismatch` when ``out_dir`` holds answers of another
-    model or other settings.
+    model or other settings. ``replay``: a :func:`pack_answers` file whose answers are
+    taken as they are (vLLM answers only the prompts it lacks).
     """
     from diffspec.train.data import load_tokenizer
 
@@ -425,7 +530,9 @@ def generate(model: str | Path, prompts: Sequence[str], out_dir: str | Path, *,
     model_info = model_fingerprint(model)
     settings = {"max_new_tokens": max_new_tokens, "shard_size": shard_size, "dtype": dtype,
                 "temperature": 0.0, "chat": "user turn, chat template, generation prompt",
-                "engine": "vllm" if engine is None else getattr(engine, "name", "custom"),
+                "engine": ("vllm" if replay is None else "vllm, replayed from "
+                           + Path(replay).name) if engine is None
+                          else getattr(engine, "name", "custom"),
                 "batch_size": batch_size, "eos_token_id": eos}
     manifest = read_manifest(out_dir)
     _check_compatible(manifest, model_info, settings, out_dir)
@@ -455,9 +562,14 @@ def generate(model: str | Path, prompts: Sequence[str], out_dir: str | Path, *,
                for s in todo}
     if engine is None:
         longest = max(len(ids) for rows in encoded.values() for ids in rows)
-        engine = VLLMEngine(model, max_model_len=longest + max_new_tokens,
-                            batch_size=batch_size, dtype=dtype, seed=seed,
-                            kv_cache_gib=kv_cache_gib)
+
+        def start_vllm() -> Engine:
+            return VLLMEngine(model, max_model_len=longest + max_new_tokens,
+                              batch_size=batch_size, dtype=dtype, seed=seed,
+                              kv_cache_gib=kv_cache_gib)
+
+        engine = start_vllm() if replay is None else ReplayEngine(
+            replay, model_info, settings, start_vllm, log)
     from diffspec.progress import Progress
 
     run_tokens, run_seconds, run_prompts = 0, 0.0, 0
@@ -637,6 +749,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer the train prompts (default) or the held-out ones: rows to "
                         "measure drafters on, never to train on (the trainers refuse a "
                         "folder whose manifest says held-out)")
+    g.add_argument("--replay-answers", metavar="FILE",
+                   help="take the answers stored in FILE (python -m training.sharegpt "
+                        "pack-answers; the embedded default's are in training/data/) instead "
+                        "of generating them; vLLM answers only the prompts FILE lacks")
 
     h = sub.add_parser(
         "held-out", help="write the held-out prompts as {\"prompt\": ...} JSONL",
@@ -656,6 +772,14 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--drop-cut", action="store_true",
                    help="leave out answers cut at --max-new-tokens (finish == length)")
 
+    k = sub.add_parser(
+        "pack-answers", help="store a generated folder's answers (no prompts) in one gzip file",
+        description="The answers of a generate --out folder, keyed by a hash of each "
+                    "prompt's token ids, as gzip JSONL: generate --replay-answers FILE "
+                    "rebuilds the same rows from it on another machine without vLLM.")
+    k.add_argument("--from", dest="src", required=True, help="the generate --out folder")
+    k.add_argument("--out", required=True, help="the .jsonl.gz file to write")
+
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -666,6 +790,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     if args.cmd == "export":
         print(json.dumps(export(args.src, args.out, drop_cut=args.drop_cut)))
+        return 0
+    if args.cmd == "pack-answers":
+        print(json.dumps(pack_answers(args.src, args.out)))
         return 0
     train, held, provenance = _prompt_sets(args)
     if args.max_prompts:
@@ -681,7 +808,7 @@ def _run(args) -> int:
         manifest = generate(args.model, held if held_out else train, args.out, max_new_tokens=args.max_new_tokens,
                             shard_size=args.shard_size, batch_size=args.batch_size,
                             dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                            provenance=provenance)
+                            provenance=provenance, replay=args.replay_answers)
         print(json.dumps(manifest["totals"]))
     return 0
 

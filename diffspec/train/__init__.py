@@ -22,9 +22,9 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "cosine_lr_scale",
+    "cpu_bf16_is_fast",
     "fit",
     "measure_speculation",
-    "cpu_bf16_is_fast",
     "rank_arg",
     "warn_slow_autocast",
 ]

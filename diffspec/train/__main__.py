@@ -62,6 +62,9 @@ def _add_run_args(p, what: str, *, save_every: int) -> None:
     p.add_argument("--max-cpu-minutes", type=float,
                    help="stop (and save) once the run's CPU time, all sessions together, "
                         "reaches this; set --steps so that the schedule ends near it")
+    p.add_argument("--max-wall-minutes", type=float,
+                   help="stop (and save) this session after this many minutes of wall time "
+                        "(a session's end on a shared machine; --max-cpu-minutes is the budget)")
     p.add_argument("--resume", action="store_true",
                    help="continue OUT/checkpoint up to --steps (the first session's data "
                         "files and settings; --steps may be raised)")
@@ -74,6 +77,13 @@ def _add_data_arg(p: argparse.ArgumentParser) -> None:
                         "text files, folders (*.py *.txt *.md *.rst, recursive) and JSONL "
                         "files (field 'text', or pre-tokenized 'token_ids'), tokenized with "
                         "the base checkpoint's tokenizer")
+
+
+def wall_deadline(minutes: float | None) -> float | None:
+    """``--max-wall-minutes`` as the ``time.monotonic()`` instant the trainers stop at."""
+    import time
+
+    return None if minutes is None else time.monotonic() + 60 * minutes
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -133,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conversation rows, anchors in answers (rows longer than --seq-len "
                         "keep their beginning)")
     _add_run_args(a, "the heads", save_every=25)
+    a.add_argument("--init-heads", metavar="HEADS",
+                   help="start from this heads folder (e.g. diffspec/assets/"
+                        "smollm2-orthrus-heads) instead of untrained heads: a new run "
+                        "continues them (its rank, block size and mask token)")
     a.add_argument("--snapshot-every", type=int, default=0,
                    help="also keep the heads of every N-th step in OUT/snapshots/ (for the "
                         "acceptance-vs-training-tokens curve)")
@@ -211,18 +225,23 @@ def _orthrus(args: argparse.Namespace, command: str) -> int:
         result = train_orthrus_answers(
             args.base, args.out, _config(args), data=args.data, block_size=args.block_size,
             mask_token_id=args.mask_token_id, num_anchors=args.num_anchors, rank=args.rank,
+            init_heads=args.init_heads,
             save_every=args.save_every, snapshot_every=args.snapshot_every,
             max_cpu_s=None if args.max_cpu_minutes is None else 60 * args.max_cpu_minutes,
-            resume=args.resume, max_rows=args.max_rows, autocast_bf16=args.autocast_bf16,
+            deadline=wall_deadline(args.max_wall_minutes), resume=args.resume,
+            max_rows=args.max_rows, autocast_bf16=args.autocast_bf16,
             command=command,
         )
         keys = ("steps", "tokens_seen", "cpu_time_s", "wall_time_s", "first_loss",
                 "final_metrics_mean_last_20", "estimated_acceptance_length")
         print(json.dumps({k: result.record[k] for k in keys}, indent=2))
         return 0
-    if args.resume or args.max_cpu_minutes is not None:
-        raise SystemExit("--resume / --max-cpu-minutes need --answers-only (the packed-row "
-                         "trainer runs in one session)")
+    if args.init_heads is not None:
+        raise SystemExit("--init-heads needs --answers-only (it continues a heads folder on "
+                         "conversation rows)")
+    if args.resume or args.max_cpu_minutes is not None or args.max_wall_minutes is not None:
+        raise SystemExit("--resume / --max-cpu-minutes / --max-wall-minutes need "
+                         "--answers-only (the packed-row trainer runs in one session)")
 
     result = train_orthrus(
         args.base, args.out, _config(args), data=args.data, block_size=args.block_size,

@@ -214,6 +214,26 @@ def _load_start(base: str | Path, block_size: int, mask_token_id: int | None,
                              rank=rank, seed=seed)
 
 
+def _load_heads_start(base: Path, heads: str | Path, block_size: int,
+                      mask_token_id: int | None, rank):
+    """The heads folder ``heads`` on ``base``, to continue training; refuses settings that
+    contradict the folder's (a different rank, block size or mask token would not be the
+    same heads)."""
+    from diffspec.model_executors.reference.orthrus import (
+        load_orthrus_heads,
+        read_heads_config,
+    )
+
+    record = read_heads_config(heads)
+    for key, given in (("rank", rank), ("block_size", block_size),
+                       ("mask_token_id", mask_token_id)):
+        if given is not None and record[key] != given:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"pass {flag} {record[key]}: --init-heads {heads} has {key} "
+                             f"{record[key]}, not {given}")
+    return load_orthrus_heads(base, heads)
+
+
 def training_record(
     cfg: TrainConfig, result: FitResult, trained: list[nn.Parameter], command: str | None
 ) -> dict[str, Any]:
@@ -393,6 +413,7 @@ def train_orthrus_answers(
     mask_token_id: int | None = None,
     num_anchors: int = 64,
     rank: int | None = 64,
+    init_heads: str | Path | None = None,
     save_every: int = 25,
     snapshot_every: int = 0,
     max_cpu_s: float | None = None,
@@ -423,7 +444,10 @@ def train_orthrus_answers(
     rows) runs before the first step, every ``evaluate_every`` steps and at the end; its
     points (step, tokens seen, metrics) are the record's ``heldout_curve``. The steps run on
     :func:`diffspec.train.fit` (one row per forward, gradients accumulated over the
-    batch)."""
+    batch). ``init_heads``: a heads folder (e.g. the shipped ones) to start from instead of
+    ``B = 0``: training continues those heads in a new run (fresh optimizer and schedule;
+    its rank, block size and mask token are the folder's, and the base must be the one
+    they were trained against)."""
     import sys
 
     from diffspec.core.checkpoint import resolve_checkpoint
@@ -447,7 +471,10 @@ def train_orthrus_answers(
         torch.set_num_threads(cfg.num_threads)
     try:
         torch.manual_seed(cfg.seed)
-        model = _load_start(base, block_size, mask_token_id, rank, cfg.seed)
+        if init_heads is not None and state is None:
+            model = _load_heads_start(base, init_heads, block_size, mask_token_id, rank)
+        else:
+            model = _load_start(base, block_size, mask_token_id, rank, cfg.seed)
         device = torch.device(device)
         model.lm.to(device)
         params = model.diffusion_parameters()
@@ -465,7 +492,12 @@ def train_orthrus_answers(
             raise ValueError("--resume: the data rows differ from the first session's "
                              "(a data file changed)")
         settings = {"block_size": model.block_size, "mask_token_id": model.mask_token_id,
-                    "num_anchors": num_anchors, "rank": rank, "autocast_bf16": autocast_bf16}
+                    "num_anchors": num_anchors, "rank": model.rank,
+                    "autocast_bf16": autocast_bf16,
+                    "init_heads": str(init_heads) if init_heads is not None else None}
+        if state is not None:
+            settings["init_heads"] = state["settings"].get("init_heads")
+        rank = model.rank
         cfg.extra.update(method="orthrus", mode="answers", base=given, base_name=base.name,
                          data=list(data), **settings)
         distiller = BlockDistiller(model.lm, block_size=model.block_size,

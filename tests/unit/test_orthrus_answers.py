@@ -63,9 +63,9 @@ def _cfg(steps: int) -> TrainConfig:
                        log_every=100)
 
 
-def _run(out, rows, steps, **kw):
+def _run(out, rows, steps, rank_override=8, **kw):
     return train_orthrus_answers(BASE, out, _cfg(steps), data=[str(rows)], block_size=8,
-                                 num_anchors=12, rank=8, log=lambda m: None, **kw)
+                                 num_anchors=12, rank=rank_override, log=lambda m: None, **kw)
 
 
 def _heads(out: Path) -> dict:
@@ -116,3 +116,39 @@ def test_trainers_refuse_held_out_answers(rows, tmp_path):
     measured, _ = load_rows(None, 96, files=[folder / "shard-00000.jsonl"])
     m = measure_answer_acceptance(orthrus_from_base(BASE, 8, rank=4), measured[:3])
     assert 1.0 <= m["est_al"] <= 8.0 and m["accept_0"] >= m["accept_1"] >= m["accept_6"]
+
+
+def test_init_heads_continues_a_heads_folder(rows, tmp_path):
+    """--init-heads: a new run starts from a heads folder, not from B = 0: its first step's
+    divergence is the folder's (well below untrained heads'), the trained folder differs
+    from the start, and settings that contradict the folder are refused."""
+    first = _run(tmp_path / "first", rows, 30)
+    untrained_kl = first.record["history"][0]["kl"]
+    trained_kl = sum(h["kl"] for h in first.record["history"][-5:]) / 5
+    cont = _run(tmp_path / "cont", rows, 5, init_heads=tmp_path / "first")
+    start_kl = cont.record["history"][0]["kl"]
+    assert start_kl < 0.5 * (untrained_kl + trained_kl), (untrained_kl, start_kl)
+    assert cont.record["config"]["extra"]["init_heads"] == str(tmp_path / "first")
+    a, b = _heads(tmp_path / "first"), _heads(tmp_path / "cont")
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="pass --rank 8"):
+        _run(tmp_path / "bad", rows, 2, init_heads=tmp_path / "first", rank_override=16)
+
+
+def test_cli_wall_minutes_and_init_heads(rows, tmp_path, capsys):
+    """The CLI's --max-wall-minutes stops a session (saved, resumable) and --init-heads
+    starts from a heads folder (recorded in training.json)."""
+    from diffspec.train.__main__ import main
+
+    common = ["orthrus", "--base", str(BASE), "--data", str(rows), "--answers-only",
+              "--rank", "8", "--block-size", "8", "--num-anchors", "4", "--seq-len", "96",
+              "--batch-size", "2", "--steps", "20", "--log-every", "100"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--max-wall-minutes", "0"]) == 0
+    record = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert record["steps"] == 1 and record["sessions"][0]["stopped_by_deadline"]
+    assert main(common + ["--out", str(tmp_path / "b"), "--steps", "2",
+                          "--init-heads", str(tmp_path / "a")]) == 0
+    record = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert record["config"]["extra"]["init_heads"] == str(tmp_path / "a")
+    with pytest.raises(SystemExit, match="--init-heads needs --answers-only"):
+        main([a for a in common if a != "--answers-only"] + ["--init-heads", "x"])

@@ -318,3 +318,36 @@ def test_cli_help_explains_each_command(capsys):
             sharegpt.main([*cmd, "--help"])
     text = capsys.readouterr().out
     assert "resum" in text and "--max-new-tokens" in text and "--dataset jsonl" in text
+
+
+def test_packed_answers_rebuild_the_same_shards_without_an_engine(model_dir, tmp_path):
+    prompts = [f"prompt {'y' * i}" for i in range(7)]
+    out = tmp_path / "out"
+    _generate(model_dir, prompts, out, _Engine())
+    packed = tmp_path / "answers.jsonl.gz"
+    summary = sharegpt.pack_answers(out, packed)
+    assert summary["rows"] == 7 and summary["bytes"] == packed.stat().st_size
+    assert b"yyy" not in __import__("gzip").decompress(packed.read_bytes())  # no prompt text
+    # replayed (engine=None: vLLM would start only for a prompt the file lacks)
+    again = tmp_path / "again"
+    manifest = sharegpt.generate(model_dir, prompts, again, max_new_tokens=5, shard_size=3,
+                                 tokenizer=_Tokenizer(), replay=packed, log=lambda m: None)
+    assert manifest["settings"]["engine"] == "vllm, replayed from answers.jsonl.gz"
+    for shard in sorted(out.glob("shard-*.jsonl")):
+        assert (again / shard.name).read_bytes() == shard.read_bytes()
+    # a prompt the file lacks goes to the fallback engine, the others are replayed
+    model = sharegpt.model_fingerprint(model_dir)
+    settings = json.loads((out / MANIFEST).read_text())["settings"]
+    fallback = _Engine()
+    replay = sharegpt.ReplayEngine(packed, model, settings, lambda: fallback, log=lambda m: None)
+    ids = [_Tokenizer().apply_chat_template([{"role": "user", "content": p}], True, True,
+                                            True)["input_ids"] for p in (prompts[0], "new one")]
+    answers = replay(ids, 5)
+    assert fallback.calls == [1] and answers[1] == _Engine()([ids[1]], 5)[0]
+    assert (replay.replayed, replay.generated) == (1, 1)
+    # answers of other settings or weights are refused
+    with pytest.raises(ValueError, match="leave out --replay-answers.*max_new_tokens"):
+        sharegpt.ReplayEngine(packed, model, {**settings, "max_new_tokens": 6})
+    (model_dir / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(ValueError, match="model files differ"):
+        sharegpt.ReplayEngine(packed, sharegpt.model_fingerprint(model_dir), settings)
