@@ -226,6 +226,7 @@ def aggregate(cells: dict[str, dict[str, Any]], tables: Sequence[str], paths: Se
                     drafts = sum(x.get("drafts") or 0 for _, x in recs)
                     accepted = sum(x.get("accepted") or 0 for _, x in recs)
                     draft_tokens = sum(x.get("draft_tokens") or 0 for _, x in recs)
+                    counted = any(x.get("draft_tokens") is not None for _, x in recs)
                     compared = [x for _, x in recs if x.get("compared")]
                     matches = sum(x["matches"] for x in compared)
                     total = sum(x["compared"] for x in compared)
@@ -241,7 +242,9 @@ def aggregate(cells: dict[str, dict[str, Any]], tables: Sequence[str], paths: Se
                         "acceptance_length": 1 + accepted / drafts if drafts else _median(
                             [x["server_acceptance_length"] for _, x in recs
                              if x.get("server_acceptance_length")]),
-                        "draft_tokens_per_token": draft_tokens / tokens if tokens else None,
+                        # None where the engine does not count drafts (SGLang's server)
+                        "draft_tokens_per_token": draft_tokens / tokens
+                        if tokens and counted else None,
                         "lossless": matches / total if total else None,
                         "lossless_requests": [matches, total],
                         "tpot_ms": _median([x["tpot_ms"] for _, x in recs if x.get("tpot_ms")]),
@@ -613,8 +616,10 @@ def run_server_group(run: Run, g: Group) -> None:
                    "accepted": data.get("spec_decode_accepted_tokens", 0),
                    "tpot_ms": data.get("mean_tpot_ms"), "ttft_ms": data.get("mean_ttft_ms"),
                    "client_acceptance_length": data.get("spec_decode_acceptance_length")}
-            if engine == "sglang" and b.method != "ar":  # no vllm:spec_decode counters
-                rec["server_acceptance_length"] = sglang_accept_length(server.url)
+            if engine == "sglang":  # no vllm:spec_decode counters: drafts are not counted
+                rec.update(drafts=None, draft_tokens=None, accepted=None)
+                if b.method != "ar":
+                    rec["server_acceptance_length"] = sglang_accept_length(server.url)
             run.state["meta"]["client_command"] = data.get("diffspec_client_command")
             record_cell(run, cell, rec, data["generated_texts"])
             start_s = None  # counted once per group

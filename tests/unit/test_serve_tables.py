@@ -50,7 +50,8 @@ def test_aggregate_ratio_within_each_round() -> None:
     for r, (ar, k) in enumerate([(10.0, 15.0), (5.0, 8.0), (20.0, 28.0)]):
         a = Cell("gsm8k", "server", "ar", r, 1)
         b = a.with_(baseline="orthrus:3")
-        cells[a.key] = _rec(a, ar, **({"matches": 8, "compared": 8} if r else {}))
+        cells[a.key] = _rec(a, ar, drafts=0, draft_tokens=0, accepted=0,
+                            **({"matches": 8, "compared": 8} if r else {}))
         cells[b.key] = _rec(b, k, drafts=400, draft_tokens=1200, accepted=500,
                             matches=8 if r != 1 else 7, compared=8)
     rows = st.aggregate(cells, ["gsm8k"], ["server"], ["ar", "orthrus:3"], 3, [1])["gsm8k"]
@@ -69,6 +70,12 @@ def test_aggregate_ratio_within_each_round() -> None:
     cells[Cell("gsm8k", "server", "orthrus:3", 2, 1).key]["seconds"] = 1000 / 40.0
     k = st.aggregate(cells, ["gsm8k"], ["server"], ["ar", "orthrus:3"], 3, [1])["gsm8k"][1]
     assert k["x_ar"] == pytest.approx(1.6)  # ratios 1.5, 1.6, 2.0 (medians: 15 / 10 = 1.5)
+    # SGLang's server counts no drafts: n/a, not 0.00 (its acceptance comes from /server_info)
+    for r in range(3):
+        cells[Cell("gsm8k", "server", "orthrus:3", r, 1).key].update(
+            drafts=None, draft_tokens=None, accepted=None, server_acceptance_length=2.5)
+    k = st.aggregate(cells, ["gsm8k"], ["server"], ["ar", "orthrus:3"], 3, [1])["gsm8k"][1]
+    assert k["draft_tokens_per_token"] is None and k["acceptance_length"] == 2.5
 
 
 def test_aggregate_missing_cells_and_render() -> None:
