@@ -7,7 +7,8 @@
 ``RUN_DIR/snapshots/step-*`` and the final heads in ``RUN_DIR``; ``HELDOUT_DIR`` holds the
 model's greedy answers to held-out prompts (``python -m training.sharegpt generate
 --split held-out``), rows no trainer read. For each heads folder (and the untrained heads,
-``B = 0``), :func:`diffspec.train.orthrus.measure_answer_acceptance` gives the acceptance
+``B = 0``, or the heads folder the run started from with ``--init-heads``: then tokens
+count that folder's training too), :func:`diffspec.train.orthrus.measure_answer_acceptance` gives the acceptance
 length of a full block and the acceptance per draft position, teacher-forced on those
 answers: what a greedy verify accepts when the model decodes them. Training tokens come
 from the run's ``training.json``. Writes ``DIR/acceptance_curve.json`` and ``.png``.
@@ -51,25 +52,35 @@ def main(argv: list[str] | None = None) -> int:
     folders = sorted((args.run / "snapshots").glob("step-*")) + [args.run]
     heads = json.loads((args.run / "heads.json").read_text())
     points = []
-    untrained = orthrus_from_base(args.base, heads["block_size"], heads["mask_token_id"],
-                                  rank=heads["rank"])
+    # the run's starting point: untrained heads, or the heads folder it continued
+    # (--init-heads; its tokens are the ones that folder's own run had seen)
+    init = record["config"].get("extra", {}).get("init_heads")
     t0 = time.perf_counter()
-    points.append({"heads": "untrained (B = 0)", "step": 0, "tokens": 0,
-                   **measure_answer_acceptance(untrained, rows, max_anchors=args.max_anchors)})
-    del untrained
+    if init:
+        start = load_orthrus_heads(args.base, init)
+        before = json.loads((Path(init) / "training.json").read_text())["tokens_seen"]
+        label = f"start: {init}"
+    else:
+        start = orthrus_from_base(args.base, heads["block_size"], heads["mask_token_id"],
+                                  rank=heads["rank"])
+        before, label = 0, "untrained (B = 0)"
+    points.append({"heads": label, "step": 0, "tokens": before,
+                   **measure_answer_acceptance(start, rows, max_anchors=args.max_anchors)})
+    del start
     for folder in folders:
         rec = json.loads((folder / "training.json").read_text())
         model = load_orthrus_heads(args.base, folder)
         m = measure_answer_acceptance(model, rows, max_anchors=args.max_anchors)
         step = rec["steps"]
         points.append({"heads": str(folder), "step": step,
-                       "tokens": steps_tokens.get(step, rec["tokens_seen"]), **m})
+                       "tokens": before + steps_tokens.get(step, rec["tokens_seen"]), **m})
         print(f"{folder.name}: step {step}, {points[-1]['tokens']:,} tokens, "
               f"AL {m.get('est_al', float('nan')):.3f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"command": "python -m benchmarks.acceptance_curve " + " ".join(argv or []),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "rows": len(rows), "max_anchors": args.max_anchors, "data": [str(f) for f in files], "points": points,
+           "rows": len(rows), "max_anchors": args.max_anchors, "data": [str(f) for f in files],
+           "points": points,
            "seconds": round(time.perf_counter() - t0, 1)}
     (args.out / "acceptance_curve.json").write_text(json.dumps(out, indent=2) + "\n")
     try:

@@ -152,3 +152,20 @@ def test_cli_wall_minutes_and_init_heads(rows, tmp_path, capsys):
     assert record["config"]["extra"]["init_heads"] == str(tmp_path / "a")
     with pytest.raises(SystemExit, match="--init-heads needs --answers-only"):
         main([a for a in common if a != "--answers-only"] + ["--init-heads", "x"])
+
+
+def test_acceptance_curve_starts_from_the_init_heads(rows, tmp_path):
+    """benchmarks.acceptance_curve on a continued run: its first point is the heads it
+    started from (not B = 0), and tokens count that folder's training too."""
+    from benchmarks.acceptance_curve import main as curve
+
+    first = _run(tmp_path / "first", rows, 4)
+    _run(tmp_path / "cont", rows, 2, init_heads=tmp_path / "first", snapshot_every=1)
+    assert curve(["--base", str(BASE), "--run", str(tmp_path / "cont"), "--data", str(rows),
+                  "--max-rows", "3", "--max-anchors", "4", "--seq-len", "96",
+                  "--out", str(tmp_path / "curve")]) == 0
+    points = json.loads((tmp_path / "curve" / "acceptance_curve.json").read_text())["points"]
+    assert points[0]["heads"] == f"start: {tmp_path / 'first'}"
+    assert points[0]["tokens"] == first.record["tokens_seen"] > 0
+    assert [p["step"] for p in points] == [0, 1, 2, 2]  # start, snapshots 1 and 2, final
+    assert points[1]["tokens"] > points[0]["tokens"]
