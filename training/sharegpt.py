@@ -607,7 +607,9 @@ def generate(model: str | Path, prompts: Sequence[str], out_dir: str | Path, *,
             progress.done = run_prompts  # exact, whatever the engine counted
         else:
             progress.update(len(rows))
-        log(f"[sharegpt] {shard.name} ({n}/{len(todo)}): {len(rows)} prompts, "
+        replayed = (f" ({engine.replayed} replayed from {engine.path.name} so far)"
+                    if isinstance(engine, ReplayEngine) else "")
+        log(f"[sharegpt] {shard.name} ({n}/{len(todo)}): {len(rows)} prompts{replayed}, "
             f"{answer_tokens} answer tok ({stop} eos, {len(rows) - stop} cut) in "
             f"{seconds:.1f}s = {answer_tokens / seconds:.1f} tok/s | this run "
             f"{run_tokens} tok at {run_tokens / run_seconds:.1f} tok/s, "
