@@ -576,8 +576,10 @@ def server_command(run: Run, g: Group, port: int) -> tuple[list[str], dict[str, 
 
     python, env, extra = _sglang_setup(run.args)
     kwargs = offline_launch("sglang-offline", b, run.args, {**extra, **SGLANG_EXTRA})
-    cmd = sglang_server_command(run.model, port, *_flags({**kwargs, "served_model_name": "model"}),
-                                python=python)
+    # the offline engine's quiet "error" level would hide diffspec's own lines (the adaptive
+    # policy's start, its latency profile) from the server log kept beside the tables
+    flags = _flags({**kwargs, "served_model_name": "model", "log_level": "info"})
+    cmd = sglang_server_command(run.model, port, *flags, python=python)
     return cmd, {**os.environ, **env}, "sglang"
 
 

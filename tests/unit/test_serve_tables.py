@@ -191,6 +191,7 @@ def test_server_commands_of_both_engines() -> None:
     assert cmd[cmd.index("--speculative-num-draft-tokens") + 1] == "8"
     assert "--json-model-override-args" not in cmd  # adaptive: the plugin's default
     assert cmd[cmd.index("--max-total-tokens") + 1] == "32768"
+    assert cmd[cmd.index("--log-level") + 1] == "info"  # diffspec's own lines in the log
     cmd, _, _ = st.server_command(run, st.Group(0, "orthrus:3", "sglang-server", ()), 8001)
     assert json.loads(cmd[cmd.index("--json-model-override-args") + 1]) == {
         "diffspec": {"adaptive": False}}
