@@ -8,9 +8,9 @@
 model's greedy answers to held-out prompts (``python -m training.sharegpt generate
 --split held-out``), rows no trainer read. For each heads folder (and the untrained heads,
 ``B = 0``, or the heads folder the run started from with ``--init-heads``: then tokens
-count that folder's training too), :func:`diffspec.train.orthrus.measure_answer_acceptance` gives the acceptance
-length of a full block and the acceptance per draft position, teacher-forced on those
-answers: what a greedy verify accepts when the model decodes them. Training tokens come
+count that folder's training too), :func:`diffspec.train.orthrus.measure_answer_acceptance`
+gives the acceptance length of a full block and the acceptance per draft position,
+teacher-forced on those answers: what a greedy verify accepts when the model decodes them. Training tokens come
 from the run's ``training.json``. Writes ``DIR/acceptance_curve.json`` and ``.png``.
 """
 
