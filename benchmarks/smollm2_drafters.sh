@@ -4,7 +4,8 @@
 # curve, and the one-run comparison in vLLM (driver + vllm bench serve).
 #
 #   bash benchmarks/smollm2_drafters.sh STAGE [STAGE ...]
-#   stages: data pack heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve
+#   stages: data pack heldout train-eagle3 train-orthrus train-both train-long curve accept
+#           ship-eagle3 accept-both curves profile compare bench-serve
 #
 # Every stage is resumable (data shards, training checkpoints) or cheap to rerun. Paths:
 # RUNS (default ./runs) holds data, drafters and results; OUT (default
@@ -31,6 +32,9 @@ ORTHRUS_STEPS=${ORTHRUS_STEPS:-200}
 EAGLE3_STEPS=${EAGLE3_STEPS:-600}
 ORTHRUS_RUN=${ORTHRUS_RUN:-$RUNS/orthrus-smollm2}
 EAGLE3_RUN=${EAGLE3_RUN:-$RUNS/eagle3-smollm2}
+# the shipped drafters: the Orthrus heads of the embedded default, the EAGLE-3 baseline
+HEADS_SHIPPED=diffspec/assets/smollm2-orthrus-heads
+EAGLE3_SHIPPED=${EAGLE3_SHIPPED:-benchmarks/drafters/smollm2-eagle3}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 # bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX); emulated
 # elsewhere, it costs ~3x the CPU time of fp32 (measured on a 2-core Intel Xeon, 2026-11-28)
@@ -102,6 +106,24 @@ materialize_orthrus('$BASE', '$heads', '$RUNS/accept/$name-ckpt')"
           --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
           --max-model-len 2048 --engines vllm --baselines ar,orthrus:7 --concurrency 1 \
           --threads 1 --out "${ACCEPT_OUT:-$RUNS/accept/$name}" ;;
+    ship-eagle3)  # the EAGLE-3 run's drafter in bf16 (29 MB), where the tables find it
+      $PY -c "from training.eagle3 import write_bf16_copy; write_bf16_copy('$EAGLE3_RUN', '$EAGLE3_SHIPPED')" ;;
+    accept-both)  # both drafters in one vLLM run: the Orthrus heads (HEADS, default the
+      # shipped ones) at K = 7 and EAGLE-3 (EAGLE3, default the shipped one) at K = 3 and 7
+      heads=${HEADS:-$HEADS_SHIPPED}; name=$(basename "$heads"); mkdir -p "$RUNS/accept"
+      $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
+materialize_orthrus('$BASE', '$heads', '$RUNS/accept/$name-ckpt')"
+      OMP_NUM_THREADS=1 $PY -m benchmarks.driver --model "$RUNS/accept/$name-ckpt" --dataset jsonl \
+          --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
+          --max-model-len 2048 --engines vllm --baselines ar,orthrus:7,eagle3:3,eagle3:7 \
+          --eagle3-drafter "${EAGLE3:-$EAGLE3_SHIPPED}" --concurrency 1 --threads 1 \
+          --out "${ACCEPT_OUT:-$RUNS/accept/both}" ;;
+    curves)  # both drafters' training curves on one CPU-minute axis, vLLM-measured points
+      # (MEASURED: extra --measured arguments, e.g. from accept-both's report)
+      $PY -m benchmarks.drafter_curves \
+          --run "orthrus=$HEADS_SHIPPED/training-2026-11-24.json,$HEADS_SHIPPED/training.json" \
+          --run "eagle3=${EAGLE3:-$EAGLE3_SHIPPED}/training.json" ${MEASURED:-} \
+          --out "${CURVES_OUT:-$RUNS/curves}" ;;
     profile)  # this machine's forward latency for the block-size recommendation
       $PY benchmarks/profile_forward.py --model "$BASE" --query-lens 1,2,3,4,5,6,7,8 \
           --contexts 256 --repeats 10 --stat min --threads 2 --out "$OUT/profile" ;;
@@ -130,9 +152,9 @@ materialize_orthrus('$BASE', '$ORTHRUS_RUN', '$ORTHRUS_RUN-ckpt')"
           --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:3}" \
           --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 --num-prompts 8 \
           --output-len 128 --out "$OUT/bench-serve" ;;
-    *) echo "unknown stage $1 (data pack heldout train-eagle3 train-orthrus train-both train-long curve accept profile compare bench-serve)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (data pack heldout train-eagle3 train-orthrus train-both train-long curve accept ship-eagle3 accept-both curves profile compare bench-serve)" >&2; exit 2 ;;
   esac
 }
 
-[ $# -ge 1 ] || { sed -n 2,12p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,13p "$0"; exit 2; }
 for s in "$@"; do stage "$s"; done

@@ -44,6 +44,7 @@ __all__ = [
     "load_rows",
     "save_drafter",
     "train_eagle3",
+    "write_bf16_copy",
 ]
 
 
@@ -554,6 +555,29 @@ def save_drafter(out_dir: str | Path, drafter: Eagle3Drafter,
     save_file(drafter.export_state(), str(tmp))
     os.replace(tmp, out / "model.safetensors")
     write_json(out / "config.json", config)
+    return out
+
+
+def write_bf16_copy(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """The drafter of ``run_dir`` (config.json, model.safetensors, training.json) with its
+    floating-point weights in bf16 (half the size: what is shipped; the engine casts them
+    to the target's dtype as it loads), in ``out_dir``; the resumable state stays behind."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(run_dir), Path(out_dir)
+    if src.resolve() == out.resolve():
+        raise ValueError("write the copy to a folder other than the run's: it would replace "
+                         "the run's weights")
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+             for k, v in load_file(str(src / "model.safetensors")).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    write_json(out / "config.json", config | {"torch_dtype": "bfloat16"})
+    shutil.copyfile(src / "training.json", out / "training.json")
     return out
 
 

@@ -24,6 +24,7 @@ from training.eagle3 import (
     load_rows,
     loss_counts,
     train_eagle3,
+    write_bf16_copy,
 )
 
 VOCAB = 64
@@ -111,6 +112,30 @@ def test_checkpoint_layout_matches_vllm_eagle3(target, data, tmp_path):
     record = json.loads((out / "training.json").read_text())
     assert record["steps"] == 2 and record["tokens_seen"] > 0 and record["cpu_time_s"] >= 0
     assert len(record["data"]["rows_sha256"]) == 64
+
+
+def test_bf16_copy_halves_the_floats_and_keeps_the_index_maps(target, data, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "drafter"
+    train_eagle3(target, out, _cfg(1), data=[str(data)], draft_vocab_size=16, save_every=0,
+                 log=lambda m: None)
+    copy = write_bf16_copy(out, tmp_path / "shipped")
+    full, half = load_file(str(out / "model.safetensors")), load_file(str(copy / "model.safetensors"))
+    assert set(full) == set(half)
+    for k, v in full.items():
+        if v.is_floating_point():
+            assert half[k].dtype == torch.bfloat16 and torch.equal(half[k], v.to(torch.bfloat16))
+        else:
+            assert half[k].dtype == v.dtype and torch.equal(half[k], v)  # d2t / t2d
+    config = json.loads((copy / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    assert config["draft_vocab_size"] == json.loads((out / "config.json").read_text())[
+        "draft_vocab_size"]
+    assert (copy / "training.json").read_bytes() == (out / "training.json").read_bytes()
+    assert not (copy / "checkpoint").exists()
+    with pytest.raises(ValueError, match="write the copy to a folder other than the run"):
+        write_bf16_copy(out, out)
 
 
 def test_reduced_draft_vocab_writes_d2t(target, data, tmp_path):
