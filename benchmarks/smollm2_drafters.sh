@@ -99,25 +99,22 @@ stage() {
           --out "$OUT/curve" ;;
     accept)  # vLLM's own acceptance per draft position at K = 7 for a heads folder (HEADS,
       # default the Orthrus run) on 12 held-out prompts: what every recipe change is judged on
+      # (ACCEPT_BASELINES / EAGLE3: more baselines in the same run, as accept-both sets)
       heads=${HEADS:-$ORTHRUS_RUN}; name=$(basename "$heads"); mkdir -p "$RUNS/accept"
       $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
 materialize_orthrus('$BASE', '$heads', '$RUNS/accept/$name-ckpt')"
       OMP_NUM_THREADS=1 $PY -m benchmarks.driver --model "$RUNS/accept/$name-ckpt" --dataset jsonl \
           --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
-          --max-model-len 2048 --engines vllm --baselines ar,orthrus:7 --concurrency 1 \
-          --threads 1 --out "${ACCEPT_OUT:-$RUNS/accept/$name}" ;;
+          --max-model-len 2048 --engines vllm --baselines "${ACCEPT_BASELINES:-ar,orthrus:7}" \
+          ${EAGLE3:+--eagle3-drafter "$EAGLE3"} --concurrency 1 --threads 1 \
+          --out "${ACCEPT_OUT:-$RUNS/accept/$name}" ;;
     ship-eagle3)  # the EAGLE-3 run's drafter in bf16 (29 MB), where the tables find it
       $PY -c "from training.eagle3 import write_bf16_copy; write_bf16_copy('$EAGLE3_RUN', '$EAGLE3_SHIPPED')" ;;
     accept-both)  # both drafters in one vLLM run: the Orthrus heads (HEADS, default the
       # shipped ones) at K = 7 and EAGLE-3 (EAGLE3, default the shipped one) at K = 3 and 7
-      heads=${HEADS:-$HEADS_SHIPPED}; name=$(basename "$heads"); mkdir -p "$RUNS/accept"
-      $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
-materialize_orthrus('$BASE', '$heads', '$RUNS/accept/$name-ckpt')"
-      OMP_NUM_THREADS=1 $PY -m benchmarks.driver --model "$RUNS/accept/$name-ckpt" --dataset jsonl \
-          --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
-          --max-model-len 2048 --engines vllm --baselines ar,orthrus:7,eagle3:3,eagle3:7 \
-          --eagle3-drafter "${EAGLE3:-$EAGLE3_SHIPPED}" --concurrency 1 --threads 1 \
-          --out "${ACCEPT_OUT:-$RUNS/accept/both}" ;;
+      HEADS=${HEADS:-$HEADS_SHIPPED} EAGLE3=${EAGLE3:-$EAGLE3_SHIPPED} \
+      ACCEPT_BASELINES=ar,orthrus:7,eagle3:3,eagle3:7 ACCEPT_OUT=${ACCEPT_OUT:-$RUNS/accept/both} \
+          stage accept ;;
     curves)  # both drafters' training curves on one CPU-minute axis, vLLM-measured points
       # (MEASURED: extra --measured arguments, e.g. from accept-both's report)
       $PY -m benchmarks.drafter_curves \
