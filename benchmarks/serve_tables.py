@@ -13,7 +13,7 @@ run time, never copied). Baselines (``--baselines``): ``ar``, ``ngram:K``, ``eag
 most the heads' block less one drafts per step and prompt-lookup drafts, what ``diffspec
 quickstart`` serves), ``orthrus:K`` (a fixed K every step) and, SGLang paths only,
 ``ar-no-overlap`` (SGLang's AR with ``--disable-overlap-schedule``: the scheduling its
-speculative path runs under, so that a ratio to it is drafting's alone). Model: the embedded default
+speculative path runs under, to tell a scheduling difference from drafting). Model: the embedded default
 (SmolLM2-135M-Instruct + Orthrus heads, prepared as ``diffspec quickstart`` does) unless
 ``--model``. vLLM, fp32, greedy, chat template, ``--output-len`` tokens per request with EOS
 ignored (every baseline generates the same tokens).
@@ -500,14 +500,19 @@ def server_args(b: Baseline, args: argparse.Namespace) -> list[str]:
     return extra + (["--speculative-config", json.dumps(spec)] if spec else [])
 
 
+def sglang_only(b: Baseline) -> None:
+    """Refuse a SGLang-only baseline on a vLLM path (``main`` refuses it before any start)."""
+    if b.label == AR_NO_OVERLAP:
+        raise ValueError(f"baseline '{AR_NO_OVERLAP}' is SGLang's: run it with --paths "
+                         f"sglang-server / sglang-offline")
+
+
 def offline_launch(path: str, b: Baseline, args: argparse.Namespace,
                    sglang_extra: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.adapters import sglang_offline, vllm_offline
 
     if path == "offline":
-        if b.label == AR_NO_OVERLAP:
-            raise ValueError(f"baseline '{AR_NO_OVERLAP}' is SGLang's: run it with --paths "
-                             f"sglang-server / sglang-offline")
+        sglang_only(b)
         kwargs = vllm_offline.llm_kwargs(b, args.max_model_len, args.dtype)
         spec = vllm_speculative_config(b)
         return {k: v for k, v in kwargs.items() if k != "speculative_config"} | (
@@ -581,9 +586,7 @@ def server_command(run: Run, g: Group, port: int) -> tuple[list[str], dict[str, 
 
     b = run.baselines[g.baseline]
     if g.path == "server":
-        if b.label == AR_NO_OVERLAP:
-            raise ValueError(f"baseline '{AR_NO_OVERLAP}' is SGLang's: run it with --paths "
-                             f"sglang-server / sglang-offline")
+        sglang_only(b)
         env = {**os.environ,
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         return vllm_server_command(run.model, port, *server_args(b, run.args)), env, "vllm"
