@@ -1,6 +1,6 @@
 """Acceptance of Orthrus heads against training tokens, measured on held-out answers.
 
-    python -m benchmarks.acceptance_curve --base BASE --run RUN_DIR --data HELDOUT_DIR \\
+    python -m benchmarks acceptance-curve --base BASE --run RUN_DIR --data HELDOUT_DIR \\
         [--max-rows 32] --out DIR
 
 ``RUN_DIR`` is an ``orthrus --answers-only --snapshot-every N`` output: the heads in
@@ -21,16 +21,12 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks import command_line, verb_parser
+from benchmarks.plots import pyplot, save
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
 
-    from diffspec.model_executors.reference.orthrus import load_orthrus_heads, orthrus_from_base
-    from diffspec.train.data import load_rows
-    from diffspec.train.orthrus import measure_answer_acceptance
-
-    p = argparse.ArgumentParser(prog="python -m benchmarks.acceptance_curve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = verb_parser("acceptance-curve", __doc__)
     p.add_argument("--base", required=True)
     p.add_argument("--run", required=True, type=Path)
     p.add_argument("--data", required=True, nargs="+")
@@ -40,7 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True, type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from diffspec.model_executors.reference.orthrus import load_orthrus_heads, orthrus_from_base
+    from diffspec.train.data import load_rows
+    from diffspec.train.orthrus import measure_answer_acceptance
+
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     files = []
     for d in args.data:  # held-out folders are refused by data_files: read their shards
@@ -77,28 +83,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{folder.name}: step {step}, {points[-1]['tokens']:,} tokens, "
               f"AL {m.get('est_al', float('nan')):.3f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    out = {"command": "python -m benchmarks.acceptance_curve " + " ".join(argv or []),
+    out = {"command": command_line("acceptance-curve", argv or []),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "rows": len(rows), "max_anchors": args.max_anchors, "data": [str(f) for f in files],
            "points": points,
            "seconds": round(time.perf_counter() - t0, 1)}
     (args.out / "acceptance_curve.json").write_text(json.dumps(out, indent=2) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([q["tokens"] for q in points], [q["est_al"] for q in points], marker="o")
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel(f"acceptance length ({heads['block_size'] - 1} drafts)")
-        ax.set_title(f"Orthrus heads on {len(rows)} held-out answers ({out['date']})",
-                     fontsize=9)
-        fig.tight_layout()
-        fig.savefig(args.out / "acceptance_curve.png", dpi=100)
-    except ImportError:
-        pass
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
+        return 0
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([q["tokens"] for q in points], [q["est_al"] for q in points], marker="o")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(f"acceptance length ({heads['block_size'] - 1} drafts)")
+    ax.set_title(f"Orthrus heads on {len(rows)} held-out answers ({out['date']})", fontsize=9)
+    save(fig, args.out / "acceptance_curve.png", dpi=100)
     return 0
 
 

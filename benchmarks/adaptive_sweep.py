@@ -1,7 +1,7 @@
 """Adaptive draft counts under load: system tokens/s of plain AR, fixed-K and adaptive
 self-speculation over a concurrency sweep, in vLLM and SGLang, with repeats.
 
-    python -m benchmarks.adaptive_sweep --engines vllm,sglang --sglang-cpu-harness \\
+    python -m benchmarks sweep --engines vllm,sglang --sglang-cpu-harness \\
         --dataset jsonl --data-path heldout.jsonl --num-draft-tokens 3 \\
         --concurrency 1,2,4,8,16,32 --repeats 3 --max-tokens 64 --out DIR
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -52,24 +51,32 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import command_line, verb_parser
 from benchmarks.adapters import sglang_offline, vllm_offline
+from benchmarks.adapters.sglang_offline import add_sglang_args
+from benchmarks.adapters.sweep import RESULT_PREFIX
 from benchmarks.baselines import Baseline, parse
 from benchmarks.datasets import DATASETS, load_prompts
 from benchmarks.driver import _sglang_setup, machine, tokenize
+from benchmarks.plots import pyplot, save
 
 ENGINES = ("vllm", "sglang")
 ADAPTIVE = " adaptive"  # label suffix of the adaptive baseline
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive_sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(p: argparse.ArgumentParser, k_help: str) -> None:
+    """What a self-speculation run measures on: the engines, the checkpoint, the method and
+    its K (this sweep and ``step_vs_context``)."""
     p.add_argument("--engines", default="vllm", help="comma list of: vllm, sglang")
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded default, "
                    "prepared as `diffspec quickstart` does)")
     p.add_argument("--method", default="orthrus", help="self-speculative method (registry)")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="K of the fixed baseline "
-                   "and the adaptive one's most drafts per step")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help=k_help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = verb_parser("sweep", __doc__)
+    add_run_args(p, "K of the fixed baseline and the adaptive one's most drafts per step")
     p.add_argument("--dataset", choices=DATASETS, default="gsm8k")
     p.add_argument("--data-path", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -88,10 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "one forward per step, tidar, also 1 and half of it)")
     p.add_argument("--latency-profile", action="append", default=[], metavar="ENGINE=PATH",
                    help="use this profile for ENGINE instead of measuring one")
-    p.add_argument("--sglang-python", default=None)
-    p.add_argument("--sglang-cpu-harness", action="store_true",
-                   help="SGLang on a CPU-only machine through the test harness "
-                   "(tests/engine/sglang_cpu.py); never part of what users install")
+    add_sglang_args(p)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine run")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--profile-only", action="store_true", help="only measure each engine's "
@@ -137,7 +141,7 @@ def run_worker(engine: str, name: str, launch: dict[str, Any], job: dict[str, An
         with log.open("w") as err:
             proc = subprocess.run([python, str(worker), str(job_file)], stdout=subprocess.PIPE, stderr=err, text=True,
                                   timeout=timeout, check=False, env={**os.environ, **env})
-    prefix = "DIFFSPEC_BENCH_RESULT "
+    prefix = RESULT_PREFIX
     lines = [l for l in proc.stdout.splitlines() if l.startswith(prefix)]
     with log.open("a") as out:  # the engine's own log lines (vLLM logs to stdout)
         out.writelines(l + "\n" for l in proc.stdout.splitlines() if not l.startswith(prefix))
@@ -287,11 +291,8 @@ def render(engine_rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -
 
 
 def plot(engine_rows: dict[str, list[dict[str, Any]]], out: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
         return None
     fig, axes = plt.subplots(1, len(engine_rows), figsize=(6 * len(engine_rows), 4.5),
                              squeeze=False)
@@ -305,10 +306,7 @@ def plot(engine_rows: dict[str, list[dict[str, Any]]], out: Path) -> Path | None
         ax.set_xscale("log", base=2)
         ax.set(xlabel="concurrency", ylabel="system tokens/s (median, min-max)", title=engine)
         ax.legend()
-    fig.tight_layout()
-    path = out / "sweep.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return save(fig, out / "sweep.png", dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         results[engine] = {"profile": str(profile), "launch": launches, "runs": runs,
                            "rows": summarize(runs, concurrency) if "error" not in runs["ar"]
                            else [{"baseline": "ar", "error": runs["ar"]["error"]}]}
-    meta = {"command": "python -m benchmarks.adaptive_sweep " + shlex.join(
-                argv if argv is not None else sys.argv[1:]),
+    meta = {"command": command_line("sweep", argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "note": f"{args.dataset} prompts (cut to {args.prompt_budget} tokens), "
                     f"{args.max_tokens} tokens each, greedy, fp32, EOS ignored; "

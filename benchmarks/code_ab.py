@@ -1,7 +1,7 @@
 """Two checkouts of diffspec through vLLM's OpenAI server, rounds interleaved: is a change
 faster, beyond the noise of the machine?
 
-    python -m benchmarks.code_ab --checkout before=/path/to/worktree --checkout after=. \\
+    python -m benchmarks code-ab --checkout before=/path/to/worktree --checkout after=. \\
         --tables gsm8k --concurrency 1,16 --rounds 3 --out DIR
 
 Each ``--checkout NAME=PATH`` is a diffspec source tree (``.``: this one); its servers run
@@ -37,12 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import command_line, verb_parser  # noqa: E402
+
 AR = "ar"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.code_ab", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = verb_parser("code-ab", __doc__)
     p.add_argument("--checkout", action="append", required=True, metavar="NAME=PATH",
                    help="a diffspec source tree to serve (twice or more; '.': this one)")
     p.add_argument("--speculative-config", default='{"method": "orthrus"}',
@@ -174,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = [AR, *checkouts]
     launch = server_args(Baseline(AR, "ar", 0), args)  # serve_tables' launch settings
     state_path = out / "code_ab.json"
-    state = {"meta": {"command": "python -m benchmarks.code_ab " + shlex.join(
-                          argv if argv is not None else sys.argv[1:]),
+    state = {"meta": {"command": command_line("code-ab", argv),
                       "checkouts": {k: f"{v} ({describe(v)})" for k, v in checkouts.items()},
                       "speculative_config": args.speculative_config,
                       "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},

@@ -1,7 +1,7 @@
 """One comparison table across datasets: the driver's reports side by side, every speed as a
 ratio to the same engine's AR row of the same run, plus the drafters' training curves.
 
-    python -m benchmarks.compare --reports R1/report.json R2/report.json ... \\
+    python -m benchmarks compare --reports R1/report.json R2/report.json ... \\
         [--curve orthrus=RUN/training.json --curve eagle3=RUN/training.json] --out DIR
 
 Writes ``DIR/comparison.md`` (the table, the commands and dates of the runs it reads),
@@ -17,6 +17,9 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from benchmarks import name_value, verb_parser
+from benchmarks.plots import pyplot, save
 
 __all__ = ["compare", "curve_points", "main", "rows_of"]
 
@@ -147,12 +150,8 @@ def compare(reports: list[Path], out: Path, curves: dict[str, Path] | None = Non
 
 
 def _plot(result: dict[str, Any], concurrencies: list[int], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
         return
     rows = [r for r in result["rows"] if "error" not in r]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
@@ -173,9 +172,7 @@ def _plot(result: dict[str, Any], concurrencies: list[int], out: Path) -> None:
         ax.set_title(f"concurrency {c}")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(f"speed vs AR, same run ({caption})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=100)
-    plt.close(fig)
+    save(fig, out / "speedup.png", dpi=100)
     if result["curves"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, c in result["curves"].items():
@@ -184,27 +181,23 @@ def _plot(result: dict[str, Any], concurrencies: list[int], out: Path) -> None:
         ax.set_xlabel("training tokens")
         ax.set_ylabel("acceptance length estimate (mean of 10 steps)")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "acceptance_curve.png", dpi=100)
-        plt.close(fig)
+        save(fig, out / "acceptance_curve.png", dpi=100)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = verb_parser("compare", __doc__)
     p.add_argument("--reports", nargs="+", required=True, type=Path,
                    help="report.json files of benchmarks.driver runs")
     p.add_argument("--curve", action="append", default=[], metavar="NAME=training.json",
+                   type=name_value("NAME=training.json"),
                    help="a drafter's training record (repeatable)")
     p.add_argument("--out", required=True, type=Path)
-    args = p.parse_args(argv)
-    curves = {}
-    for item in args.curve:
-        name, _, path = item.partition("=")
-        if not path:
-            p.error(f"--curve takes NAME=PATH, got {item!r}")
-        curves[name] = Path(path)
-    compare(args.reports, args.out, curves)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    compare(args.reports, args.out, {name: Path(path) for name, path in args.curve})
     return 0
 
 

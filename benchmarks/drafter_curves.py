@@ -1,6 +1,6 @@
 """Two drafters' training curves on one compute axis: acceptance length against CPU-minutes.
 
-    python -m benchmarks.drafter_curves \\
+    python -m benchmarks drafter-curves \\
         --run orthrus=FIRST/training.json,CONTINUED/training.json \\
         --run eagle3=EAGLE3/training.json \\
         --measured orthrus@60=REPORT.json#orthrus:7 --measured eagle3@145=REPORT.json#eagle3:3 \\
@@ -25,6 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks import name_value, verb_parser
+from benchmarks.plots import pyplot, save
 from benchmarks.compare import _smooth, curve_points
 
 __all__ = ["chained_curve", "main", "measured_point"]
@@ -76,23 +78,23 @@ def _parse_measured(item: str) -> tuple[str, float, Path, str]:
             f"write --measured as NAME@CPU_MIN=REPORT.json#BASELINE, got {item!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.drafter_curves",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = verb_parser("drafter-curves", __doc__.split("\n\n")[0])
     p.add_argument("--run", action="append", required=True, metavar="NAME=REC[,REC...]",
+                   type=name_value("NAME=REC[,REC...]"),
                    help="a drafter's training.json records, in the order the runs ran")
     p.add_argument("--measured", action="append", default=[], type=_parse_measured,
                    metavar="NAME@CPU_MIN=REPORT.json#BASELINE",
                    help="an engine-measured acceptance length at a CPU budget")
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     result: dict[str, Any] = {"curves": {}, "measured": []}
-    for item in args.run:
-        name, _, recs = item.partition("=")
-        if not recs:
-            p.error(f"write --run as NAME=REC[,REC...], got {item!r}")
+    for name, recs in args.run:
         paths = recs.split(",")
         records = [json.loads(Path(r).read_text()) for r in paths]
         result["curves"][name] = {"records": paths, "points": chained_curve(records)}
@@ -117,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "drafter_curves.json").write_text(json.dumps(result, indent=1) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
+        return 0
     fig, ax = plt.subplots(figsize=(6.5, 4))
     colors = {}
     for name, c in result["curves"].items():
@@ -137,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_ylabel("acceptance length")
     ax.set_title("lines: training estimate (mean of 10 steps); dots: vLLM-measured", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(args.out / "drafter_curves.png", dpi=100)
-    plt.close(fig)
+    save(fig, args.out / "drafter_curves.png", dpi=100)
     print(f"\nwrote {args.out / 'drafter_curves.json'} and {args.out / 'drafter_curves.png'}")
     return 0
 

@@ -7,7 +7,7 @@ not lossless (Fast-dLLM) is compared on an engine with the reference decoder's o
 same method instead (its oracle; ``compared_with`` in the report), and a diffusion-only
 checkpoint (LLaDA, Dream, Fast-dLLM v2: no AR view) runs no AR row.
 
-    python benchmarks/driver.py --dataset gsm8k --num-prompts 8 \\
+    python -m benchmarks driver --dataset gsm8k --num-prompts 8 \\
         --engines reference,vllm,sglang --sglang-python SGLANG_VENV/bin/python \\
         --baselines ar,ngram:4,eagle3:3,orthrus --eagle3-drafter DRAFTER --out results/run
 """
@@ -31,12 +31,14 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import baselines as baseline_specs
-from benchmarks import tiny_drafters
+from benchmarks import command_line, tiny_drafters, verb_parser
 from benchmarks.adapters import vllm_offline
 from benchmarks.adapters.sglang_offline import METHODS as SGLANG_METHODS
+from benchmarks.adapters.sglang_offline import add_sglang_args, sglang_runtime
 from benchmarks.baselines import METHODS, Baseline
 from benchmarks.datasets import DATASETS, DEFAULT_PATHS, SPEED_BENCH_SUBSETS, Prompt, load_prompts
 from benchmarks.metrics import RunResult, category_table, markdown_table, summarize
+from benchmarks.plots import pyplot, save
 from diffspec.methods import METHODS as REGISTRY
 from diffspec.methods import reference_methods_for
 from diffspec.plugin.sglang.dllm import fast_dllm_options
@@ -57,9 +59,8 @@ def _csv(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     methods = "\n".join(f"  {name:<17}{what}" for name, what in METHODS.items())
-    p = argparse.ArgumentParser(
-        prog="benchmarks/driver.py",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = verb_parser(
+        "driver",
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
         epilog=(
             "engines (each runs the baselines it supports, AR first):\n"
@@ -128,11 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "'{\"enforce_eager\": false, \"gpu_memory_utilization\": 0.9}' on a GPU)")
     p.add_argument("--sglang-args", type=json.loads, default={},
                    help="JSON object of sglang.Engine arguments over the defaults")
-    p.add_argument("--sglang-python", default=None,
-                   help="interpreter of an environment with SGLang (default: this one)")
-    p.add_argument("--sglang-cpu-harness", action="store_true",
-                   help="run SGLang on a CPU-only machine with the test harness "
-                   "tests/engine/sglang_cpu.py (libcuda stub; never installed)")
+    add_sglang_args(p)
     p.add_argument("--openai-url", default=None, help="loopback server running the method")
     p.add_argument("--openai-ar-url", default=None, help="loopback server running plain AR")
     p.add_argument("--openai-model", default=None, help="served model name (default: --model)")
@@ -180,21 +177,11 @@ def tokenize(prompts: list[Prompt], model: str, chat: bool,
 
 def _sglang_setup(args: argparse.Namespace) -> tuple[str, dict[str, str], dict[str, Any]]:
     """The SGLang interpreter, the environment added for its worker and extra engine
-    arguments: none, or the CPU harness's (a test-tier module, imported only on request)."""
-    python = args.sglang_python or sys.executable
-    if not args.sglang_cpu_harness:
-        return python, {}, {}
-    try:
-        from tests.engine import sglang_cpu
-    except ImportError as e:
-        raise SystemExit(f"driver: --sglang-cpu-harness needs tests/engine/sglang_cpu.py ({e})")
-    python = args.sglang_python or sglang_cpu.sglang_python()
-    if python is None:
-        raise SystemExit("driver: the SGLang CPU harness found no SGLang interpreter "
-                         "(--sglang-python or DIFFSPEC_SGLANG_PYTHON)")
-    full = sglang_cpu.sglang_cpu_env(python)
+    arguments (:func:`benchmarks.adapters.sglang_offline.sglang_runtime`; the harness's
+    KV pool 8192 tokens)."""
+    python, full, extra = sglang_runtime(args)
     env = {k: v for k, v in full.items() if os.environ.get(k) != v}
-    return python, env, {**sglang_cpu.SGLANG_CPU_ENGINE_KWARGS, "max_total_tokens": 8192}
+    return python, env, ({**extra, "max_total_tokens": 8192} if args.sglang_cpu_harness else extra)
 
 
 ENGINE_METHODS = {"reference": REFERENCE_METHODS, "vllm": vllm_offline.METHODS,
@@ -286,12 +273,8 @@ def _caption(meta: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], out: Path) -> list[str]:
     """PNG plots (when matplotlib is installed): system tokens/s vs concurrency, acceptance
     length per category; each names its command, machine and date. Returns the files."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
         return []
     ok = [e for e in report["results"] if not e.get("error")]
     caption = _caption(report["meta"])
@@ -304,8 +287,7 @@ def plot(report: dict[str, Any], out: Path) -> list[str]:
     ax.set(xlabel="concurrency", ylabel="system tokens/s", title="tokens/s vs concurrency")
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(out / "tokens_per_s.png", dpi=100)
+    save(fig, out / "tokens_per_s.png", dpi=100, rect=(0, 0.08, 1, 1))
     written.append("tokens_per_s.png")
     fig, ax = plt.subplots(figsize=(9, 4.6))
     spec = [e for e in ok if e["overall"]["acceptance_length"] is not None]
@@ -320,10 +302,8 @@ def plot(report: dict[str, Any], out: Path) -> list[str]:
     ax.set(ylabel="acceptance length", title="acceptance length per category")
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(out / "acceptance_by_category.png", dpi=100)
+    save(fig, out / "acceptance_by_category.png", dpi=100, rect=(0, 0.08, 1, 1))
     written.append("acceptance_by_category.png")
-    plt.close("all")
     return written
 
 
@@ -418,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mean_len = sum(map(len, ids)) / len(ids)
         for e in entries:
             e["recommended_block_size"] = _recommend(e, profile, mean_len)
-    command = ("python -m benchmarks.driver " + shlex.join(argv) if argv is not None
+    command = (command_line("driver", argv) if argv is not None
                else shlex.join(["python", *sys.orig_argv[1:]]))  # as it was typed
     report: dict[str, Any] = {
         "meta": {

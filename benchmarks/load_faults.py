@@ -1,8 +1,8 @@
 """Load and faults: a speculative server against a plain-AR server of the same checkpoint.
 
-    python -m benchmarks.load_faults --engine vllm --model diffspec/assets/synth-orthrus \\
+    python -m benchmarks load-faults --engine vllm --model diffspec/assets/synth-orthrus \\
         --requests 300 --concurrency 16 --out /tmp/load-faults-vllm
-    python -m benchmarks.load_faults --engine sglang --sglang-cpu-harness ...   # CPU-only box
+    python -m benchmarks load-faults --engine sglang --sglang-cpu-harness ...   # CPU-only box
 
 Starts two OpenAI-compatible servers of one engine on loopback (``diffspec.serving``): plain
 AR and the method (default Orthrus) on the same checkpoint, fp32. Fires the same schedule of
@@ -75,6 +75,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import verb_parser
+from benchmarks.adapters.sglang_offline import add_sglang_args, sglang_runtime
 from diffspec.serving import (
     ServerProcess,
     free_port,
@@ -367,19 +369,6 @@ def kv_free(engine: str, state: dict[str, Any]) -> int | None:
 # ---------------------------------------------------------------------------- servers
 
 
-def _harness(python: str | None) -> tuple[str, dict[str, str], dict[str, Any]]:
-    """The SGLang CPU test harness (tests/engine/sglang_cpu.py: never installed)."""
-    try:
-        from tests.engine import sglang_cpu
-    except ImportError as e:
-        raise SystemExit(f"load_faults: --sglang-cpu-harness needs tests/engine/sglang_cpu.py ({e})")
-    python = python or sglang_cpu.sglang_python()
-    if python is None:
-        raise SystemExit("load_faults: the SGLang CPU harness found no SGLang interpreter "
-                         "(--sglang-python or DIFFSPEC_SGLANG_PYTHON)")
-    return python, sglang_cpu.sglang_cpu_env(python), dict(sglang_cpu.SGLANG_CPU_ENGINE_KWARGS)
-
-
 def _flags(kwargs: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for key, value in kwargs.items():
@@ -419,8 +408,7 @@ def server_commands(args: argparse.Namespace, context: int) -> dict[str, tuple]:
             commands[name] = (vllm_server_command(args.model, port, *common, *extra,
                                                   python=args.vllm_python), port, env)
         return commands
-    python, env, kwargs = (_harness(args.sglang_python) if args.sglang_cpu_harness
-                           else (args.sglang_python or sys.executable, dict(os.environ), {}))
+    python, env, kwargs = sglang_runtime(args)
     env = {**env, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
     if args.sglang_busy_check:
         env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
@@ -673,9 +661,27 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# the load: flag, default (its type the option's), what it sets
+LOAD_MIX: tuple[tuple[str, int | float, str], ...] = (
+    ("--requests", 300, "requests per server"),
+    ("--concurrency", 16, "requests in flight at once"),
+    ("--max-tokens", 96, "largest max_tokens of a request (each draws 1..this)"),
+    ("--abort-fraction", 0.1, "share of streams the client closes mid-way"),
+    ("--over-context-fraction", 0.05, "share of prompts longer than the context (expected: 4xx)"),
+    ("--edge-fraction", 0.05, "share of prompts that fit but prompt + max_tokens does not"),
+)
+# what the run waits for, in seconds
+LOAD_LIMITS: tuple[tuple[str, float, str], ...] = (
+    ("--request-timeout", 300.0, "seconds per request"),
+    ("--deadline", 3600.0, "seconds for the whole load on one server"),
+    ("--ready-timeout", 600.0, "seconds for a server to start"),
+    ("--idle-timeout", 60.0, "seconds for the KV pool to be whole again once the load ended"),
+)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.load_faults",
+    p = verb_parser(
+        "load-faults",
         description="Start a plain-AR server and a speculative server (same engine, same "
         "checkpoint, loopback, fp32), fire the same mixed load of greedy streaming requests "
         "at each (some streams aborted mid-way, some prompts over the context), then check: "
@@ -692,16 +698,8 @@ def parser() -> argparse.ArgumentParser:
                    "tidar)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="drafts per step K (None: the method's, the checkpoint's block - 1)")
-    p.add_argument("--requests", type=int, default=300, help="requests per server")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
-    p.add_argument("--max-tokens", type=int, default=96,
-                   help="largest max_tokens of a request (each draws 1..this)")
-    p.add_argument("--abort-fraction", type=float, default=0.1,
-                   help="share of streams the client closes mid-way")
-    p.add_argument("--over-context-fraction", type=float, default=0.05,
-                   help="share of prompts longer than the context (expected: 4xx)")
-    p.add_argument("--edge-fraction", type=float, default=0.05,
-                   help="share of prompts that fit but prompt + max_tokens does not")
+    for flag, default, text in LOAD_MIX + LOAD_LIMITS:
+        p.add_argument(flag, type=type(default), default=default, help=text)
     p.add_argument("--prompts", choices=("auto", "random", "synthetic"), default="auto",
                    help="random token ids; or half of them from the bundled synthetic "
                    "language (the tiny checkpoints' text, long accepted runs); auto: "
@@ -713,26 +711,13 @@ def parser() -> argparse.ArgumentParser:
                    "max_position_embeddings)")
     p.add_argument("--block-size", type=int, default=32, help="vLLM KV block size (0: vLLM's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request schedule")
-    p.add_argument("--request-timeout", type=float, default=300, help="seconds per request")
-    p.add_argument("--deadline", type=float, default=3600,
-                   help="seconds for the whole load on one server")
-    p.add_argument("--ready-timeout", type=float, default=600,
-                   help="seconds for a server to start")
-    p.add_argument("--idle-timeout", type=float, default=60,
-                   help="seconds for the KV pool to be whole again once the load ended")
     p.add_argument("--max-rechecks", type=int, default=8,
                    help="mismatching requests re-sent alone to both servers (diagnosis)")
     p.add_argument("--vllm-python", default=None, help="interpreter with vLLM (None: this one)")
     p.add_argument("--vllm-arg", action="append", default=None,
                    help="one more vLLM server argument (repeat; None: --enforce-eager; "
                    "given ones replace it)")
-    p.add_argument("--sglang-python", default=None,
-                   help="interpreter with SGLang (None: this one; with "
-                   "--sglang-cpu-harness: the harness's)")
-    p.add_argument("--sglang-cpu-harness", action="store_true",
-                   help="run SGLang on a CPU-only machine with the test harness "
-                   "tests/engine/sglang_cpu.py (libcuda stub and CPU engine arguments; "
-                   "never installed)")
+    add_sglang_args(p)
     p.add_argument("--sglang-max-total-tokens", type=int, default=8192,
                    help="SGLang KV pool size in tokens")
     p.add_argument("--sglang-busy-check", action="store_true",

@@ -1,6 +1,6 @@
 """Orthrus on the bundled synth-orthrus: vLLM (its own counters) next to the reference decoder.
 
-    python benchmarks/orthrus_vllm_vs_reference.py [--prompts 16] [--max-tokens 64]
+    python -m benchmarks vllm-vs-reference [--prompts 16] [--max-tokens 64]
 
 Runs the same greedy requests through the reference decoder (BlockDrafter, 31 drafts per
 step), through vLLM with ``{"method": "orthrus", "num_speculative_tokens": 31}`` and through
@@ -23,13 +23,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks import verb_parser  # here: the file also runs as a script
+
+    parser = verb_parser("vllm-vs-reference", __doc__)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1234, help="synthetic prompt seed")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
     from transformers import AutoTokenizer
@@ -90,4 +95,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+        sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

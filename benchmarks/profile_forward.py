@@ -14,9 +14,9 @@ and with 2 of them (same KV cache), fits latency = fixed + per-layer x layers pe
 measured tables and the extrapolated one (``latency_s``, marked ``"extrapolated"``); the
 extrapolation ignores cache effects of a larger working set, so it is an estimate.
 
-    python benchmarks/profile_forward.py --shape qwen3-8b --layers 1,2 --out results/
-    python benchmarks/profile_forward.py --shape qwen3-8b --device cuda --out results/
-    python benchmarks/profile_forward.py --model PATH --device cuda --dtype bfloat16
+    python -m benchmarks profile-forward --shape qwen3-8b --layers 1,2 --out results/
+    python -m benchmarks profile-forward --shape qwen3-8b --device cuda --out results/
+    python -m benchmarks profile-forward --model PATH --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -182,12 +182,10 @@ def plot(result: dict[str, Any], out: Path) -> Path | None:
     captioned with the command, device and date. An extrapolation that its own tables
     contradict (:func:`inconsistent_cells`) is not drawn: the measured table at the most
     layers is, and the title says so. None without matplotlib."""
-    try:
-        import matplotlib
+    from benchmarks.plots import pyplot, save  # here: the file also runs as a script
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
         return None
     table, kind = result["latency_s"], "measured"
     if result.get("extrapolated"):
@@ -212,17 +210,17 @@ def plot(result: dict[str, Any], out: Path) -> Path | None:
               f"{result['threads']} threads); date: {result['date']}")
     caption = "\n".join([*textwrap.wrap(f"command: {result['command']}", 130), device])
     fig.text(0.01, 0.005, caption, fontsize=6, va="bottom")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path = out / "forward_latency.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(fig, out / "forward_latency.png", dpi=100, rect=(0, 0.07, 1, 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from benchmarks import verb_parser  # here: the file also runs as a script
+
+    p = verb_parser(
+        "profile-forward",
         description="Time one forward with 1..64 query tokens over 256..8k context tokens "
-        "(median or min of --repeats, after a warm-up), print a table (ms), save JSON + PNG.")
+        "(median or min of --repeats, after a warm-up), print a table (ms), save JSON + PNG.",
+        formatter_class=argparse.HelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="local checkpoint folder")
     src.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
@@ -248,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from benchmarks import command_line  # here: the file also runs as a script
+
     args = build_parser().parse_args(argv)
     import torch
 
@@ -271,8 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {str(c): {str(q): v for q, v in row.items()} for c, row in t.items()}
 
     result = {
-        "command": " ".join(["python benchmarks/profile_forward.py",
-                             *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line("profile-forward", argv),
         "model": desc, "device": args.device, "device_name": device_name, "dtype": dtype_name,
         "threads": torch.get_num_threads(), "repeats": args.repeats, "stat": args.stat,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -302,4 +301,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

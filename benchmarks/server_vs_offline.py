@@ -1,7 +1,7 @@
 """Where a step's time goes, offline (``vllm.LLM``) against vLLM's OpenAI server, on the same
 prompts, baselines and CPU layout (issue 27 item 2).
 
-    python -m benchmarks.server_vs_offline --model MODEL --prompts prompts.jsonl \\
+    python -m benchmarks server-vs-offline --model MODEL --prompts prompts.jsonl \\
         --baselines ar,orthrus:3,orthrus --num-prompts 3 --output-len 128 --rounds 2 \\
         --layouts default,all-cores --out DIR
 
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import command_line, verb_parser  # noqa: E402
 
 ITERATION = re.compile(r"Iteration\(\d+\): \d+ context requests, (\d+) context tokens, \d+ generation "
                        r"requests, (\d+) generation tokens, iteration elapsed time: ([\d.]+) ms")
@@ -237,13 +238,8 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--offline-worker"]:
-        offline_worker(argv[1])
-        return 0
-    p = argparse.ArgumentParser(prog="python -m benchmarks.server_vs_offline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = verb_parser("server-vs-offline", __doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--prompts", required=True, type=Path, help="JSONL rows with 'prompt'")
     p.add_argument("--baselines", default="ar,orthrus:3",
@@ -254,7 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="default", help="default, all-cores (comma-separated)")
     p.add_argument("--paths", default="offline,server")
     p.add_argument("--out", required=True, type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--offline-worker"]:
+        offline_worker(argv[1])
+        return 0
+    args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = chat_prompts(args.model, args.prompts, args.num_prompts)
     rows: list[dict] = []
@@ -275,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[server-vs-offline] {label}: {r['tok_per_s']:.2f} tok/s, decode step "
                           f"{r['decode_step_ms']:.1f} ms, {r['tokens_per_step']:.2f} tokens/step, "
                           f"CPU ms/token {r['cpu_ms_per_token']} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    meta = {"command": "python -m benchmarks.server_vs_offline " + shlex.join(argv),
+    meta = {"command": command_line("server-vs-offline", argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "nproc": os.cpu_count(),
             "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                          if line.startswith("model name")), "?")}

@@ -3,9 +3,9 @@
 # an EAGLE-3 drafter trained on the same rows with the same CPU budget, the acceptance
 # curve, and the one-run comparison in vLLM (driver + vllm bench serve).
 #
-#   bash benchmarks/smollm2_drafters.sh STAGE [STAGE ...]
+#   python -m benchmarks drafters STAGE [STAGE ...]
 #   stages: data pack heldout train-eagle3 train-orthrus train-both train-long curve accept
-#           ship-eagle3 accept-both curves profile compare bench-serve
+#           ship-eagle3 accept-both curves profile compare bench-serve ablation
 #
 # Every stage is resumable (data shards, training checkpoints) or cheap to rerun. Paths:
 # RUNS (default ./runs) holds data, drafters and results; OUT (default
@@ -28,6 +28,9 @@ ORTHRUS_RANK=${ORTHRUS_RANK:-64}
 # next session's training continues this one's, with a fresh optimizer and schedule)
 ORTHRUS_INIT=${ORTHRUS_INIT:-}
 ORTHRUS_LR=${ORTHRUS_LR:-2e-3}
+# the recipe's other knobs: block size K, and extra trainer flags (--loss ce, --block-widths)
+ORTHRUS_BLOCK=${ORTHRUS_BLOCK:-8}
+ORTHRUS_EXTRA=${ORTHRUS_EXTRA:-}
 ORTHRUS_STEPS=${ORTHRUS_STEPS:-200}
 EAGLE3_STEPS=${EAGLE3_STEPS:-600}
 ORTHRUS_RUN=${ORTHRUS_RUN:-$RUNS/orthrus-smollm2}
@@ -65,12 +68,33 @@ stage() {
           ${WALL_MINUTES:+--max-wall-minutes "$WALL_MINUTES"} ;;
     train-orthrus)  # ours: rank-64 heads (ORTHRUS_RANK), block 8, 64 answer anchors per row
       OMP_NUM_THREADS=1 $PY -m diffspec.train orthrus --base "$BASE" --data "$DATA" \
-          --out "$ORTHRUS_RUN" --answers-only --rank "$ORTHRUS_RANK" --block-size 8 \
+          --out "$ORTHRUS_RUN" --answers-only --rank "$ORTHRUS_RANK" --block-size "$ORTHRUS_BLOCK" \
           --mask-token-id 16 --num-anchors 64 --seq-len 512 --batch-size 4 --lr "$ORTHRUS_LR" \
           --warmup-steps 10 --steps "$ORTHRUS_STEPS" $BF16 --max-cpu-minutes "$CPU_MINUTES" \
           --save-every 10 --snapshot-every 25 --log-every 1 ${RESUME:+--resume} \
           ${ORTHRUS_INIT:+--init-heads "$ORTHRUS_INIT"} ${ORTHRUS_SEED:+--seed "$ORTHRUS_SEED"} \
-          ${WALL_MINUTES:+--max-wall-minutes "$WALL_MINUTES"} ;;
+          ${WALL_MINUTES:+--max-wall-minutes "$WALL_MINUTES"} $ORTHRUS_EXTRA ;;
+    ablation)  # the heads recipe at equal CPU budget (issue 47): one arm after another on
+      # the same rows (ABLATION_MINUTES each, resumable), each measured in vLLM by the accept
+      # stage on the held-out prompts; ARMS picks some; the table: training.ablation_table
+      for arm in ${ARMS:-base rank-full block-16 ce widths lr-5e-3}; do
+        run=$RUNS/ablation/$arm; mkdir -p "$RUNS/ablation"
+        [ -f "$run-accept/report.json" ] && continue
+        ( case $arm in
+            base) ;;
+            rank-full) ORTHRUS_RANK=full ;;
+            block-16) ORTHRUS_BLOCK=16 ;;
+            ce) ORTHRUS_EXTRA="--loss ce" ;;
+            widths) ORTHRUS_EXTRA="--block-widths 2,3,4,6,8" ;;
+            lr-5e-3) ORTHRUS_LR=5e-3 ;;
+            *) echo "unknown ablation arm $arm" >&2; exit 2 ;;
+          esac
+          RESUME=$([ -d "$run/checkpoint" ] && echo 1 || true) ORTHRUS_RUN=$run \
+          CPU_MINUTES=${ABLATION_MINUTES:-30} ORTHRUS_STEPS=${ABLATION_STEPS:-2000} \
+              stage train-orthrus > "$run.log" 2>&1
+          HEADS=$run ACCEPT_OUT=$run-accept stage accept ) || exit $?
+      done
+      $PY -m training.ablation_table --runs "$RUNS/ablation" --out "$OUT/ablation" ;;
     train-both)  # both drafters side by side, one core each, the same CPU budget
       stage train-eagle3 > "$EAGLE3_RUN.log" 2>&1 & e=$!
       stage train-orthrus > "$ORTHRUS_RUN.log" 2>&1 & o=$!
@@ -94,7 +118,7 @@ stage() {
         touch "$RUNS/budget-$b/done"
       done ;;
     curve)  # Orthrus acceptance vs training tokens, on held-out answers
-      $PY -m benchmarks.acceptance_curve --base "$BASE" --run "$ORTHRUS_RUN" \
+      $PY -m benchmarks acceptance-curve --base "$BASE" --run "$ORTHRUS_RUN" \
           --data "$RUNS/heldout-smollm2-256" --max-rows 12 --max-anchors 64 --threads 2 \
           --out "$OUT/curve" ;;
     accept)  # vLLM's own acceptance per draft position at K = 7 for a heads folder (HEADS,
@@ -103,7 +127,7 @@ stage() {
       heads=${HEADS:-$ORTHRUS_RUN}; name=$(basename "$heads"); mkdir -p "$RUNS/accept"
       $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
 materialize_orthrus('$BASE', '$heads', '$RUNS/accept/$name-ckpt')"
-      OMP_NUM_THREADS=1 $PY -m benchmarks.driver --model "$RUNS/accept/$name-ckpt" --dataset jsonl \
+      OMP_NUM_THREADS=1 $PY -m benchmarks driver --model "$RUNS/accept/$name-ckpt" --dataset jsonl \
           --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
           --max-model-len 2048 --engines vllm --baselines "${ACCEPT_BASELINES:-ar,orthrus:7}" \
           ${EAGLE3:+--eagle3-drafter "$EAGLE3"} --concurrency 1 --threads 1 \
@@ -117,39 +141,39 @@ materialize_orthrus('$BASE', '$heads', '$RUNS/accept/$name-ckpt')"
           stage accept ;;
     curves)  # both drafters' training curves on one CPU-minute axis, vLLM-measured points
       # (MEASURED: extra --measured arguments, e.g. from accept-both's report)
-      $PY -m benchmarks.drafter_curves \
+      $PY -m benchmarks drafter-curves \
           --run "orthrus=$HEADS_SHIPPED/training-2026-11-24.json,$HEADS_SHIPPED/training.json" \
           --run "eagle3=${EAGLE3:-$EAGLE3_SHIPPED}/training.json" ${MEASURED:-} \
           --out "${CURVES_OUT:-$RUNS/curves}" ;;
     profile)  # this machine's forward latency for the block-size recommendation
-      $PY benchmarks/profile_forward.py --model "$BASE" --query-lens 1,2,3,4,5,6,7,8 \
+      $PY -m benchmarks profile-forward --model "$BASE" --query-lens 1,2,3,4,5,6,7,8 \
           --contexts 256 --repeats 10 --stat min --threads 2 --out "$OUT/profile" ;;
     compare)  # the Orthrus checkpoint (base + heads), then AR / ngram / EAGLE-3 / Orthrus
       $PY -c "from diffspec.model_executors.reference.orthrus import materialize_orthrus; \
 materialize_orthrus('$BASE', '$ORTHRUS_RUN', '$ORTHRUS_RUN-ckpt')"
       # held-out split: the K sweep (the best K found there is used on GSM8K / HumanEval)
-      $PY -m benchmarks.driver --model "$ORTHRUS_RUN-ckpt" --dataset jsonl \
+      $PY -m benchmarks driver --model "$ORTHRUS_RUN-ckpt" --dataset jsonl \
           --data-path "$RUNS/heldout.jsonl" --num-prompts 12 --chat --max-tokens 128 \
           --max-model-len 2048 --engines vllm \
           --baselines ar,ngram:4,eagle3:1,eagle3:3,orthrus:2,orthrus:3,orthrus:7 \
           --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 \
           --profile "$OUT/profile/forward_latency.json" --out "$OUT/sharegpt-heldout"
       for ds in gsm8k humaneval; do
-        $PY -m benchmarks.driver --model "$ORTHRUS_RUN-ckpt" --dataset "$ds" \
+        $PY -m benchmarks driver --model "$ORTHRUS_RUN-ckpt" --dataset "$ds" \
             --num-prompts 8 --chat --max-tokens 128 --max-model-len 2048 --engines vllm \
             --baselines "${BASELINES:-ar,ngram:4,eagle3:3,orthrus:3}" \
             --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 \
             --profile "$OUT/profile/forward_latency.json" --out "$OUT/$ds"
       done
-      $PY -m benchmarks.compare --reports "$OUT"/{sharegpt-heldout,gsm8k,humaneval}/report.json \
+      $PY -m benchmarks compare --reports "$OUT"/{sharegpt-heldout,gsm8k,humaneval}/report.json \
           --curve "orthrus=$ORTHRUS_RUN/training.json" \
           --curve "eagle3=$EAGLE3_RUN/training.json" --out "$OUT" ;;
     bench-serve)  # the same baselines through vLLM's own benchmark client
-      $PY -m benchmarks.vllm_bench_serve --model "$ORTHRUS_RUN-ckpt" \
+      $PY -m benchmarks bench-serve --model "$ORTHRUS_RUN-ckpt" \
           --prompts "$RUNS/heldout.jsonl" --baselines "${BASELINES:-ar,eagle3:3,orthrus:3}" \
           --eagle3-drafter "$EAGLE3_RUN" --concurrency 1,4 --num-prompts 8 \
           --output-len 128 --out "$OUT/bench-serve" ;;
-    *) echo "unknown stage $1 (data pack heldout train-eagle3 train-orthrus train-both train-long curve accept ship-eagle3 accept-both curves profile compare bench-serve)" >&2; exit 2 ;;
+    *) echo "unknown stage $1 (data pack heldout train-eagle3 train-orthrus train-both train-long curve accept ship-eagle3 accept-both curves profile compare bench-serve ablation)" >&2; exit 2 ;;
   esac
 }
 

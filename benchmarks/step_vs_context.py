@@ -1,7 +1,7 @@
 """Step time against context length: plain AR and fixed-K self-speculation, in vLLM and
 SGLang, in one run.
 
-    python -m benchmarks.step_vs_context --engines vllm,sglang --sglang-cpu-harness \\
+    python -m benchmarks step-vs-context --engines vllm,sglang --sglang-cpu-harness \\
         --dataset jsonl --data-path heldout.jsonl --contexts 256,512,1024,2048,4096 \\
         --out DIR
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -37,23 +36,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.adaptive_sweep import ENGINES, _ints, engine_launch, run_worker
+from benchmarks import command_line, verb_parser
+from benchmarks.adaptive_sweep import ENGINES, _ints, add_run_args, engine_launch, run_worker
+from benchmarks.adapters.sglang_offline import add_sglang_args
 from benchmarks.baselines import Baseline, parse
 from benchmarks.datasets import DATASETS, load_prompts
 from benchmarks.driver import _sglang_setup, machine
+from benchmarks.plots import pyplot, save
 
 DRAFT_TIMINGS_ENV = "DIFFSPEC_DRAFT_TIMINGS"  # diffspec.profiling.DRAFT_TIMINGS_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.step_vs_context",
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description=__doc__)
-    p.add_argument("--engines", default="vllm", help="comma list of: vllm, sglang")
-    p.add_argument("--model", default=None, help="checkpoint (default: the embedded default, "
-                   "prepared as `diffspec quickstart` does)")
-    p.add_argument("--method", default="orthrus", help="self-speculative method (registry)")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="K drafts per step")
+    p = verb_parser("step-vs-context", __doc__)
+    add_run_args(p, "K drafts per step")
     p.add_argument("--dataset", choices=DATASETS, default="jsonl")
     p.add_argument("--data-path", default=None)
     p.add_argument("--num-prompts", type=int, default=200,
@@ -62,9 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short", type=int, default=4, help="tokens of the short call")
     p.add_argument("--long", type=int, default=20, help="tokens of the long call")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per length (least)")
-    p.add_argument("--sglang-python", default=None)
-    p.add_argument("--sglang-cpu-harness", action="store_true",
-                   help="run SGLang on its torch-native CPU path (the test harness)")
+    add_sglang_args(p)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine start")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--render", action="store_true", help="redraw from DIR/context.json")
@@ -127,12 +121,8 @@ def render(data: dict[str, Any]) -> str:
 
 
 def plot(data: dict[str, Any], out: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:  # no matplotlib: no PNG
         return None
     engines = [e for e, r in data["engines"].items() if "error" not in r]
     if not engines:
@@ -151,10 +141,7 @@ def plot(data: dict[str, Any], out: Path) -> Path | None:
         ax.set_ylabel("ms")
         ax.set_title(engine)
         ax.legend()
-    fig.tight_layout()
-    path = out / "context.png"
-    fig.savefig(path, dpi=120)
-    return path
+    return save(fig, out / "context.png", dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         error = next((r["error"] for r in runs.values() if "error" in r), None)
         results[engine] = ({"error": error} if error else
                            {"launch": launches, "runs": runs, "rows": rows_of(engine, runs)})
-    data = {"meta": {"command": "python -m benchmarks.step_vs_context " + shlex.join(
-                         argv if argv is not None else sys.argv[1:]),
+    data = {"meta": {"command": command_line("step-vs-context", argv),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "machine": machine(),
                      "note": f"one request at a time, greedy, fp32, EOS ignored; {fixed.label}; "

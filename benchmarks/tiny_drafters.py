@@ -7,8 +7,8 @@ random: **untrained**, so their acceptance length says nothing about EAGLE-3 or 
 the lossless column still holds (greedy verification keeps the target's output). Each
 drafter's config carries ``"diffspec_untrained": true`` and the driver labels its row.
 
-    python benchmarks/tiny_drafters.py eagle3 --target diffspec/assets/synth-qwen3 --out /tmp/e3
-    python benchmarks/tiny_drafters.py dflash --target diffspec/assets/synth-qwen3 --out /tmp/df
+    python -m benchmarks tiny-drafters eagle3 --target diffspec/assets/synth-qwen3 --out /tmp/e3
+    python -m benchmarks tiny-drafters dflash --target diffspec/assets/synth-qwen3 --out /tmp/df
 
 Layouts (what vLLM 0.32 loads):
 
@@ -165,13 +165,19 @@ def is_untrained(drafter: str | Path | None) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get(UNTRAINED))
 
 
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks import verb_parser  # here: the file also runs as a script
+
+    p = verb_parser("tiny-drafters", __doc__.split("\n\n")[0], formatter_class=argparse.HelpFormatter)
     p.add_argument("kind", choices=[m.name for m in REGISTRY.values() if m.needs_drafter])
     p.add_argument("--target", required=True, help="target checkpoint folder (its config.json)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = build_parser().parse_args(argv)
     build = build_eagle3 if args.kind == "eagle3" else build_dflash
     path = build(args.target, args.out, args.seed)
     print(path)

@@ -1,6 +1,6 @@
 """The same baselines through vLLM's own ``vllm bench serve``, against a running server each.
 
-    python -m benchmarks.vllm_bench_serve --model MODEL --prompts heldout.jsonl \\
+    python -m benchmarks bench-serve --model MODEL --prompts heldout.jsonl \\
         --baselines ar,eagle3:3,orthrus:4 --eagle3-drafter DIR --concurrency 1,4 \\
         --num-prompts 12 --output-len 128 --out DIR
 
@@ -31,6 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks import command_line, verb_parser  # noqa: E402
 
 
 def require_client() -> None:
@@ -78,13 +80,10 @@ def run_client(port: int, model: str, tokenizer: str, prompts: Path, num_prompts
     return data
 
 
-def main(argv: list[str] | None = None) -> int:
-    from benchmarks.adapters.vllm_offline import diffusion_path, speculative_config
-    from benchmarks.baselines import add_drafter_args, drafters_from_args, parse
-    from diffspec.serving import ServerProcess, free_port, vllm_server_command
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks.baselines import add_drafter_args
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_bench_serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = verb_parser("bench-serve", __doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--prompts", required=True, type=Path, help="JSONL rows with 'prompt'")
     p.add_argument("--baselines", default="ar,orthrus")
@@ -96,7 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", required=True, type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.adapters.vllm_offline import diffusion_path, speculative_config
+    from benchmarks.baselines import drafters_from_args, parse
+    from diffspec.serving import ServerProcess, free_port, vllm_server_command
+
+    args = build_parser().parse_args(argv)
     require_client()
     baselines = parse(args.baselines.split(","), args.num_draft_tokens,
                       drafters_from_args(args))
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['baseline']} | {r['concurrency']} | {r['output_throughput']:.1f} | "
                      f"{'n/a' if ratio is None else f'{ratio:.2f}'} | {r['mean_tpot_ms']:.1f} | "
                      f"{r['mean_ttft_ms']:.1f} | {'n/a' if acc is None else f'{acc:.2f}'} |")
-    meta = {"command": "python -m benchmarks.vllm_bench_serve " + shlex.join(argv or sys.argv[1:]),
+    meta = {"command": command_line("bench-serve", argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "nproc": os.cpu_count()}
     (args.out / "bench_serve.json").write_text(json.dumps({"meta": meta, "results": results},
                                                           indent=2) + "\n")

@@ -188,6 +188,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- parser
 
 
+# generate's decoding options: flag, type (or choices), the method it applies to, what it does;
+# the registry's default for the method (``Method.defaults``) closes the help where it has one
+_DECODING_OPTIONS: tuple[tuple[str, Any, str, str], ...] = (
+    ("--block-size", int, "fast_dllm", "tokens per block (default: the checkpoint's, else 32)"),
+    ("--threshold", float, "fast_dllm", "unmask every position with confidence > this (and at "
+     "least the top-1); 1.0 = one token per step"),
+    ("--sub-block-size", int, "fast_dllm", "a block is decoded in sub-blocks of this many slots, "
+     "in order (default: 8 for Fast-dLLM v2, else the block); under --cache dual on a "
+     "block-causal layout each step runs only the sub-block"),
+    ("--cache", ("none", "prefix", "dual"), "fast_dllm", "KV cache mode; "
+     "diffspec/spec_workers/reference/fast_dllm.py says what each recomputes"),
+    ("--attention", ("trained", "block_causal"), "fast_dllm", "the layout: the family's trained "
+     "one, or block_causal, blocks from position 0 with the prompt in them (SGLang's dLLM "
+     "layout: its FastDLLM output equals this one's)"),
+    ("--slot-size", int, "refusion", "tokens per slot, the unit a plan picks and infills; "
+     "max_tokens is rounded up to whole slots; ReFusion checkpoints are trained on 4 / 8 / 16 "
+     "/ 32, and the refusion defaults are GSAI-ML/ReFusion's GSM8K settings in one serial "
+     "block"),
+    ("--num-blocks", int, "refusion", "serial blocks: the response is cut into this many equal "
+     "blocks of whole slots, each planned and infilled before the next starts"),
+    ("--slot-threshold", float, "refusion", "each plan picks every masked slot of the block "
+     "whose first-token probability is > this, else the most likely one"),
+    ("--token-threshold", float, "refusion", "verify keeps a picked slot's first token and its "
+     "drafts up to the first whose causal probability is not > this; the rest are drafted "
+     "again"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from diffspec.methods import METHODS
 
@@ -241,42 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     opts.add_argument("--num-draft-tokens", type=int, default=None,
                       help="drafts per step (ngram: 8; orthrus / linear_self_spec: block_size"
                       " - 1; tidar: one trained branch)")
-    opts.add_argument("--block-size", type=int, default=None,
-                      help="fast_dllm: tokens per block (default: the checkpoint's, else 32)")
-    fast_dllm, refusion = METHODS["fast_dllm"].defaults, METHODS["refusion"].defaults
-    opts.add_argument("--threshold", type=float, default=None,
-                      help="fast_dllm: unmask every position with confidence > this (and at "
-                      "least the top-1); 1.0 = one token per step (default "
-                      f"{fast_dllm['threshold']})")
-    opts.add_argument("--sub-block-size", type=int, default=None,
-                      help="fast_dllm: a block is decoded in sub-blocks of this many slots, "
-                      "in order (default: 8 for Fast-dLLM v2, else the block); under --cache "
-                      "dual on a block-causal layout each step runs only the sub-block")
-    opts.add_argument("--cache", choices=("none", "prefix", "dual"), default=None,
-                      help=f"fast_dllm: KV cache mode (default: {fast_dllm['cache']}; see "
-                      "diffspec/spec_workers/reference/fast_dllm.py for what each recomputes)")
-    opts.add_argument("--attention", choices=("trained", "block_causal"), default=None,
-                      help="fast_dllm: the layout: the family's trained one (default), or "
-                      "block_causal, blocks from position 0 with the prompt in them "
-                      "(SGLang's dLLM layout: its FastDLLM output equals this one's)")
-    opts.add_argument("--slot-size", type=int, default=None,
-                      help="refusion: tokens per slot, the unit a plan picks and infills; "
-                      "max_tokens is rounded up to whole slots (default "
-                      f"{refusion['slot_size']}; ReFusion checkpoints are trained on 4 / 8 / 16 "
-                      "/ 32; the refusion defaults are GSAI-ML/ReFusion's GSM8K settings in "
-                      "one serial block)")
-    opts.add_argument("--num-blocks", type=int, default=None,
-                      help="refusion: serial blocks: the response is cut into this many equal "
-                      "blocks of whole slots, each planned and infilled before the next "
-                      f"starts (default {refusion['num_blocks']})")
-    opts.add_argument("--slot-threshold", type=float, default=None,
-                      help="refusion: each plan picks every masked slot of the block whose "
-                      "first-token probability is > this, else the most likely one (default "
-                      f"{refusion['slot_threshold']})")
-    opts.add_argument("--token-threshold", type=float, default=None,
-                      help="refusion: verify keeps a picked slot's first token and its drafts "
-                      "up to the first whose causal probability is not > this; the rest are "
-                      f"drafted again (default {refusion['token_threshold']})")
+    for flag, kind, method, text in _DECODING_OPTIONS:
+        default = METHODS[method].defaults.get(flag[2:].replace("-", "_"))
+        opts.add_argument(flag, default=None,
+                          **({"choices": kind} if isinstance(kind, tuple) else {"type": kind}),
+                          help=f"{method}: {text}" + ("" if default is None
+                                                      else f" (default {default})"))
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=-1, help="-1 = off")

@@ -381,12 +381,7 @@ def cached_latency_profile(key: Mapping[str, Any], measure: Callable[[], Mapping
         return LatencyProfile(points)
     start = time.perf_counter()
     measured = dict(measure())
-    profile = LatencyProfile(measured)  # refuses an empty or non-positive measurement
+    LatencyProfile(measured)  # refuses an empty or non-positive measurement
     if rank0:
         log(write_cached_profile(key, measured, time.perf_counter() - start))
     return LatencyProfile(share(measured if rank0 else None))
-    start = time.perf_counter()
-    points = dict(measure())
-    profile = LatencyProfile(points)  # refuses an empty or non-positive measurement
-    log(write_cached_profile(key, points, time.perf_counter() - start))
-    return profile

@@ -12,11 +12,13 @@ recorded with its error and the command exits 1. Checks:
   to the threshold), per-row penalties, the quadratic / block-causal masks and the slot
   rules on the device, in fp32 and bf16, against the same inputs on CPU: identical
   decisions.
-* ``tidar_split_attention``: vLLM TiDAR's attention schedule (causal verify, then the
-  branches from the last to the first, each non-causal over the request's paged cache with
-  its K/V written over the slots of its own positions, then the verify K/V written back)
-  against one dense attention under the quadratic mask, on a random paged cache with
-  several requests: same outputs, and the cache left exactly as a plain verify leaves it.
+* ``tidar_split_attention``: vLLM TiDAR's attention schedule as diffspec's code runs it
+  (``TiDARProposer._build_branches`` and ``_QuadraticAttention.forward``: causal verify, then
+  the branches from the last to the first, each non-causal over the request's paged cache
+  with its K/V written over the slots of its own positions, then the verify K/V written
+  back), the backend's metadata and kernel stood in by a paged SDPA, against one dense
+  attention under the quadratic mask, on a random paged cache with several requests in one
+  forward: same outputs, and the cache left exactly as a plain verify leaves it.
 * ``decoders_bf16``: the five reference decoders (orthrus, linear_self_spec, tidar,
   fast_dllm, refusion) on their bundled models, on the device in fp32 (equal to CPU fp32)
   and bf16 (the share of tokens equal to fp32 before the first difference).
@@ -145,10 +147,72 @@ def _attend(q, k, v, mask):  # q [T, H, D], k/v [S, H, D], mask [T, S] bool
     return out.transpose(0, 1)
 
 
+class _PagedSDPA:
+    """Stands in for a vLLM attention layer and its backend kernel (the one part of the
+    TiDAR schedule this check does not run): writes the call's K/V into the paged cache at
+    the forward context's slot mapping, then attends each request's query rows over its
+    slots as the context's metadata lists them (causal from an offset, or not at all)."""
+
+    layer_name = "layer.0"
+
+    def __init__(self, k_cache, v_cache, heads: int, dim: int, context) -> None:
+        self.k_cache, self.v_cache, self.context = k_cache, v_cache, context
+        self.num_heads = self.num_kv_heads = heads
+        self.head_size = self.head_size_v = dim
+
+    def __call__(self, query, key, value):
+        name, shape = self.layer_name, (-1, self.num_heads, self.head_size)
+        self.update(key.view(shape), value.view(shape), name)
+        out = torch.empty(query.shape[0], self.num_heads, self.head_size,
+                          dtype=query.dtype, device=query.device)
+        q = query.view(shape)
+        for rows, seen, offset in self.context.attn_metadata[name]:
+            mask = None if offset is None else torch.ones(
+                rows.stop - rows.start, len(seen), dtype=torch.bool, device=q.device).tril(offset)
+            out[rows] = _attend(q[rows], self.k_cache[seen], self.v_cache[seen], mask)
+        return out.view(query.shape[0], -1)
+
+    def update(self, key, value, name) -> None:  # vLLM's unified_kv_cache_update
+        slots = self.context.slot_mapping[name]
+        self.k_cache[slots], self.v_cache[slots] = key, value
+
+
+def _vllm_stand_ins(layer: _PagedSDPA):
+    """The two vLLM names ``_QuadraticAttention.forward`` imports (its forward context and
+    KV-cache write), as modules in ``sys.modules`` for the duration of a call: this
+    check needs no vLLM."""
+    import types
+    from unittest import mock
+
+    forward_context = types.ModuleType("vllm.forward_context")
+    forward_context.get_forward_context = lambda: layer.context
+    attention = types.ModuleType("vllm.model_executor.layers.attention.attention")
+    attention.unified_kv_cache_update = layer.update
+    modules = {"vllm.forward_context": forward_context,
+               "vllm.model_executor.layers.attention.attention": attention}
+    for parent in ("vllm", "vllm.model_executor", "vllm.model_executor.layers",
+                   "vllm.model_executor.layers.attention"):
+        if parent not in sys.modules:
+            modules[parent] = types.ModuleType(parent)
+    return mock.patch.dict(sys.modules, modules)
+
+
 def check_tidar_split_attention(device: torch.device, quick: bool) -> dict:
-    """vLLM TiDAR's schedule (diffspec/spec_workers/vllm/tidar.py ``_QuadraticAttention``)
-    against the dense quadratic mask, on a paged cache shared by several requests."""
+    """vLLM TiDAR's attention schedule, run by diffspec's own code: the branch layout and
+    order of ``TiDARProposer._build_branches`` and ``_QuadraticAttention.forward``
+    (diffspec/spec_workers/vllm/tidar.py: the runner's causal verify, the branches
+    ``a = n .. 0`` with their metadata and slot mappings swapped in, the verify K/V of
+    ``d_1 .. d_n`` written back), over one paged cache shared by several requests in one
+    forward, against one dense attention per request under the quadratic mask. Stood in:
+    the backend's metadata (``non_causal_blocks``, built here from the block tables) and its
+    kernel (:class:`_PagedSDPA`); a GPU engine run checks those."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import numpy as np
+
     from diffspec.core.masks import quadratic_mask
+    from diffspec.spec_workers.vllm import proposer, tidar
 
     gen = torch.Generator().manual_seed(1)
     heads, dim, page = 4, 32, 16
@@ -162,54 +226,86 @@ def check_tidar_split_attention(device: torch.device, quick: bool) -> dict:
         k_cache = torch.randn(num_pages * page, heads, dim, generator=gen).to(dtype).to(device)
         v_cache = torch.randn(num_pages * page, heads, dim, generator=gen).to(dtype).to(device)
         pages = torch.randperm(num_pages, generator=gen).tolist()
-        tables, step = [], []
+        tables = []
         for c, n, k in requests:
             need = (c + n + 1 + k + page - 1) // page
             tables.append(torch.tensor(pages[:need]))
             pages = pages[need:]
-            t = (n + 1) * (1 + k)
-            step.append([torch.randn(t, heads, dim, generator=gen).to(dtype).to(device)
-                         for _ in range(3)])  # q, k, v of the step's tokens
         untouched = torch.tensor(pages) if pages else torch.tensor([], dtype=torch.long)
 
-        def slots(table, positions):  # pool slots of positions
+        def slots(row, positions):  # pool slots of request ``row``'s positions
             positions = torch.as_tensor(positions)
-            return (table[positions // page] * page + positions % page).to(device)
+            return (tables[row][positions // page] * page + positions % page).to(device)
+
+        # the runner's verify layout (request by request) and the step's plans
+        verify_lens = [n + 1 for _, n, _ in requests]
+        query_start = np.concatenate([[0], np.cumsum(verify_lens)]).astype(np.int32)
+        num_verify = int(query_start[-1])
+        plans = [tidar.BranchPlan(row=r, anchor=c, num_drafts=n, num_masks=k)
+                 for r, (c, n, k) in enumerate(requests)]
+
+        def blocks(runner, rows, starts, lengths, method):  # the backend's metadata
+            bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            meta = [(slice(int(bounds[i]), int(bounds[i + 1])),
+                     slots(row, range(start + int(lengths[i]))), None)
+                    for i, (row, start) in enumerate(zip(rows, starts))]
+            positions = torch.cat([torch.arange(s, s + int(n)) for s, n in zip(starts, lengths)])
+            mapping = torch.cat([slots(row, range(s, s + int(n)))
+                                 for row, s, n in zip(rows, starts, lengths)])
+            return proposer.NonCausalBlocks({_PagedSDPA.layer_name: meta}, mapping,
+                                            positions.to(device), bounds)
+
+        drafter = SimpleNamespace(mask_token_id=0, method="tidar")
+        runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=query_start), device=device)
+        with mock.patch.object(tidar, "non_causal_blocks", blocks):
+            branches = tidar.TiDARProposer._build_branches(drafter, runner, plans, num_verify)
+        total = num_verify + len(branches.positions)
+        q, kk, vv = (torch.randn(total, heads * dim, generator=gen).to(dtype).to(device)
+                     for _ in range(3))
+
+        def rows_of(r):  # request r's rows of the forward, in the quadratic mask's order
+            c, n, k = requests[r]
+            verify = list(range(query_start[r], query_start[r + 1]))
+            return verify + [num_verify + branches.offsets[(r, a)] + i
+                             for a in range(n + 1) for i in range(k)]
 
         before = (k_cache.clone(), v_cache.clone())
+        dense = []
+        for r, (c, n, k) in enumerate(requests):
+            mask, _ = quadratic_mask(c, n, k, device=device)
+            index, prefix = torch.tensor(rows_of(r), device=device), slots(r, range(c))
+            keys = torch.cat([k_cache[prefix], kk[index].view(-1, heads, dim)])
+            values = torch.cat([v_cache[prefix], vv[index].view(-1, heads, dim)])
+            dense.append(_attend(q[index].view(-1, heads, dim), keys, values, mask))
+        # the verify: causal over each request's cache and its own tokens
+        context = SimpleNamespace(
+            attn_metadata={_PagedSDPA.layer_name: [
+                (slice(int(query_start[r]), int(query_start[r + 1])),
+                 slots(r, range(c + n + 1)), c) for r, (c, n, _) in enumerate(requests)]},
+            slot_mapping={_PagedSDPA.layer_name: torch.cat(
+                [slots(r, range(c, c + n + 1)) for r, (c, n, _) in enumerate(requests)])})
+        layer = _PagedSDPA(k_cache, v_cache, heads, dim, context)
+        with _vllm_stand_ins(layer):
+            out = tidar._QuadraticAttention(layer, num_verify, branches).forward(q, kk, vv)
         worst = 0.0
-        for r, ((c, n, k), table, (q, kk, vv)) in enumerate(zip(requests, tables, step)):
-            # dense reference: [prefix from the cache, step tokens] under the quadratic mask
-            mask, positions = quadratic_mask(c, n, k, device=device)
-            prefix = slots(table, range(c))
-            keys = torch.cat([k_cache[prefix], kk])
-            values = torch.cat([v_cache[prefix], vv])
-            dense = _attend(q, keys, values, mask)
-            # split: verify causally over the cache, then branches a = n .. 0 non-causally
-            split = torch.empty_like(dense)
-            verify = slots(table, range(c, c + n + 1))
-            k_cache[verify], v_cache[verify] = kk[: n + 1], vv[: n + 1]
-            seen = slots(table, range(c + n + 1))
-            causal = torch.ones(n + 1, c + n + 1, dtype=torch.bool, device=device).tril(c)
-            split[: n + 1] = _attend(q[: n + 1], k_cache[seen], v_cache[seen], causal)
-            for a in range(n, -1, -1):
-                rows = slice(n + 1 + a * k, n + 1 + (a + 1) * k)
-                own = slots(table, range(c + a + 1, c + a + 1 + k))
-                k_cache[own], v_cache[own] = kk[rows], vv[rows]
-                reach = slots(table, range(c + a + 1 + k))
-                split[rows] = _attend(q[rows], k_cache[reach], v_cache[reach], None)
-            # write the verify K/V of d_1 .. d_n back (the branches overwrote them)
-            k_cache[verify], v_cache[verify] = kk[: n + 1], vv[: n + 1]
-            err = float((split.float() - dense.float()).abs().max())
+        for r, (c, n, k) in enumerate(requests):
+            split = out[torch.tensor(rows_of(r), device=device)].view(-1, heads, dim)
+            err = float((split.float() - dense[r].float()).abs().max())
             worst = max(worst, err)
             assert err <= tol, f"{name} request {r}: split vs dense max error {err}"
             # the cache: prefix untouched, verify tokens in their slots (as a plain verify)
+            prefix, verify = slots(r, range(c)), slots(r, range(c, c + n + 1))
             assert torch.equal(k_cache[prefix], before[0][prefix])
-            assert torch.equal(k_cache[verify], kk[: n + 1])
+            rows = slice(int(query_start[r]), int(query_start[r + 1]))
+            assert torch.equal(k_cache[verify], kk[rows].view(-1, heads, dim)), \
+                f"{name} request {r}: the verify K/V are not in their slots after the step"
         if len(untouched):  # pages of no request: never written
             free = torch.cat([torch.arange(p * page, (p + 1) * page) for p in untouched.tolist()])
             assert torch.equal(k_cache[free.to(device)], before[0][free.to(device)])
-        figures[name] = {"requests": requests, "max_abs_error": worst, "tolerance": tol}
+        figures[name] = {"requests": requests, "max_abs_error": worst, "tolerance": tol,
+                         "ran": "diffspec's TiDARProposer._build_branches and "
+                                "_QuadraticAttention.forward; stood in: backend metadata "
+                                "and kernel (paged SDPA)"}
     return figures
 
 

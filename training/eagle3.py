@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from diffspec.train import TrainConfig, fit, warn_slow_autocast
+from diffspec.train import TrainConfig, fit, log_to_stderr, torch_threads, warn_slow_autocast
 from diffspec.train.data import (
     Row,
     StepBatches,
@@ -617,7 +617,7 @@ def train_eagle3(
     :func:`diffspec.train.fit`."""
     from diffspec.core.checkpoint import resolve_checkpoint
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or log_to_stderr
     if ttt_steps < 1:
         raise ValueError("ttt_steps must be >= 1")
     given, base = str(base), resolve_checkpoint(base)
@@ -625,18 +625,14 @@ def train_eagle3(
     run = ResumableRun.open(out, resume=resume, max_cpu_s=max_cpu_s, command=command,
                             total_steps=cfg.steps, deadline=deadline)
     state = run.state
-    if state is not None:
-        saved = state["settings"]
-        aux_layer_ids, draft_vocab_size = saved["aux_layer_ids"], saved["draft_vocab_size"]
-        ttt_steps, ttt_decay = saved["ttt_steps"], saved["ttt_decay"]
-        freeze_lm_head, fc_init = saved["freeze_lm_head"], saved["fc_init"]
-        fc_norm = saved["fc_norm"]
-        autocast_bf16 = saved.get("autocast_bf16", False)
+    aux_layer_ids, draft_vocab_size, ttt_steps, ttt_decay, freeze_lm_head, fc_init, fc_norm = \
+        run.resumed(aux_layer_ids=aux_layer_ids, draft_vocab_size=draft_vocab_size,
+                    ttt_steps=ttt_steps, ttt_decay=ttt_decay, freeze_lm_head=freeze_lm_head,
+                    fc_init=fc_init, fc_norm=fc_norm)
+    if state is not None:  # a run saved before autocast was a setting ran without it
+        autocast_bf16 = state["settings"].get("autocast_bf16", False)
     warn_slow_autocast(autocast_bf16, str(device), log)
-    previous_threads = torch.get_num_threads()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    try:
+    with torch_threads(cfg.num_threads):
         torch.manual_seed(cfg.seed)
         target_config = json.loads((base / "config.json").read_text())
         spec = DrafterSpec.from_target(target_config, aux_layer_ids=aux_layer_ids,
@@ -645,8 +641,7 @@ def train_eagle3(
         target = TargetFeatures.load(base, spec.aux_layer_ids, device)
 
         # data: on resume, exactly the files (and rows) of the first session
-        files = ([Path(f) for f in state["data"]["files"]] if state is not None
-                 else data_files(data))
+        files = run.files(lambda: data_files(data))
         synthetic = (state["data"]["synthetic"] if state is not None
                      else list(data) == ["synthetic"])
         rows, data_stats = load_rows(
@@ -661,9 +656,7 @@ def train_eagle3(
                      "files": [str(f) for f in files],
                      "files_sha256": files_sha256(files) if files else None,
                      **data_stats}
-        if state is not None and state["data"]["rows_sha256"] != data_info["rows_sha256"]:
-            raise ValueError("--resume: the data rows differ from the first session's "
-                             "(a data file changed)")
+        run.check_rows(data_info["rows_sha256"])
         if state is not None and not synthetic and data_files(data) != files:
             log(f"resume: reading the first session's {len(files)} files only "
                 f"({len(data_files(data)) - len(files)} newer files ignored)")
@@ -779,11 +772,7 @@ def train_eagle3(
                 measure()
             if save_every and done % save_every == 0 and done < cfg.steps:
                 save()
-            if done < cfg.steps and run.over_budget():
-                log(f"stopping after step {step}: {run.budget_note()} (continue with "
-                    f"--resume and a larger budget)")
-                return True
-            return False
+            return run.stops_after(step, cfg.steps, log)
 
         def format_step(step: int, entry: dict[str, float]) -> str:
             accs = " ".join(f"{entry.get(f'acc_{k}', float('nan')):.3f}"
@@ -791,8 +780,7 @@ def train_eagle3(
             chains = " ".join(f"{entry.get(f'chain_{k}', float('nan')):.3f}"
                               for k in range(ttt_steps))
             return (f"step {step:5d}/{cfg.steps}  loss {entry['loss']:.4f}  acc {accs}  chain "
-                    f"{chains}  lr {entry['lr']:.2e}  {run.session_rate():.0f} tok/s  "
-                    f"{run.cpu_time_s / 60:.1f} CPU-min  ETA {run.eta_s(cfg.steps) / 60:.0f} min")
+                    f"{chains}  lr {entry['lr']:.2e}  {run.pace_note(cfg.steps)}")
 
         if run.step == 0:
             measure()  # the untrained drafter: the curve's first point
@@ -804,8 +792,6 @@ def train_eagle3(
         save()
         drafter.eval()
         return Eagle3Result(drafter, out, record(), run.history)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlparse
@@ -37,29 +38,34 @@ def _counters(base: str) -> SpecDecodeCounters:
     return spec_decode_counters(http_get(base + "/metrics"))
 
 
+def _event_stream(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """POST ``body`` as JSON and yield each server-sent event's JSON (``data: ...``) until
+    ``data: [DONE]`` or the end of the stream."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+
+
 def stream_completion(base: str, model: str, prompt: list[int], max_tokens: int) -> Completion:
     """One greedy streaming request; TTFT is the time to the first chunk carrying tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
-    request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     token_ids: list[int] = []
     ttft, usage_tokens = None, None
     start = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            for choice in chunk.get("choices") or []:
-                ids = choice.get("token_ids") or []
-                if (ids or choice.get("text")) and ttft is None:
-                    ttft = time.perf_counter() - start
-                token_ids.extend(ids)
-            if chunk.get("usage"):
-                usage_tokens = chunk["usage"].get("completion_tokens")
+    for chunk in _event_stream(base + "/v1/completions", body):
+        for choice in chunk.get("choices") or []:
+            ids = choice.get("token_ids") or []
+            if (ids or choice.get("text")) and ttft is None:
+                ttft = time.perf_counter() - start
+            token_ids.extend(ids)
+        if chunk.get("usage"):
+            usage_tokens = chunk["usage"].get("completion_tokens")
     latency = time.perf_counter() - start
     if usage_tokens is not None and len(token_ids) != usage_tokens:
         raise RuntimeError(f"server streamed {len(token_ids)} token ids but reports "
@@ -71,19 +77,12 @@ def stream_generate(base: str, prompt: list[int], max_tokens: int) -> Completion
     """One greedy streaming request to SGLang's ``/generate``; counters from ``meta_info``."""
     body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens}}
-    request = urllib.request.Request(base + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     chunks, ttft = [], None
     start = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if ttft is None and chunk.get("output_ids"):
-                ttft = time.perf_counter() - start
-            chunks.append(chunk)
+    for chunk in _event_stream(base + "/generate", body):
+        if ttft is None and chunk.get("output_ids"):
+            ttft = time.perf_counter() - start
+        chunks.append(chunk)
     latency = time.perf_counter() - start
     meta = chunks[-1]["meta_info"]
     last = list(chunks[-1].get("output_ids") or [])

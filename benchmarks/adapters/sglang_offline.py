@@ -8,10 +8,12 @@ a test harness, never part of what users install."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,36 @@ METHODS = engine_methods("sglang")
 # entries; the entry's flag says which)
 ALGORITHMS = {m.name: m.sglang.name for m in REGISTRY.values() if m.sglang is not None}
 BASE_KWARGS: dict[str, Any] = {"random_seed": 0, "log_level": "error"}
+
+
+def add_sglang_args(p: argparse.ArgumentParser) -> None:
+    """The options every benchmark that starts SGLang takes: its interpreter (SGLang pins its
+    own torch, so it lives in its own environment) and the CPU test harness."""
+    p.add_argument("--sglang-python", default=None,
+                   help="interpreter of an environment with SGLang (default: this one; with "
+                   "--sglang-cpu-harness: the harness's, DIFFSPEC_SGLANG_PYTHON)")
+    p.add_argument("--sglang-cpu-harness", action="store_true",
+                   help="run SGLang on a CPU-only machine through the test harness "
+                   "tests/engine/sglang_cpu.py (libcuda stub, CPU engine arguments; never "
+                   "installed)")
+
+
+def sglang_runtime(args: argparse.Namespace) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """From :func:`add_sglang_args`' options: the SGLang interpreter, the whole environment
+    to run it in and extra engine arguments (none, or the CPU harness's: a test-tier module,
+    imported only on request)."""
+    if not args.sglang_cpu_harness:
+        return args.sglang_python or sys.executable, dict(os.environ), {}
+    try:
+        from tests.engine import sglang_cpu
+    except ImportError as e:
+        raise SystemExit(f"--sglang-cpu-harness needs tests/engine/sglang_cpu.py ({e}): run "
+                         "from a checkout") from e
+    python = args.sglang_python or sglang_cpu.sglang_python()
+    if python is None:
+        raise SystemExit("Pass --sglang-python or set DIFFSPEC_SGLANG_PYTHON: the SGLang CPU "
+                         "harness found no SGLang interpreter")
+    return python, sglang_cpu.sglang_cpu_env(python), dict(sglang_cpu.SGLANG_CPU_ENGINE_KWARGS)
 
 
 def engine_kwargs(b: Baseline, max_model_len: int, dtype: str = "float32",
@@ -82,7 +114,7 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
     ``python``, with ``env`` added to the environment (the CPU harness's)."""
     runs = [{"name": b.label, "engine": engine_kwargs(b, max_model_len, dtype, extra_kwargs),
              "count_forwards": _dllm(b)} for b in baselines]
-    from benchmarks.adapters.sglang_worker import RESULT_PREFIX
+    from benchmarks.adapters.sweep import RESULT_PREFIX
 
     results, logs, version = {}, {}, "?"
     for run_ in runs:  # one process per engine: a failing SGLang child SIGQUITs its parent

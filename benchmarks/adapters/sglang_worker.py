@@ -18,24 +18,22 @@ scheduler process (:mod:`diffspec.testing.sglang_forwards`).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-from diffspec.serving import spec_decode_counters_from_sglang
-from diffspec.testing.sglang_forwards import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository
+
+from benchmarks.adapters.sweep import RESULT_PREFIX, run_each, system_tokens_per_s  # noqa: E402
+from diffspec.serving import spec_decode_counters_from_sglang  # noqa: E402
+from diffspec.testing.sglang_forwards import (  # noqa: E402
     FORWARD_COUNT_ENV,
     forward_counts,
     install_forward_counter,
 )
-
-RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
-RUN_MARKER = "DIFFSPEC_BENCH_RUN "
 
 
 def _params(max_tokens: int, ignore_eos: bool) -> dict:
@@ -83,17 +81,12 @@ def _serve(engine, prompts: list[list[int]], max_tokens: int, concurrency: list[
         per_pos += [0] * (len(request_per_pos) - len(per_pos))
         for pos, accepted in enumerate(request_per_pos):
             per_pos[pos] += int(accepted)
-    tokens = sum(len(c["token_ids"]) for c in completions)
-    system = {1: tokens / sum(c["latency_s"] for c in completions)}
-    for c in concurrency:
-        if c <= 1:
-            continue
-        start, tokens = time.perf_counter(), 0
-        for i in range(0, len(prompts), c):
-            outs = engine.generate(input_ids=prompts[i:i + c],
-                                   sampling_params=[params] * len(prompts[i:i + c]))
-            tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
-        system[c] = tokens / (time.perf_counter() - start)
+
+    def serve_wave(wave: list[list[int]]) -> int:
+        outs = engine.generate(input_ids=wave, sampling_params=[params] * len(wave))
+        return sum(o["meta_info"]["completion_tokens"] for o in outs)
+
+    system = system_tokens_per_s(completions, prompts, concurrency, serve_wave)
     return {"completions": completions, "system_tokens_per_s": system, "accepted_per_pos": per_pos}
 
 
@@ -114,39 +107,25 @@ def _batch(engine):
 
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
-    mode = job.get("mode", "serve")  # serve | waves | steps (benchmarks/adapters/sweep.py)
     import sglang
 
-    runs = {}
-    for run in job["runs"]:
-        engine = None
-        print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
-        counts = tempfile.mkdtemp(prefix="diffspec-forwards-") if run.get("count_forwards") \
-            else None
-        try:  # one failing baseline must not stop the rest
-            if counts:  # inherited by the engine's (spawned) scheduler process
-                os.environ[FORWARD_COUNT_ENV] = counts
-            try:
-                engine = sglang.Engine(model_path=job["model"], **run["engine"])
-            finally:
-                os.environ.pop(FORWARD_COUNT_ENV, None)
-            if mode == "serve":
-                runs[run["name"]] = _serve(engine, job["prompts"], job["max_tokens"],
-                                            job["concurrency"], job.get("ignore_eos", False),
-                                            counts)
-            else:
-                sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-                from benchmarks.adapters.sweep import run_job
+    counts: dict[str, str | None] = {}  # run -> the folder its forwards are counted in
 
-                runs[run["name"]] = run_job(mode, _batch(engine), job)
-        except Exception as e:  # noqa: BLE001 - reported in the run's row
-            runs[run["name"]] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            print(f"run {run['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)
+    def start(run: dict) -> sglang.Engine:
+        counts[run["name"]] = folder = (tempfile.mkdtemp(prefix="diffspec-forwards-")
+                                        if run.get("count_forwards") else None)
+        if folder:  # inherited by the engine's (spawned) scheduler process
+            os.environ[FORWARD_COUNT_ENV] = folder
+        try:
+            return sglang.Engine(model_path=job["model"], **run["engine"])
         finally:
-            if engine is not None:
-                engine.shutdown()
-        del engine
-        gc.collect()
+            os.environ.pop(FORWARD_COUNT_ENV, None)
+
+    def serve(engine: sglang.Engine, run: dict) -> dict:
+        return _serve(engine, job["prompts"], job["max_tokens"], job["concurrency"],
+                      job.get("ignore_eos", False), counts[run["name"]])
+
+    runs = run_each(job, start, serve, _batch, stop=lambda engine: engine.shutdown())
     print(RESULT_PREFIX + json.dumps({"runs": runs, "engine_version": sglang.__version__}),
           flush=True)
 

@@ -1,5 +1,7 @@
-"""Engine-free loops of the load benchmarks, shared by ``vllm_worker.py`` and
-``sglang_worker.py`` (each passes its engine's batch call): a concurrency sweep in waves
+"""Engine-free loops of the offline workers, shared by ``vllm_worker.py`` and
+``sglang_worker.py`` (each passes its engine's calls): every run of a job on its own engine
+(:func:`run_each`, the result line after ``RESULT_PREFIX``), the serve mode's system tokens/s
+(:func:`system_tokens_per_s`), and for the load benchmarks a concurrency sweep in waves
 (:func:`waves`), the same over several prompt sets with each row written as it finishes
 (:func:`set_waves`, ``benchmarks/serve_tables.py``'s offline cells), AR step times by
 batch size (:func:`step_times`) and step times by context length (:func:`context_steps`).
@@ -12,12 +14,17 @@ token ids and the spec-decode counters of the call (``{"drafts", "draft_tokens",
 
 from __future__ import annotations
 
+import gc
+import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 Generate = Callable[[list[list[int]], int], tuple[list[list[int]], dict[str, int]]]
 COUNTERS = ("drafts", "draft_tokens", "accepted")
+RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "  # a worker's one stdout line: the JSON after it
+RUN_MARKER = "DIFFSPEC_BENCH_RUN "  # on stderr before each run: its log is the slice after it
 
 
 def pick(prompts: Sequence[list[int]], n: int) -> list[list[int]]:
@@ -157,6 +164,24 @@ def context_steps(generate: Generate, prompt: Sequence[int], contexts: Sequence[
     return rows
 
 
+def system_tokens_per_s(completions: Sequence[dict[str, Any]], prompts: Sequence[list[int]],
+                        concurrency: Sequence[int],
+                        serve_wave: Callable[[list[list[int]]], int]) -> dict[int, float]:
+    """System tokens/s by concurrency, for a worker's ``"serve"`` mode: at 1 from the
+    ``completions`` served one at a time (their ``token_ids`` and ``latency_s``), at each
+    c > 1 the prompts served in waves of c (``serve_wave(prompts) -> output tokens``)."""
+    tokens = sum(len(c["token_ids"]) for c in completions)
+    system = {1: tokens / sum(c["latency_s"] for c in completions)}
+    for c in concurrency:
+        if c <= 1:
+            continue
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), c):
+            tokens += serve_wave(list(prompts[i:i + c]))
+        system[c] = tokens / (time.perf_counter() - start)
+    return system
+
+
 def run_job(mode: str, generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
     """A worker job's ``mode``: ``"waves"``, ``"set_waves"``, ``"steps"`` or ``"context"``
     (after one warm-up call)."""
@@ -182,3 +207,32 @@ def run_job(mode: str, generate: Generate, job: dict[str, Any]) -> dict[str, Any
                                          job.get("step_repeats", 2),
                                          os.environ.get("DIFFSPEC_DRAFT_TIMINGS"))}
     raise ValueError(f"unknown job mode {mode!r} (serve, waves, set_waves, steps, context)")
+
+
+def run_each(job: dict[str, Any], start: Callable[[dict[str, Any]], Any],
+             serve: Callable[[Any, dict[str, Any]], dict[str, Any]],
+             batch: Callable[[Any], Generate],
+             stop: Callable[[Any], None] = lambda engine: None) -> dict[str, Any]:
+    """A worker's loop: each of ``job["runs"]`` in turn on an engine of its own (``start(run)``,
+    ``stop(engine)`` after it), measured by ``serve(engine, run)`` (mode ``"serve"``) or by
+    :func:`run_job` on ``batch(engine)``. A run that fails becomes ``{"error": ...}`` (its
+    traceback on stderr) and the others still run; ``RUN_MARKER`` on stderr opens each
+    run's log."""
+    mode = job.get("mode", "serve")  # serve | waves | set_waves | steps | context
+    runs: dict[str, Any] = {}
+    for run in job["runs"]:
+        engine = None
+        print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
+        try:  # one failing baseline (e.g. a drafter a CPU engine cannot run) must not stop the rest
+            engine = start(run)
+            runs[run["name"]] = (serve(engine, run) if mode == "serve"
+                                 else run_job(mode, batch(engine), job))
+        except Exception as e:  # noqa: BLE001 - reported in the run's row
+            runs[run["name"]] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"run {run['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        finally:
+            if engine is not None:
+                stop(engine)
+        del engine
+        gc.collect()
+    return runs

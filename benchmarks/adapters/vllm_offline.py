@@ -103,7 +103,7 @@ def run(baselines: list[Baseline], model: str | Path, prompts: list[list[int]],
                               text=True, timeout=timeout_s, check=False,
                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
                                    os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
-    from benchmarks.adapters.vllm_worker import RESULT_PREFIX, RUN_MARKER
+    from benchmarks.adapters.sweep import RESULT_PREFIX, RUN_MARKER
 
     lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:

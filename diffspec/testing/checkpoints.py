@@ -103,38 +103,22 @@ def default_words(n: int = 200) -> list[str]:
 # ---------------------------------------------------------------------------- writers
 
 
-def write_qwen3(
-    path: str | Path,
-    *,
-    seed: int = 0,
-    dtype: str = "float32",
-    eos_as_list: bool = False,
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_qwen3(path: str | Path, *, seed: int = 0, dtype: str = "float32",
+                eos_as_list: bool = False, words: Sequence[str] | None = None,
+                **overrides: Any) -> Path:
     """Stock ``Qwen3ForCausalLM`` (the Orthrus / ReFusion base), untied LM head like Qwen3-8B."""
     path = _prepare(path)
     sizes = _sizes(overrides)
     ids = _write_qwen_tokenizer(path, {}, sizes["vocab_size"], words)
     config = _qwen3_config(sizes, ids, dtype, eos_as_list)
     tensors = _qwen3_tensors(sizes, seed, tie=_tie(config, overrides))
-    _finish(path, config, tensors, dtype, overrides, _qwen3_generation_config(ids))
-    return path
+    return _finish(path, config, tensors, dtype, overrides, _qwen3_generation_config(ids))
 
 
-def write_orthrus(
-    path: str | Path,
-    *,
-    model_type: str = "qwen3",
-    architecture: str = "OrthrusLM",
-    eos_as_list: bool = False,
-    block_size: int = 32,
-    diff_noise: float = ORTHRUS_DIFF_NOISE,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_orthrus(path: str | Path, *, model_type: str = "qwen3", architecture: str = "OrthrusLM",
+                  eos_as_list: bool = False, block_size: int = 32,
+                  diff_noise: float = ORTHRUS_DIFF_NOISE, seed: int = 0, dtype: str = "float32",
+                  words: Sequence[str] | None = None, **overrides: Any) -> Path:
     """Orthrus (``chiennv/Orthrus-Qwen3-*``): the base Qwen3 plus ``q/k/v/o_proj_diff`` and
     ``q/k_norm_diff`` per layer.
 
@@ -142,8 +126,6 @@ def write_orthrus(
     sizes; each ``*_diff`` tensor is its AR counterpart plus N(0, ``diff_noise``^2) noise
     drawn from ``seed + 1``.
     """
-    import torch
-
     path = _prepare(path)
     sizes = _sizes(overrides)
     ids = _write_qwen_tokenizer(path, {7: "<|mask|>"}, sizes["vocab_size"], words, mask="<|mask|>")
@@ -157,25 +139,14 @@ def write_orthrus(
         mask_token_id=ids["<|mask|>"],
     )
     tensors = _qwen3_tensors(sizes, seed, tie=_tie(config, overrides))
-    generator = torch.Generator().manual_seed(seed + 1)
-    for i in range(sizes["num_hidden_layers"]):
-        prefix = f"model.layers.{i}.self_attn."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-            ar = tensors[f"{prefix}{name}.weight"]
-            noise = torch.randn(ar.shape, generator=generator, dtype=ar.dtype) * diff_noise
-            tensors[f"{prefix}{name}_diff.weight"] = ar + noise
-    _finish(path, config, tensors, dtype, overrides, _qwen3_generation_config(ids))
-    return path
+    _add_diff_tensors(tensors, sizes["num_hidden_layers"],
+                      ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"), seed,
+                      diff_noise)
+    return _finish(path, config, tensors, dtype, overrides, _qwen3_generation_config(ids))
 
 
-def write_refusion(
-    path: str | Path,
-    *,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_refusion(path: str | Path, *, seed: int = 0, dtype: str = "float32",
+                   words: Sequence[str] | None = None, **overrides: Any) -> Path:
     """ReFusion (``GSAI-ML/ReFusion``): a stock causal Qwen3 whose tokenizer adds
     ``<|beginoftext|>`` and ``<|mask|>``, the latter named by ``config.mask_token_id``."""
     path = _prepare(path)
@@ -185,22 +156,12 @@ def write_refusion(
     config = _qwen3_config(sizes, ids, dtype, eos_as_list=False)
     config["mask_token_id"] = ids["<|mask|>"]
     tensors = _qwen3_tensors(sizes, seed, tie=_tie(config, overrides))
-    _finish(path, config, tensors, dtype, overrides, _qwen3_generation_config(ids))
-    return path
+    return _finish(path, config, tensors, dtype, overrides, _qwen3_generation_config(ids))
 
 
-def write_nld(
-    path: str | Path,
-    *,
-    with_lora: bool = True,
-    lora_rank: int = 8,
-    lora_alpha: int = 32,
-    block_size: int = 32,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_nld(path: str | Path, *, with_lora: bool = True, lora_rank: int = 8, lora_alpha: int = 32,
+              block_size: int = 32, seed: int = 0, dtype: str = "float32",
+              words: Sequence[str] | None = None, **overrides: Any) -> Path:
     """Nemotron-Labs-Diffusion (``nvidia/Nemotron-Labs-Diffusion-8B``): a Ministral3
     backbone under ``encoder.*`` and an untied ``diffusion_head.weight``.
 
@@ -284,14 +245,8 @@ def write_nld(
     return path
 
 
-def write_llada(
-    path: str | Path,
-    *,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_llada(path: str | Path, *, seed: int = 0, dtype: str = "float32",
+                words: Sequence[str] | None = None, **overrides: Any) -> Path:
     """LLaDA (``GSAI-ML/LLaDA-8B-Instruct``): OLMo-style config (``d_model``, ``n_layers``)
     and ``model.transformer.{wte,blocks.N.*,ln_f,ff_out}`` tensors; mask ``<|mdm_mask|>``."""
     import torch
@@ -381,18 +336,11 @@ def write_llada(
         )
     tensors["model.transformer.ln_f.weight"] = torch.ones(d)
     tensors["model.transformer.ff_out.weight"] = normal(vocab, d)
-    _finish(path, config, tensors, dtype, overrides, generation=None)
-    return path
+    return _finish(path, config, tensors, dtype, overrides, generation=None)
 
 
-def write_dream(
-    path: str | Path,
-    *,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_dream(path: str | Path, *, seed: int = 0, dtype: str = "float32",
+                words: Sequence[str] | None = None, **overrides: Any) -> Path:
     """Dream (``Dream-org/Dream-v0-Instruct-7B``): Qwen2.5 tensors (q/k/v biases) under
     ``architectures: ["DreamModel"]``, ``model_type: "Dream"``; mask ``<|mask|>``."""
     path = _prepare(path)
@@ -402,36 +350,21 @@ def write_dream(
         path, specials, sizes["vocab_size"], words, eos="<|endoftext|>", mask="<|mask|>"
     )
     config = {
+        **_qwen_family_keys(sizes, dtype),
         "architectures": ["DreamModel"],
-        "attention_dropout": 0.0,
         "auto_map": {
             "AutoConfig": "configuration_dream.DreamConfig",
             "AutoModel": "modeling_dream.DreamModel",
         },
         "bos_token_id": ids["<|beginoftext|>"],
         "eos_token_id": ids["<|endoftext|>"],
-        "hidden_act": "silu",
-        "hidden_size": sizes["hidden_size"],
-        "initializer_range": 0.02,
-        "intermediate_size": sizes["intermediate_size"],
         "mask_token_id": ids["<|mask|>"],
         "max_position_embeddings": 131072,
         "max_window_layers": 28,
         "model_type": "Dream",
-        "num_attention_heads": sizes["num_attention_heads"],
-        "num_hidden_layers": sizes["num_hidden_layers"],
-        "num_key_value_heads": sizes["num_key_value_heads"],
         "pad_token_id": ids["<|endoftext|>"],
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 1000000.0,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
         "transformers_version": "4.46.2",
         "use_cache": False,
-        "use_sliding_window": False,
-        "vocab_size": sizes["vocab_size"],
     }
     tensors = _qwen2_tensors(sizes, seed)
     generation = {
@@ -439,20 +372,12 @@ def write_dream(
         "eos_token_id": ids["<|endoftext|>"],
         "pad_token_id": ids["<|endoftext|>"],
     }
-    _finish(path, config, tensors, dtype, overrides, generation)
-    return path
+    return _finish(path, config, tensors, dtype, overrides, generation)
 
 
-def write_fast_dllm_v2(
-    path: str | Path,
-    *,
-    bd_size: int = 32,
-    mask_in_config: bool = False,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_fast_dllm_v2(path: str | Path, *, bd_size: int = 32, mask_in_config: bool = False,
+                       seed: int = 0, dtype: str = "float32", words: Sequence[str] | None = None,
+                       **overrides: Any) -> Path:
     """Fast-dLLM v2 (``Efficient-Large-Model/Fast_dLLM_v2_7B``): Qwen2.5 tensors,
     ``architectures: ["Fast_dLLM_QwenForCausalLM"]``, ``bd_size``. The real config has no
     ``mask_token_id``: the mask is the tokenizer's ``|<MASK>|`` (151665), which the
@@ -461,8 +386,8 @@ def write_fast_dllm_v2(
     sizes = _sizes(overrides)
     ids = _write_qwen_tokenizer(path, {5: "|<MASK>|"}, sizes["vocab_size"], words, mask="|<MASK>|")
     config = {
+        **_qwen_family_keys(sizes, dtype),
         "architectures": ["Fast_dLLM_QwenForCausalLM"],
-        "attention_dropout": 0.0,
         "auto_map": {
             "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
             "AutoModel": "modeling.Fast_dLLM_QwenModel",
@@ -471,26 +396,11 @@ def write_fast_dllm_v2(
         "bd_size": bd_size,
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
-        "hidden_act": "silu",
-        "hidden_size": sizes["hidden_size"],
-        "initializer_range": 0.02,
-        "intermediate_size": sizes["intermediate_size"],
         "layer_types": ["full_attention"] * sizes["num_hidden_layers"],
         "max_position_embeddings": 32768,
         "max_window_layers": 28,
         "model_type": "Fast_dLLM_Qwen",
-        "num_attention_heads": sizes["num_attention_heads"],
-        "num_hidden_layers": sizes["num_hidden_layers"],
-        "num_key_value_heads": sizes["num_key_value_heads"],
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 1000000.0,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
         "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": sizes["vocab_size"],
     }
     if mask_in_config:
         config["mask_token_id"] = ids["|<MASK>|"]
@@ -505,18 +415,11 @@ def write_fast_dllm_v2(
         "top_k": 20,
         "top_p": 0.8,
     }
-    _finish(path, config, tensors, dtype, overrides, generation)
-    return path
+    return _finish(path, config, tensors, dtype, overrides, generation)
 
 
-def write_llama(
-    path: str | Path,
-    *,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_llama(path: str | Path, *, seed: int = 0, dtype: str = "float32",
+                words: Sequence[str] | None = None, **overrides: Any) -> Path:
     """Stock ``LlamaForCausalLM`` with the config keys of SmolLM2-135M-Instruct (tied
     embeddings, no q/k norms, ``<|im_end|>`` as EOS, no mask token in the tokenizer)."""
     path = _prepare(path)
@@ -525,27 +428,18 @@ def write_llama(
                            eos="<|im_end|>", bos="<|im_start|>", pad="<|im_end|>")
     config = _llama_config(sizes, ids, dtype)
     tensors = _llama_tensors(sizes, seed, tie=_tie(config, overrides))
-    _finish(path, config, tensors, dtype, overrides, _llama_generation_config(ids))
-    return path
+    return _finish(path, config, tensors, dtype, overrides, _llama_generation_config(ids))
 
 
-def write_llama_orthrus(
-    path: str | Path,
-    *,
-    block_size: int = 32,
-    mask_token_id: int | None = LLAMA_ORTHRUS_MASK_TOKEN_ID,
-    diff_noise: float = ORTHRUS_DIFF_NOISE,
-    seed: int = 0,
-    dtype: str = "float32",
-    words: Sequence[str] | None = None,
-    **overrides: Any,
-) -> Path:
+def write_llama_orthrus(path: str | Path, *, block_size: int = 32,
+                        mask_token_id: int | None = LLAMA_ORTHRUS_MASK_TOKEN_ID,
+                        diff_noise: float = ORTHRUS_DIFF_NOISE, seed: int = 0,
+                        dtype: str = "float32", words: Sequence[str] | None = None,
+                        **overrides: Any) -> Path:
     """A Llama Orthrus (``OrthrusLlamaForCausalLM``, ``model_type: "llama"``): the base of
     :func:`write_llama` (AR tensors bit-identical for the same ``seed`` and sizes) plus
     ``q/k/v/o_proj_diff`` per layer, each its AR counterpart plus N(0, ``diff_noise``^2)
     noise drawn from ``seed + 1``. The mask is an existing token (id 4 by default)."""
-    import torch
-
     path = _prepare(path)
     sizes = _sizes(overrides)
     ids = _write_tokenizer(path, _SMOLLM_SPECIALS, sizes["vocab_size"], words,
@@ -554,16 +448,10 @@ def write_llama_orthrus(
     config.update(architectures=["OrthrusLlamaForCausalLM"], block_size=block_size,
                   mask_token_id=mask_token_id)
     tensors = _llama_tensors(sizes, seed, tie=_tie(config, overrides))
-    generator = torch.Generator().manual_seed(seed + 1)
-    for i in range(sizes["num_hidden_layers"]):
-        prefix = f"model.layers.{i}.self_attn."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            ar = tensors[f"{prefix}{name}.weight"]
-            noise = torch.randn(ar.shape, generator=generator, dtype=ar.dtype) * diff_noise
-            tensors[f"{prefix}{name}_diff.weight"] = ar + noise
-    _finish(path, config, tensors, dtype, {"mask_token_id": mask_token_id, **overrides},
-            _llama_generation_config(ids))
-    return path
+    _add_diff_tensors(tensors, sizes["num_hidden_layers"],
+                      ("q_proj", "k_proj", "v_proj", "o_proj"), seed, diff_noise)
+    return _finish(path, config, tensors, dtype, {"mask_token_id": mask_token_id, **overrides},
+                   _llama_generation_config(ids))
 
 
 LAYOUTS: dict[str, Callable[..., Path]] = {
@@ -689,25 +577,15 @@ def _write_qwen_tokenizer(
     )
 
 
-def _qwen3_config(
-    sizes: dict[str, int], ids: dict[str, int], dtype: str, eos_as_list: bool
-) -> dict[str, Any]:
-    """config.json with the keys of Qwen/Qwen3-8B (legacy ``rope_theta``/``rope_scaling``)."""
-    eos = ids["<|im_end|>"]
+def _qwen_family_keys(sizes: dict[str, int], dtype: str) -> dict[str, Any]:
+    """The config.json keys and values the Qwen2 / Qwen2.5 / Qwen3 layouts share (Dream and
+    Fast-dLLM v2 are Qwen2.5 underneath); each layout's function adds its own."""
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": [eos, ids["<|endoftext|>"]] if eos_as_list else eos,
-        "head_dim": sizes["head_dim"],
         "hidden_act": "silu",
         "hidden_size": sizes["hidden_size"],
         "initializer_range": 0.02,
         "intermediate_size": sizes["intermediate_size"],
-        "max_position_embeddings": sizes["max_position_embeddings"],
-        "max_window_layers": sizes["num_hidden_layers"],
-        "model_type": "qwen3",
         "num_attention_heads": sizes["num_attention_heads"],
         "num_hidden_layers": sizes["num_hidden_layers"],
         "num_key_value_heads": sizes["num_key_value_heads"],
@@ -717,10 +595,28 @@ def _qwen3_config(
         "sliding_window": None,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
-        "transformers_version": "4.51.0",
-        "use_cache": True,
         "use_sliding_window": False,
         "vocab_size": sizes["vocab_size"],
+    }
+
+
+def _qwen3_config(
+    sizes: dict[str, int], ids: dict[str, int], dtype: str, eos_as_list: bool
+) -> dict[str, Any]:
+    """config.json with the keys of Qwen/Qwen3-8B (legacy ``rope_theta``/``rope_scaling``)."""
+    eos = ids["<|im_end|>"]
+    return {
+        **_qwen_family_keys(sizes, dtype),
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [eos, ids["<|endoftext|>"]] if eos_as_list else eos,
+        "head_dim": sizes["head_dim"],
+        "max_position_embeddings": sizes["max_position_embeddings"],
+        "max_window_layers": sizes["num_hidden_layers"],
+        "model_type": "qwen3",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
     }
 
 
@@ -764,14 +660,9 @@ def _llama_generation_config(ids: dict[str, int]) -> dict[str, Any]:
 def _llama_tensors(sizes: dict[str, int], seed: int, *, tie: bool) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{k: sizes[k] for k in _MODEL_SIZE_KEYS}, tie_word_embeddings=tie,
-                         initializer_range=0.2)
-    with _seeded(seed):
-        model = LlamaForCausalLM(config)
-    tensors = dict(model.state_dict())
-    if tie:
-        tensors.pop("lm_head.weight", None)
-    return tensors
+    return _causal_lm_tensors(LlamaForCausalLM, LlamaConfig(
+        **{k: sizes[k] for k in _MODEL_SIZE_KEYS}, tie_word_embeddings=tie,
+        initializer_range=0.2), seed)
 
 
 def _qwen3_generation_config(ids: dict[str, int]) -> dict[str, Any]:
@@ -789,13 +680,34 @@ def _qwen3_generation_config(ids: dict[str, int]) -> dict[str, Any]:
 def _qwen3_tensors(sizes: dict[str, int], seed: int, *, tie: bool) -> dict[str, Any]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**{k: sizes[k] for k in _MODEL_SIZE_KEYS}, tie_word_embeddings=tie)
+    return _causal_lm_tensors(Qwen3ForCausalLM, Qwen3Config(
+        **{k: sizes[k] for k in _MODEL_SIZE_KEYS}, tie_word_embeddings=tie), seed)
+
+
+def _causal_lm_tensors(model_class: Any, config: Any, seed: int) -> dict[str, Any]:
+    """A transformers causal LM's tensors, random from ``seed``; a tied LM head is left out
+    (the checkpoint stores the embedding once)."""
     with _seeded(seed):
-        model = Qwen3ForCausalLM(config)
+        model = model_class(config)
     tensors = dict(model.state_dict())
-    if tie:
+    if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     return tensors
+
+
+def _add_diff_tensors(tensors: dict[str, Any], num_layers: int, names: Sequence[str],
+                      seed: int, noise_std: float) -> None:
+    """Orthrus's diffusion-view copies: per layer, each attention tensor ``NAME`` gets a
+    ``NAME_diff`` equal to it plus N(0, ``noise_std``^2) noise drawn from ``seed + 1``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        for name in names:
+            ar = tensors[f"{prefix}{name}.weight"]
+            noise = torch.randn(ar.shape, generator=generator, dtype=ar.dtype) * noise_std
+            tensors[f"{prefix}{name}_diff.weight"] = ar + noise
 
 
 def _qwen2_tensors(sizes: dict[str, int], seed: int) -> dict[str, Any]:
@@ -843,7 +755,9 @@ def _finish(
     dtype: str,
     overrides: dict[str, Any],
     generation: dict[str, Any] | None,
-) -> None:
+) -> Path:
+    """Apply ``overrides`` (None: drop the key), write config.json, generation_config.json
+    and the tensors; the folder, which every writer returns."""
     for key, value in overrides.items():
         if value is None:
             config.pop(key, None)
@@ -853,6 +767,7 @@ def _finish(
     if generation is not None:
         _write_json(path / "generation_config.json", generation)
     _save_tensors(path / "model.safetensors", tensors, dtype)
+    return path
 
 
 def _write_peft_lora(

@@ -29,8 +29,8 @@ from pathlib import Path
 __all__ = ["CACHE_ENV", "WHEELS", "cache_dir", "fetch", "source_root"]
 
 CACHE_ENV = "DIFFSPEC_ENGINE_SOURCES"
-# release prefix a patch / hook lists -> the exact release whose wheel is read
-WHEELS: dict[tuple[str, str], str] = {("vllm", "0.33"): "0.33.0", ("sglang", "0.5.23"): "0.5.23"}
+# release a patch / hook lists -> the release whose wheel is read
+WHEELS: dict[tuple[str, str], str] = {("vllm", "0.33.0"): "0.33.0", ("sglang", "0.5.23"): "0.5.23"}
 _MARKER = ".complete"
 
 

@@ -115,17 +115,13 @@ def measure(model_dir: str | Path, *, num: int = 16, seed: int = 1234,
     untrained LoRA gives: PEFT starts with B = 0) and with the shipped LoRA."""
     import dataclasses
 
-    import torch
-
     from diffspec.model_executors.reference.nld import load_nld
     from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
     from diffspec.testing.synthetic import synthetic_eval_prompts
-    from diffspec.train import measure_speculation
+    from diffspec.train import measure_speculation, torch_threads
     from diffspec.train.data import load_tokenizer
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         nld = load_nld(model_dir)
         prompts = synthetic_eval_prompts(load_tokenizer(model_dir), num=num, seed=seed)
         report: dict[str, dict[str, Any]] = {}
@@ -137,8 +133,6 @@ def measure(model_dir: str | Path, *, num: int = 16, seed: int = 1234,
                                               stop_token_ids=nld.eos_token_ids)
                 for set_name, ids in prompts.items()
             }
-    finally:
-        torch.set_num_threads(threads)
     return report
 
 

@@ -5,10 +5,11 @@ Design notes: docs/design/training.md (section ``diffspec/train/__init__.py``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,10 @@ __all__ = [
     "cosine_lr_scale",
     "cpu_bf16_is_fast",
     "fit",
+    "log_to_stderr",
     "measure_speculation",
     "rank_arg",
+    "torch_threads",
     "warn_slow_autocast",
 ]
 
@@ -117,6 +120,26 @@ StepFn = Callable[[Any, Any, Callable[[Any], None]], dict[str, float]]
 OnStep = Callable[[int, dict[str, float]], bool]  # (step, record) -> stop now?
 
 
+
+def log_to_stderr(msg: str) -> None:
+    """The trainers' default ``log``: one line on stderr, flushed."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """torch's CPU threads set to ``num_threads`` (None or 0: left as they are) for the
+    block, restored after it."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
 def fit(
     module,  # torch.nn.Module whose forward(batch [B, L]) returns a dict with "loss"
     batches: Iterable,  # a DataLoader of [B, L] int64 rows (at least cfg.steps batches)
@@ -153,22 +176,17 @@ def fit(
     """
     import torch
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or log_to_stderr
     if step_fn is not None and loss_fn is not None:
         raise ValueError("pass loss_fn or step_fn, not both")
     step_fn = step_fn or _loss_step(loss_fn or (lambda m, batch: m(batch)))
     lr_schedule = lr_schedule or (lambda step: cfg.lr * cosine_lr_scale(step, cfg))
     format_step = format_step or _format_step
-    previous_threads = torch.get_num_threads()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    if reseed:
-        torch.manual_seed(cfg.seed)
-    try:
+    with torch_threads(cfg.num_threads):
+        if reseed:
+            torch.manual_seed(cfg.seed)
         return _fit(module, batches, cfg, _make_accelerator(use_accelerate), log, step_fn,
                     lr_schedule, optimizer, start_step, on_step, format_step)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _loss_step(loss_fn: LossFn) -> StepFn:

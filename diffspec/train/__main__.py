@@ -13,6 +13,7 @@ import argparse
 import json
 import shlex
 import sys
+from typing import Any
 
 from diffspec.train import TrainConfig, rank_arg
 
@@ -29,6 +30,18 @@ real models (GPU; see diffspec/train/README.md for FSDP):
       --block-size 32 --seq-len 2048 --num-anchors 64 --batch-size 1 --lr 2e-4 \\
       --steps 20000 --num-threads 0
 """
+
+
+def _widths(text: str) -> list[int]:
+    """``--block-widths 2,4,8``: block widths, each a whole number >= 2."""
+    try:
+        widths = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        widths = []
+    if not widths or min(widths) < 2:
+        raise argparse.ArgumentTypeError(f"give block widths as whole numbers >= 2 joined "
+                                         f"by commas (e.g. 2,4,8), got {text!r}")
+    return widths
 
 
 def _add_train_args(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
@@ -71,6 +84,17 @@ def _add_run_args(p, what: str, *, save_every: int) -> None:
     p.add_argument("--max-rows", type=int, help="use only the first N rows of the data")
 
 
+def _add_trainer(sub: Any, name: str, summary: str, description: str, *, base: str,
+                 out: str) -> argparse.ArgumentParser:
+    """A trainer's subcommand with what every trainer reads and writes: ``--base`` (the
+    checkpoint it trains on), ``--out`` and ``--data``."""
+    p = sub.add_parser(name, help=summary, description=description)
+    p.add_argument("--base", required=True, help=base)
+    p.add_argument("--out", help=out)
+    _add_data_arg(p)
+    return p
+
+
 def _add_data_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs="+", default=["synthetic"], metavar="SOURCE",
                    help="'synthetic' (the synthetic language; for the tiny bundled models) or "
@@ -104,18 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    o = sub.add_parser(
-        "orthrus", help="distill Orthrus diffusion heads (*_diff projections) onto a Qwen3 "
-                        "or Llama",
-        description="Train only the *_diff attention projections: forward KL from the AR "
-                    "view to the diffusion view on random anchor blocks [x_a, <mask> x (K-1)]. "
-                    "Saves a full Orthrus checkpoint (AR weights unchanged).",
-    )
-    o.add_argument("--base", required=True,
-                   help="Qwen3 / Llama checkpoint folder (diffusion heads start as the AR "
-                        "projections) or an Orthrus checkpoint (training continues)")
-    o.add_argument("--out", help="output checkpoint folder (omit for a dry run)")
-    _add_data_arg(o)
+    o = _add_trainer(
+        sub, "orthrus", "distill Orthrus diffusion heads (*_diff projections) onto a Qwen3 or "
+        "Llama",
+        "Train only the *_diff attention projections: forward KL from the AR view to the "
+        "diffusion view on random anchor blocks [x_a, <mask> x (K-1)]. Saves a full Orthrus "
+        "checkpoint (AR weights unchanged).",
+        base="Qwen3 / Llama checkpoint folder (diffusion heads start as the AR projections) or "
+        "an Orthrus checkpoint (training continues)",
+        out="output checkpoint folder (omit for a dry run)")
     o.add_argument("--block-size", type=int, default=16, help="K: anchor + K-1 masks (real: 32)")
     o.add_argument("--mask-token-id", type=int,
                    help="default: the base tokenizer's mask_token (Qwen3: pass 151669; a "
@@ -147,21 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this heads folder (e.g. diffspec/assets/"
                         "smollm2-orthrus-heads) instead of untrained heads: a new run "
                         "continues them (its rank, block size and mask token)")
+    a.add_argument("--block-widths", type=_widths, default=None, metavar="W,W,..",
+                   help="draft each anchor's block at a width drawn from these (2..K, e.g. "
+                        "2,3,4,6,8 for K = 8): the shorter blocks the adaptive policy "
+                        "drafts at; default every block at K")
+    a.add_argument("--loss", choices=("kl", "ce"), default="kl",
+                   help="kl: forward KL to the AR view's distribution (default); ce: "
+                        "cross-entropy on the AR view's argmax, what greedy verify accepts")
     a.add_argument("--snapshot-every", type=int, default=0,
                    help="also keep the heads of every N-th step in OUT/snapshots/ (for the "
                         "acceptance-vs-training-tokens curve)")
     _add_train_args(o, TrainConfig(steps=1200, lr=3e-3, batch_size=16, seq_len=192))
 
-    n = sub.add_parser(
-        "nld-lora", help="train the NLD linear self-speculation draft LoRA (o_proj)",
-        description="Train only a LoRA on o_proj, active in the draft pass: LK (or KL) "
-                    "against the AR view + CE on its greedy tokens, over each block's "
-                    "accepted prefix plus one. Saves the checkpoint (weights hard-linked) "
-                    "plus linear_spec_lora/ in PEFT format.",
-    )
-    n.add_argument("--base", required=True, help="NLD checkpoint folder")
-    n.add_argument("--out", help="output checkpoint folder (must differ from --base)")
-    _add_data_arg(n)
+    n = _add_trainer(
+        sub, "nld-lora", "train the NLD linear self-speculation draft LoRA (o_proj)",
+        "Train only a LoRA on o_proj, active in the draft pass: LK (or KL) against the AR view "
+        "+ CE on its greedy tokens, over each block's accepted prefix plus one. Saves the "
+        "checkpoint (weights hard-linked) plus linear_spec_lora/ in PEFT format.",
+        base="NLD checkpoint folder", out="output checkpoint folder (must differ from --base)")
     n.add_argument("--rank", type=int, default=16, help="LoRA r (real NLD: 128)")
     n.add_argument("--alpha", type=int, default=64, help="LoRA alpha (real NLD: 512)")
     n.add_argument("--num-anchors", type=int, default=8, help="blocks per row")
@@ -225,7 +249,7 @@ def _orthrus(args: argparse.Namespace, command: str) -> int:
         result = train_orthrus_answers(
             args.base, args.out, _config(args), data=args.data, block_size=args.block_size,
             mask_token_id=args.mask_token_id, num_anchors=args.num_anchors, rank=args.rank,
-            init_heads=args.init_heads,
+            init_heads=args.init_heads, block_widths=args.block_widths, loss=args.loss,
             save_every=args.save_every, snapshot_every=args.snapshot_every,
             max_cpu_s=None if args.max_cpu_minutes is None else 60 * args.max_cpu_minutes,
             deadline=wall_deadline(args.max_wall_minutes), resume=args.resume,

@@ -221,6 +221,24 @@ def anchor_blocks(
     return AnchorBlocks(ids.flatten(1), positions[:, seq_len:], mask[:, seq_len:], anchors)
 
 
+def narrow_blocks(blocks: AnchorBlocks, widths: torch.Tensor, seq_len: int,
+                  block_size: int) -> AnchorBlocks:
+    """``blocks`` with block ``b`` of every row seen as ``[x_a, <mask> x (widths[b] - 1)]``
+    (``widths``: ``[n]`` or ``[batch, n]``, each in ``1 .. K``): its columns at offsets
+    ``>= widths[b]`` hidden from every token of the block, as an engine's narrower block
+    hides its padding rows (the adaptive policy drafts fewer than ``K - 1``). Rows past a
+    block's width are not drafts; their logits mean nothing."""
+    mask = blocks.attention_mask  # [batch, n*K, L + n*K]
+    widths = widths.to(mask.device)
+    widths = widths if widths.dim() == 2 else widths[None].expand(mask.shape[0], -1)
+    offsets = torch.arange(mask.shape[-1] - seq_len, device=mask.device) % block_size
+    row_block = torch.arange(mask.shape[1], device=mask.device) // block_size  # [n*K]
+    hidden = offsets[None, None, :] >= widths[:, row_block][:, :, None]  # [batch, n*K, n*K]
+    block_keys = mask[..., seq_len:] & ~hidden
+    return AnchorBlocks(blocks.input_ids, blocks.position_ids,
+                        torch.cat([mask[..., :seq_len], block_keys], dim=-1), blocks.anchors)
+
+
 # ------------------------------------------------------------- conversation rows
 
 

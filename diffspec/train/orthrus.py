@@ -9,7 +9,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,8 +17,22 @@ import torch
 from torch import Tensor, nn
 
 from diffspec.model_executors.reference.views import block_view_logits
-from diffspec.train import FitResult, TrainConfig, TrainResult, fit, warn_slow_autocast
-from diffspec.train.data import anchor_blocks, make_dataloader, sample_anchors, training_rows
+from diffspec.train import (
+    FitResult,
+    TrainConfig,
+    TrainResult,
+    fit,
+    log_to_stderr,
+    torch_threads,
+    warn_slow_autocast,
+)
+from diffspec.train.data import (
+    anchor_blocks,
+    make_dataloader,
+    narrow_blocks,
+    sample_anchors,
+    training_rows,
+)
 from diffspec.train.losses import Divergence, DraftLoss, accepted_prefix_weights, draft_loss
 
 __all__ = [
@@ -360,32 +374,53 @@ def orthrus_row_step(
     ids: Tensor,  # [1, T] one conversation row (prompt + answer)
     anchors: Tensor,  # [n] from answer_anchors
     normalizer: int,  # supervised positions in the whole batch (the loss is their mean)
+    widths: Tensor | None = None,  # [n] each block's width (block_widths), None: K
+    loss: Literal["kl", "ce"] = "kl",
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss (back-propagated by the caller) and metric sums of one row: forward KL from the
-    AR view to the diffusion view at every valid draft position of every anchor block."""
+    AR view to the diffusion view at every valid draft position of every anchor block
+    (with ``widths``, block ``b`` is ``[x_a, <mask> x (widths[b] - 1)]``: its drafts past
+    the width are neither seen nor supervised, :func:`~diffspec.train.data.narrow_blocks`;
+    the acceptance metrics count full-width blocks only). ``loss="ce"``: cross-entropy on
+    the AR view's argmax instead (what greedy verification accepts); ``kl`` is reported
+    either way."""
     length, block_size = ids.shape[1], model.block_size
     anchors = anchors.to(ids.device)
     teacher_logits, cache = distiller._teacher(ids)  # [1, T, V]
     blocks = anchor_blocks(ids, anchors[None], block_size, model.mask_token_id)
+    if widths is not None:
+        blocks = narrow_blocks(blocks, widths, length, block_size)
     with model.diffusion_view():
         logits = block_view_logits(model.lm, blocks.input_ids, blocks.position_ids, cache,
                                    blocks.attention_mask)  # [1, n*K, V]
     n, vocab = anchors.shape[0], logits.shape[-1]
     student = logits.view(n, block_size, vocab)[:, :-1]  # [n, K-1, V] shifted drafts
     positions, valid = answer_positions(anchors, block_size, length)
+    if widths is not None:  # draft j of a width-w block exists for j < w - 1
+        valid = valid & (torch.arange(block_size - 1, device=ids.device)[None, :]
+                         < widths.to(ids.device)[:, None] - 1)
     teacher = teacher_logits[0, positions]  # [n, K-1, V]
     logq = torch.log_softmax(student[valid].float(), dim=-1)
     logp = torch.log_softmax(teacher[valid].float(), dim=-1)
     kl = (logp.exp() * (logp - logq)).sum()
+    objective = kl if loss == "kl" else -logq.gather(-1, logp.argmax(-1, keepdim=True)).sum()
     with torch.no_grad():
         agree = (student.argmax(-1) == teacher.argmax(-1)) & valid
-        full = valid.all(-1)  # anchors whose whole block lies in the row
+        full = valid.all(-1)  # anchors whose whole (full-width) block lies in the row
         chains = chain_lengths(agree[full])
         sums = {"kl": float(kl), "count": int(valid.sum()), "right": int(agree.sum()),
                 "anchors": int(full.sum()), "chain": int(chains.sum())}
         for j in range(block_size - 1):
             sums[f"accept_{j}"] = int((chains > j).sum())
-    return kl / normalizer, sums
+    return objective / normalizer, sums
+
+
+def _supervised(anchors: Tensor, widths: Tensor | None, block_size: int, length: int) -> int:
+    """Draft positions :func:`orthrus_row_step` supervises for these anchors and widths."""
+    valid = answer_positions(anchors, block_size, length)[1]
+    if widths is not None:
+        valid = valid & (torch.arange(block_size - 1)[None, :] < widths[:, None] - 1)
+    return int(valid.sum())
 
 
 def answer_metrics(sums: dict[str, float], block_size: int) -> dict[str, float]:
@@ -414,6 +449,8 @@ def train_orthrus_answers(
     num_anchors: int = 64,
     rank: int | None = 64,
     init_heads: str | Path | None = None,
+    block_widths: Sequence[int] | None = None,
+    loss: Literal["kl", "ce"] = "kl",
     save_every: int = 25,
     snapshot_every: int = 0,
     max_cpu_s: float | None = None,
@@ -447,29 +484,28 @@ def train_orthrus_answers(
     batch). ``init_heads``: a heads folder (e.g. the shipped ones) to start from instead of
     ``B = 0``: training continues those heads in a new run (fresh optimizer and schedule;
     its rank, block size and mask token are the folder's, and the base must be the one
-    they were trained against)."""
-    import sys
-
+    they were trained against). ``block_widths``: each anchor's block drafts at a width
+    drawn uniformly from these (each in ``2 .. K``; :func:`orthrus_row_step`), the shorter
+    blocks the adaptive policy drafts at; None: every block at ``K``. ``loss``: forward
+    KL to the AR view's distribution, or ``"ce"`` on its argmax."""
     from diffspec.core.checkpoint import resolve_checkpoint
     from diffspec.model_executors.reference.orthrus import save_orthrus, save_orthrus_heads
     from diffspec.train.data import StepBatches, data_files, files_sha256, load_rows
     from diffspec.train.runs import ResumableRun, write_json
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or log_to_stderr
     given, base = str(base), resolve_checkpoint(base)
     run = ResumableRun.open(out_dir, resume=resume, max_cpu_s=max_cpu_s, command=command,
                             total_steps=cfg.steps, deadline=deadline)
     state = run.state
-    if state is not None:
-        saved = state["settings"]
-        block_size, mask_token_id = saved["block_size"], saved["mask_token_id"]
-        num_anchors, rank = saved["num_anchors"], saved["rank"]
-        autocast_bf16 = saved["autocast_bf16"]
+    block_size, mask_token_id, num_anchors, rank, autocast_bf16 = run.resumed(
+        block_size=block_size, mask_token_id=mask_token_id, num_anchors=num_anchors, rank=rank,
+        autocast_bf16=autocast_bf16)
+    if state is not None:  # settings newer runs save (older states: the defaults)
+        block_widths = state["settings"].get("block_widths")
+        loss = state["settings"].get("loss", "kl")
     warn_slow_autocast(autocast_bf16, str(device), log)
-    previous_threads = torch.get_num_threads()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    try:
+    with torch_threads(cfg.num_threads):
         torch.manual_seed(cfg.seed)
         if init_heads is not None and state is None:
             model = _load_heads_start(base, init_heads, block_size, mask_token_id, rank)
@@ -479,8 +515,7 @@ def train_orthrus_answers(
         model.lm.to(device)
         params = model.diffusion_parameters()
         freeze_all_but(model.lm, params)
-        files = [Path(f) for f in state["data"]["files"]] if state is not None \
-            else data_files(data)
+        files = run.files(lambda: data_files(data))
         rows, data_stats = load_rows(None, cfg.seq_len, files=files, tokenizer_from=base)
         if max_rows is not None:
             rows = rows[:max_rows]
@@ -488,13 +523,18 @@ def train_orthrus_answers(
             raise ValueError(f"no training rows in {list(data)}")
         data_info = {"sources": [str(d) for d in data], "files": [str(f) for f in files],
                      "files_sha256": files_sha256(files), **data_stats}
-        if state is not None and state["data"]["rows_sha256"] != data_info["rows_sha256"]:
-            raise ValueError("--resume: the data rows differ from the first session's "
-                             "(a data file changed)")
+        run.check_rows(data_info["rows_sha256"])
         settings = {"block_size": model.block_size, "mask_token_id": model.mask_token_id,
                     "num_anchors": num_anchors, "rank": model.rank,
                     "autocast_bf16": autocast_bf16,
+                    "block_widths": list(block_widths) if block_widths else None,
+                    "loss": loss,
                     "init_heads": str(init_heads) if init_heads is not None else None}
+        if block_widths and not all(2 <= w <= model.block_size for w in block_widths):
+            raise ValueError(f"set --block-widths within 2..{model.block_size} (the block "
+                             f"size), got {list(block_widths)}")
+        width_choices = (torch.tensor(sorted(set(block_widths)), dtype=torch.long)
+                         if block_widths else None)
         if state is not None:
             settings["init_heads"] = state["settings"].get("init_heads")
         rank = model.rank
@@ -566,17 +606,20 @@ def train_orthrus_answers(
             gradients accumulated; the loss is the mean over the batch's positions."""
             anchors = [answer_anchors(len(r.token_ids), r.prompt_len, model.block_size,
                                       num_anchors, distiller.generator) for r in batch]
-            normalizer = sum(int(answer_positions(a, model.block_size,
-                                                  len(r.token_ids))[1].sum())
-                             for a, r in zip(anchors, batch, strict=True))
+            widths = [None if width_choices is None else width_choices[torch.randint(
+                len(width_choices), (len(a),), generator=distiller.generator)]
+                for a in anchors]
+            normalizer = sum(int(_supervised(a, w, model.block_size, len(r.token_ids)))
+                             for a, w, r in zip(anchors, widths, batch, strict=True))
             sums: dict[str, float] = {}
             loss = 0.0
-            for r, a in zip(batch, anchors, strict=True):
+            for r, a, w in zip(batch, anchors, widths, strict=True):
                 if not len(a):
                     continue
                 ids = torch.tensor(r.token_ids, dtype=torch.long, device=device)[None]
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                    part, row_sums = orthrus_row_step(model, distiller, ids, a, normalizer)
+                    part, row_sums = orthrus_row_step(model, distiller, ids, a, normalizer, w,
+                                                      loss)
                 backward(part)
                 loss += float(part.detach())
                 for k, v in row_sums.items():
@@ -592,18 +635,13 @@ def train_orthrus_answers(
                 save(out / "snapshots" / f"step-{done:05d}", state_too=False)
             if out is not None and save_every and done % save_every == 0 and done < cfg.steps:
                 save(out, state_too=True)
-            if done < cfg.steps and run.over_budget():
-                log(f"stopping after step {step}: {run.budget_note()} (continue with "
-                    f"--resume and a larger budget)")
-                return True
-            return False
+            return run.stops_after(step, cfg.steps, log)
 
         def format_step(step: int, entry: dict[str, float]) -> str:
             return (f"step {step:5d}/{cfg.steps}  loss {entry['loss']:.4f}  acc "
                     f"{entry.get('acc', float('nan')):.3f}  est. AL "
                     f"{entry.get('est_al', float('nan')):.2f}  lr {entry['lr']:.2e}  "
-                    f"{run.session_rate():.0f} tok/s  {run.cpu_time_s / 60:.1f} CPU-min  "
-                    f"ETA {run.eta_s(cfg.steps) / 60:.0f} min")
+                    f"{run.pace_note(cfg.steps)}")
 
         batches = StepBatches(rows, run.step, cfg.batch_size, cfg.seed, "diffspec.orthrus")
         if run.step == 0:
@@ -618,8 +656,6 @@ def train_orthrus_answers(
         model.lm.eval()
         fit_result = FitResult(run.history, run.wall_time_s, run.cpu_time_s, model.lm)
         return TrainResult(model, out, record(), fit_result)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 @torch.no_grad()

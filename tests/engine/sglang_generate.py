@@ -24,7 +24,8 @@ it raises.
 
 Prints one line: RESULT_PREFIX + {"runs": {run: {batch: {"outputs": [[ids]],
 "finish_reasons": [...], "meta": [{spec_verify_ct, spec_correct_drafts_histogram,
-cached_tokens, ...}]}}}, "server_info": {run: {"avg_spec_accept_length": ...}},
+cached_tokens, ...}]}}}, "server_info": {run: {"avg_spec_accept_length": ...,
+"attention_backend": the resolved one}},
 "config_errors": {name: message | null}, "sglang_version": str}.
 
 A run with "logits_rows": N sets diffspec's SGLang logits chunk to N rows in the scheduler
@@ -118,7 +119,8 @@ def _run(run: dict) -> tuple[dict, dict]:
                                            if k.startswith("tokens:")}
         info = engine.get_server_info()
         state = (info.get("internal_states") or [{}])[0]
-        server = {"avg_spec_accept_length": state.get("avg_spec_accept_length")}
+        server = {"avg_spec_accept_length": state.get("avg_spec_accept_length"),
+                  "attention_backend": info.get("attention_backend")}  # as resolved
         if metrics is not None:
             server["diffspec_metrics"] = _diffspec_metrics(metrics)
         if meter is not None:

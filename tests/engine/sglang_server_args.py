@@ -7,7 +7,11 @@ builds ``ServerArgs(model_path=model, **CPU_ENGINE_KWARGS, **server_args)`` afte
 ``load_plugins()`` (diffspec's plugin included) and runs ``resolve_once()``, SGLang's whole
 argument resolution (which calls diffspec's validation and ``handle_server_args`` hooks),
 without starting an engine. Prints one line: ``RESULT {name: {"error": str | None,
-"fields": {name: repr or value}, "log": [diffspec's log lines]}}``.
+"fields": {name: repr or value}, "log": [diffspec's log lines]}}`` plus ``"_plugin":
+{"hooks": [diffspec's hooks in place], "log": [diffspec's log lines of load_plugins()]}``.
+
+``DIFFSPEC_TEST_SGLANG_VERSION``: the SGLang version diffspec's plugin reads (an unsupported
+release, to test the version refusal on the installed SGLang).
 """
 
 from __future__ import annotations
@@ -57,12 +61,26 @@ def _case(case: dict) -> dict:
 
 
 def main() -> None:
+    import importlib.metadata
+    import os
+
     from sglang.srt.plugins import load_plugins
 
+    fake = os.environ.get("DIFFSPEC_TEST_SGLANG_VERSION")
+    if fake:
+        real = importlib.metadata.version
+        importlib.metadata.version = lambda name: fake if name == "sglang" else real(name)
+    lines = _Lines()
+    logging.getLogger("diffspec").addHandler(lines)
+    logging.getLogger("diffspec").setLevel(logging.INFO)
     load_plugins()
+    logging.getLogger("diffspec").removeHandler(lines)
+    from diffspec.plugin.sglang import hooks
+
     job = json.loads(Path(sys.argv[1]).read_text())
-    print("RESULT " + json.dumps({name: _case(case) for name, case in job.items()}),
-          flush=True)
+    result = {name: _case(case) for name, case in job.items()}
+    result["_plugin"] = {"hooks": sorted(hooks._registered), "log": lines.lines}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

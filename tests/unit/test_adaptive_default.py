@@ -378,7 +378,9 @@ def test_measured_rates_stop_drafting_that_the_fit_keeps() -> None:
 def test_the_rate_guard_turns_down_the_draft_pass_not_the_lookup_drafts() -> None:
     """The drafter's steps measure slower than plain ones (as above), while one request's
     context holds n-gram matches: the guard stops the draft pass, and that request keeps
-    its lookup drafts (they cost no draft pass), which the guard counts with plain steps."""
+    its lookup drafts (they cost no draft pass) in every step without a draft pass; in the
+    guard's exploration steps, which pay the draft pass, it drafts from whichever source
+    promises more (the pass is paid anyway)."""
     clock = _Clock()
     policy = AdaptiveDrafts(7, ROOFLINE_MS, TWO_PASS, track_step_times=True, clock=clock)
     batch, emitted, history = ["a", "b", "c", "d"], None, []
@@ -387,14 +389,14 @@ def test_the_rate_guard_turns_down_the_draft_pass_not_the_lookup_drafts() -> Non
         ks, lookup = policy.choose_hybrid(batch, [7] * 4, [4, 0, 0, 0])  # "a" has a match
         assert not any(lookup[1:])  # no match: never lookup
         passes = any(k and not f for k, f in zip(ks, lookup))
-        history.append((ks[0] if lookup[0] else 0, passes))
+        history.append((ks[0] if lookup[0] or passes else 0, passes))
         emitted = sum(1 + min(k, 2) for k in ks)
         for req, k in zip(batch, ks):
             policy.observe(req, 1 + min(k, 2))
         clock.now += 0.040 if passes else 0.010
     last = history[-40:]
     assert 1 <= sum(p for _, p in last) <= 2  # the draft pass: the guard's exploration only
-    assert all(k > 0 for k, _ in last)  # the lookup drafts every step
+    assert all(k > 0 for k, _ in last)  # "a" drafts every step: lookup drafts without a pass
     assert policy.guard.rate(4, False) > policy.guard.rate(4, True)
 
 
@@ -417,3 +419,32 @@ def test_vllm_policy_starts_from_the_checkpoints_measured_acceptance() -> None:
     assert measured.estimate.conditional[3:] == pytest.approx([0.2] * 4)  # the last rate on
     plain = adaptive_policy(config(), 7, "two_pass")
     assert plain.estimate.conditional == pytest.approx([0.8] * 7)
+
+
+def test_the_cached_profiles_key_has_the_settings_a_step_time_depends_on() -> None:
+    """A profile measured under one attention backend (global or per KV-cache kind),
+    CUDA-graph mode or KV-cache dtype is not reused under another: each is in the key
+    (the runner's own backends where it has attention groups)."""
+    from types import SimpleNamespace
+
+    from diffspec.spec_workers.vllm.proposer import profile_settings
+
+    def config(backend=None, per_kind=None, graphs="FULL_AND_PIECEWISE", kv="auto"):
+        return SimpleNamespace(
+            attention_config=SimpleNamespace(backend=backend, backend_per_kind=per_kind or {}),
+            compilation_config=SimpleNamespace(cudagraph_mode=graphs),
+            cache_config=SimpleNamespace(cache_dtype=kv))
+
+    keys = [profile_settings(c) for c in (
+        config(), config(backend="TRITON_ATTN"), config(per_kind={"full": "FLASHINFER"}),
+        config(graphs="NONE"), config(kv="fp8"))]
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == len(keys)
+
+    class Backend:
+        @staticmethod
+        def get_name() -> str:
+            return "CPU_ATTN"
+
+    runner = SimpleNamespace(attn_groups=[[SimpleNamespace(backend=Backend)]])
+    assert profile_settings(config(backend="TRITON_ATTN"), runner)["attention_backends"] == [
+        "CPU_ATTN"]

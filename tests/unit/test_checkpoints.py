@@ -556,3 +556,21 @@ def test_add_eos_token_puts_it_first_and_keeps_the_others(tmp_path) -> None:
     config = json.loads((path / "generation_config.json").read_text())
     assert config["eos_token_id"][0] == 77
     assert set(inspect_checkpoint(path).eos_token_ids) == {77, *before}
+
+
+def test_engine_orthrus_models_name_the_first_missing_diffusion_weight() -> None:
+    """The error both engines' Orthrus models raise after loading a checkpoint without
+    diffusion weights (one message, diffspec.core.checkpoint.orthrus_weights_missing)."""
+    from diffspec.core.checkpoint import orthrus_weights_missing
+
+    qwen3 = orthrus_weights_missing(["model.layers.0.self_attn.k_norm_diff.weight",
+                                     "model.layers.1.self_attn.q_proj_diff.weight"],
+                                    "tensors", norms=True)
+    assert str(qwen3) == (
+        "the checkpoint has no Orthrus diffusion weights for "
+        "model.layers.0.self_attn.k_norm_diff.weight (2 tensors missing); expected "
+        "model.layers.N.self_attn.{q,k,v,o}_proj_diff and {q,k}_norm_diff for every layer")
+    llama = orthrus_weights_missing(["model.layers.0.self_attn.o_proj_diff.weight"],
+                                    "parameters", norms=False)
+    assert "(1 parameters missing)" in str(llama)
+    assert str(llama).endswith("self_attn.{q,k,v,o}_proj_diff for every layer")

@@ -22,7 +22,7 @@ import pytest
 
 from diffspec.plugin.engine_sources import Target, problems
 from diffspec.plugin.sglang.hooks import HOOKS, OVERRIDES, TARGETS
-from diffspec.plugin.versions import SUPPORTED_ENGINE_VERSIONS
+from diffspec.plugin.versions import ALLOW_ENV, SUPPORTED_ENGINE_VERSIONS
 from diffspec.plugin.vllm.patches import PATCHES, applicable
 from diffspec.testing.engine_sources import source_root
 
@@ -106,11 +106,12 @@ def test_every_supported_release_is_checked_for_every_patch_and_hook() -> None:
         assert set(SUPPORTED_ENGINE_VERSIONS["sglang"]) <= set(releases), name
 
 
-def test_apply_all_applies_only_patches_checked_for_the_version(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def _fake_patches(monkeypatch: pytest.MonkeyPatch, index: dict) -> list[str]:
+    """Stand ``index`` in for PATCHES, each patch module a fake whose ``apply`` is recorded
+    in the list returned."""
     import diffspec.plugin.vllm.patches as patches
 
-    applied = []
+    applied: list[str] = []
 
     class Fake:
         def __init__(self, name: str) -> None:
@@ -119,14 +120,23 @@ def test_apply_all_applies_only_patches_checked_for_the_version(
         def apply(self) -> None:
             applied.append(self.name)
 
-    monkeypatch.setattr(patches, "PATCHES", {"old": ("0.31",), "both": ("0.32", "0.33"),
-                                             "new": ("0.33",)})
+    monkeypatch.setattr(patches, "PATCHES", index)
     monkeypatch.setattr(patches.importlib, "import_module",
                         lambda path: Fake(path.rsplit(".", 1)[1]))
+    return applied
+
+
+def test_apply_all_applies_only_patches_checked_for_the_version(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import diffspec.plugin.vllm.patches as patches
+
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    applied = _fake_patches(monkeypatch, {"old": ("0.31.0",), "both": ("0.32.0", "0.33.0"),
+                                          "new": ("0.33.0",)})
     with caplog.at_level(logging.WARNING, logger="vllm.diffspec"):
-        assert patches.apply_all("0.33.1+cu130") == ["both", "new"]
+        assert patches.apply_all("0.33.0+cu130") == ["both", "new"]
     assert applied == ["both", "new"]
-    assert "patch old is not checked against vLLM 0.33.1+cu130" in caplog.text
+    assert "patch old is not checked against vLLM 0.33.0+cu130" in caplog.text
     applied.clear()
     assert patches.apply_all("0.32.0+cpu") == ["both"] and applied == ["both"]
 
@@ -135,6 +145,7 @@ def test_applicable_on_the_real_index() -> None:
     assert applicable("0.32.0+cpu") == list(PATCHES)
     assert applicable("0.33.0") == list(PATCHES)
     assert applicable("0.34.0") == []
+    assert applicable("0.33.1") == []  # another release's sources: not checked
 
 
 # ------------------------------------------------------------------ SGLang hooks
@@ -165,9 +176,41 @@ def test_register_around_skips_an_unchecked_release(
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.99")
     monkeypatch.setattr(hooks, "_registered", set())
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
     with caplog.at_level(logging.WARNING, logger="diffspec"):
         assert hooks.register_around("headroom", lambda original: original()) is False
     assert "hook headroom is not checked against SGLang 0.5.99" in caplog.text
+
+
+def test_the_override_applies_every_hook_and_patch(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 45, item 6: DIFFSPEC_ALLOW_UNSUPPORTED_ENGINE=1 lets an unchecked release load
+    diffspec whole (its algorithms register, so its hooks and patches apply too, each
+    logged), never with the headroom hook silently left out."""
+    import importlib.metadata
+    import sys
+    import types
+
+    import diffspec.plugin.sglang.hooks as hooks
+    import diffspec.plugin.vllm.patches as patches
+
+    registered = []
+    fake = types.ModuleType("sglang.srt.plugins.hook_registry")
+    fake.HookType = types.SimpleNamespace(AROUND="around")
+    fake.HookRegistry = types.SimpleNamespace(
+        register=lambda path, hook, kind: registered.append((path, kind)))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", fake)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.99")
+    monkeypatch.setattr(hooks, "_registered", set())
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    with caplog.at_level(logging.WARNING):
+        assert hooks.register_around("headroom", lambda original: original()) is True
+        assert registered == [(TARGETS["headroom"].path, "around")]
+        applied = _fake_patches(monkeypatch, {"old": ("0.31.0",), "new": ("0.33.0",)})
+        assert patches.apply_all("0.34.0") == ["old", "new"] and applied == ["old", "new"]
+    assert "hook headroom is not checked against SGLang 0.5.99" in caplog.text
+    assert f"applied anyway because {ALLOW_ENV} is set" in caplog.text
+    assert "patch old is not checked against vLLM 0.34.0" in caplog.text
 
 
 # ------------------------------------------------------------------ patches.md

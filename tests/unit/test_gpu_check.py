@@ -86,19 +86,34 @@ def test_a_failing_check_fails_the_command(gpu_check, tmp_path: Path,
     assert "split vs dense max error 0.4" in report["checks"]["tidar_split_attention"]["error"]
 
 
-def test_split_attention_check_catches_a_wrong_schedule(gpu_check, monkeypatch) -> None:
-    """Running the branches first to last (so a branch reads K/V a later branch wrote) is
-    what the check exists to catch."""
-    source = (ROOT / "scripts/gpu_check.py").read_text()
-    assert "for a in range(n, -1, -1):" in source
-    wrong = source.replace("for a in range(n, -1, -1):", "for a in range(n + 1):")
-    namespace: dict = {"__name__": "gpu_check_wrong",
-                       "__file__": str(ROOT / "scripts/gpu_check.py")}
-    exec(compile(wrong, "gpu_check_wrong", "exec"), namespace)  # noqa: S102 - our own file
+@pytest.mark.parametrize(("mutation", "caught"), [
+    # the branches run first to last, so a branch reads K/V a later branch wrote
+    ("branches_first_to_last", "split vs dense max error"),
+    # the verify K/V of d_1 .. d_n, overwritten by the branches, are not written back
+    ("no_write_back", "the verify K/V are not in their slots after the step"),
+])
+def test_split_attention_check_runs_diffspecs_schedule(gpu_check, monkeypatch,
+                                                       mutation: str, caught: str) -> None:
+    """The check runs diffspec's own TiDAR code (issue 45, item 9): a wrong schedule in
+    ``diffspec/spec_workers/vllm/tidar.py`` fails it."""
+    import dataclasses
+
     import torch
 
-    with pytest.raises(AssertionError, match="split vs dense max error"):
-        namespace["check_tidar_split_attention"](torch.device("cpu"), True)
+    from diffspec.spec_workers.vllm import tidar
+
+    build = tidar.TiDARProposer._build_branches
+
+    def wrong(self, runner, plans, num_verify):
+        branches = build(self, runner, plans, num_verify)
+        if mutation == "branches_first_to_last":
+            return dataclasses.replace(branches, steps=branches.steps[::-1])
+        return dataclasses.replace(branches, restore_index=None)
+
+    gpu_check.check_tidar_split_attention(torch.device("cpu"), True)  # the real code passes
+    monkeypatch.setattr(tidar.TiDARProposer, "_build_branches", wrong)
+    with pytest.raises(AssertionError, match=caught):
+        gpu_check.check_tidar_split_attention(torch.device("cpu"), True)
 
 
 def test_shell_command_on_cpu(tmp_path: Path) -> None:

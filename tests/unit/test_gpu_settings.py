@@ -63,16 +63,16 @@ def test_sglang_graphs_off_line_says_why_and_cost() -> None:
 
 # ------------------------------------------------------------------ SGLang dLLM
 
-REFUSION_TODO = "use --attention-backend torch_native (which runs without CUDA graphs)"
-FAST_DLLM_TODO = "use --attention-backend flashinfer (torch_native on CPU)"
+REFUSION_TODO = "use --attention-backend triton with --disable-cuda-graph (torch_native on CPU)"
+FAST_DLLM_TODO = "use --attention-backend flashinfer or triton (torch_native on CPU)"
 
 
 
 @pytest.mark.parametrize(("algorithm", "backends", "first"), [
     ("ReFusion", ("flashinfer", "flashinfer"), REFUSION_TODO),
-    ("ReFusion", ("triton", "triton"), REFUSION_TODO),
+    ("ReFusion", ("fa3", "fa3"), REFUSION_TODO),
     ("FastDLLM", ("fa3", "fa3"), FAST_DLLM_TODO),
-    ("FastDLLM", ("triton", "triton"), FAST_DLLM_TODO),
+    ("FastDLLM", ("trtllm_mha", "trtllm_mha"), FAST_DLLM_TODO),
 ])
 def test_sglang_dllm_backends_refused(algorithm: str, backends, first: str) -> None:
     error = dllm_backend_error(algorithm, backends, graphs_on=True)
@@ -83,6 +83,7 @@ def test_sglang_dllm_backends_refused(algorithm: str, backends, first: str) -> N
 @pytest.mark.parametrize("algorithm", ["FastDLLM", "ReFusion"])
 def test_sglang_dllm_backends_accepted(algorithm: str) -> None:
     assert "torch_native" in dllm_backends(algorithm)
+    assert "triton" in dllm_backends(algorithm)
     for backend in dllm_backends(algorithm):
         assert dllm_backend_error(algorithm, (backend, backend)) is None
 
@@ -91,7 +92,8 @@ def test_sglang_dllm_backends_accepted(algorithm: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["orthrus", "linear_self_spec", "tidar"])
-@pytest.mark.parametrize("named", [None, "auto", "FLASH_ATTN", "CPU_ATTN", "flash_attn"])
+@pytest.mark.parametrize("named", [None, "auto", "FLASH_ATTN", "CPU_ATTN", "flash_attn",
+                                   "TRITON_ATTN", "triton_attn"])
 def test_vllm_checked_backends_run(method: str, named) -> None:
     assert vllm_backend_error(method, named) is None
 
@@ -99,13 +101,13 @@ def test_vllm_checked_backends_run(method: str, named) -> None:
 @pytest.mark.parametrize(("method", "named", "why"), [
     ("tidar", "FLASHINFER", "share one re-planned wrapper"),
     ("orthrus", "FLASHINFER", "non-causal path out of its default order"),
-    ("linear_self_spec", "TRITON_ATTN", "not on TRITON_ATTN"),
+    ("linear_self_spec", "TRITON_MLA", "not on TRITON_MLA"),
     ("tidar", "FLEX_ATTENTION", "not on FLEX_ATTENTION"),
 ])
 def test_vllm_other_backends_refused(method: str, named: str, why: str) -> None:
     error = vllm_backend_error(method, named)
-    assert error.startswith(f"use --attention-backend FLASH_ATTN (GPU) or CPU_ATTN (CPU) with "
-                            f"method {method!r}: "), error
+    assert error.startswith(f"use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or "
+                            f"CPU_ATTN (CPU) with method {method!r}: "), error
     assert why in error
 
 
@@ -223,3 +225,23 @@ def test_draft_logits_are_computed_in_bounded_chunks() -> None:
     assert len(head.rows) == -(-3000 // DRAFT_LOGITS_ROWS)
     assert draft_argmax(head, hidden, rows[:0]) == []
     assert draft_argmax(_Head(97, 16, none=True), hidden, rows) is None  # a TP rank w/o logits
+
+
+def test_vllm_named_backends_read_backend_per_kind() -> None:
+    """Issue 45, item 5: vLLM's selector gives a layer of a kind listed in
+    ``backend_per_kind`` that backend instead of the global one, so the backends a launch
+    names are the global one and every per-kind entry ("auto" and unset left out)."""
+    from types import SimpleNamespace
+
+    from diffspec.plugin.vllm.config import named_backends, per_kind_note
+
+    enum = SimpleNamespace(name="FLASHINFER")  # vLLM's parsed AttentionBackendEnum member
+    config = SimpleNamespace(backend=None, backend_per_kind={"full_attention": enum,
+                                                             "sliding_window": "auto"})
+    assert named_backends(config) == [
+        ("backend_per_kind['full_attention'] of --attention-config", "FLASHINFER")]
+    assert named_backends(config, "cpu_attn")[0] == ("--attention-backend", "CPU_ATTN")
+    assert named_backends({"backend": "AUTO"}) == []
+    assert named_backends(None) == []
+    assert per_kind_note("--attention-backend") == ""
+    assert per_kind_note(named_backends(config)[0][0]).startswith(" (named in backend_per_kind")

@@ -10,7 +10,15 @@ import time
 import pytest
 
 from benchmarks.adapters import sweep
-from benchmarks.adapters.sweep import pick, run_job, step_times, waves
+from benchmarks.adapters.sweep import (
+    RUN_MARKER,
+    pick,
+    run_each,
+    run_job,
+    step_times,
+    system_tokens_per_s,
+    waves,
+)
 
 
 class Clock:
@@ -82,6 +90,51 @@ def test_run_job_modes(clock: Clock) -> None:
     assert set(run_job("steps", generate, job)["step_s"]) == {1}
     with pytest.raises(ValueError, match="mode"):
         run_job("nope", generate, job)
+
+
+def test_run_each_keeps_going_after_a_failing_run(clock: Clock, capsys) -> None:
+    """The workers' loop: every run on an engine of its own, stopped after it; a run whose
+    engine fails to start is an error row and the next one still runs; serve mode calls
+    ``serve``, the sweep modes :func:`run_job` on ``batch(engine)``."""
+    started, stopped = [], []
+
+    def start(run):
+        if run["name"] == "broken":
+            raise RuntimeError("no CPU kernel")
+        started.append(run["name"])
+        return run["name"]
+
+    job = {"runs": [{"name": "ar"}, {"name": "broken"}, {"name": "orthrus"}]}
+    runs = run_each(job, start, lambda engine, run: {"served_by": engine},
+                    lambda engine: None, stop=stopped.append)
+    assert runs == {"ar": {"served_by": "ar"}, "broken": {"error": "RuntimeError: no CPU kernel"},
+                    "orthrus": {"served_by": "orthrus"}}
+    assert started == stopped == ["ar", "orthrus"]
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith(RUN_MARKER)] == [
+        f"{RUN_MARKER}{name}" for name in ("ar", "broken", "orthrus")]
+    assert "run broken failed" in err
+
+    generate, _ = _echo(step_s=0.001, clock=clock)
+    job = {"mode": "waves", "runs": [{"name": "ar"}], "prompts": [[7]], "concurrency": [1],
+           "repeats": 1, "max_tokens": 3}
+    runs = run_each(job, lambda run: "engine", lambda engine, run: {}, lambda engine: generate)
+    assert runs["ar"]["waves"][0]["tokens"] == 12
+
+
+def test_system_tokens_per_s_one_at_a_time_then_in_waves(clock: Clock) -> None:
+    completions = [{"token_ids": [1] * 4, "latency_s": 0.5},
+                   {"token_ids": [1] * 6, "latency_s": 1.5}]
+    waves_served = []
+
+    def serve_wave(wave):
+        waves_served.append(len(wave))
+        clock.advance(0.25)
+        return 5 * len(wave)
+
+    system = system_tokens_per_s(completions, [[1], [2], [3]], [1, 2], serve_wave)
+    assert waves_served == [2, 1]
+    assert system == {1: pytest.approx(10 / 2.0), 2: pytest.approx(15 / 0.5)}
 
 
 def test_summary_compares_with_ar() -> None:

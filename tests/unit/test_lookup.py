@@ -215,8 +215,8 @@ def test_shared_count_with_lookup() -> None:
 
     free = LatencyProfile({1: 0.01, 4096: 0.01})  # extra tokens cost nothing
     policy = _policy(draft=0.9, lookup=0.9, profile=free)
-    k, lookup = policy.choose_shared_hybrid(["a", "b"], [8, 8], [3, 0])
-    assert lookup == [True, False] and k == 8
+    k, lookup, counts = policy.choose_shared_hybrid(["a", "b"], [8, 8], [3, 0])
+    assert lookup == [True, False] and k == 8 and counts == [3, 8]
     assert policy.proposed == {"a": 3, "b": 8}  # a: all it found
 
 

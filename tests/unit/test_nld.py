@@ -15,6 +15,7 @@ from diffspec.model_executors.reference.views import block_view_logits
 from diffspec.spec_workers.reference.decoder import Request, speculative_generate
 from diffspec.spec_workers.reference.linear_self_spec import LinearSelfSpecDrafter
 from diffspec.testing.checkpoints import write_nld, write_orthrus
+from tests.unit.kv import prefilled_cache
 
 IDS = torch.tensor([[20, 21, 22, 23, 24, 25]])
 
@@ -32,15 +33,6 @@ def with_lora(nld_path):
 @pytest.fixture(scope="module")
 def without_lora(nld_path):
     return load_nld(nld_path, lora=False)
-
-
-def _cache(model, ids: list[int]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model.lm(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-    return cache
 
 
 def _lora_flags(model) -> set[bool]:
@@ -88,9 +80,10 @@ def test_lora_is_active_only_in_the_draft_pass(with_lora, without_lora):
         assert _lora_flags(with_lora) == {True}  # adapters disabled outside drafting
         with with_lora.draft_view():
             assert _lora_flags(with_lora) == {False}
-        drafted_with = with_lora.draft_logits(25, _cache(with_lora, [20, 21, 22, 23, 24]), 6)
+        drafted_with = with_lora.draft_logits(
+            25, prefilled_cache(with_lora.lm, [20, 21, 22, 23, 24]), 6)
         drafted_without = without_lora.draft_logits(
-            25, _cache(without_lora, [20, 21, 22, 23, 24]), 6)
+            25, prefilled_cache(without_lora.lm, [20, 21, 22, 23, 24]), 6)
         assert torch.equal(with_lora.lm(IDS).logits, plain)
     assert _lora_flags(with_lora) == {True}
     assert (drafted_with - drafted_without).abs().max() > 1e-3
@@ -102,7 +95,7 @@ def test_draft_logits_shift_and_no_kv_write(dlm_type, shifted, tmp_path):
     path = write_nld(tmp_path / "nld", dlm_type=dlm_type)
     model = load_nld(path)
     assert model.logits_shift == shifted
-    cache = _cache(model, [20, 21, 22, 23])
+    cache = prefilled_cache(model.lm, [20, 21, 22, 23])
     keys = cache.layers[0].keys.clone()
     with torch.no_grad():
         drafts = model.draft_logits(24, cache, 5)  # [5, vocab]
@@ -116,7 +109,7 @@ def test_draft_logits_shift_and_no_kv_write(dlm_type, shifted, tmp_path):
 def test_draft_pass_is_bidirectional(with_lora):
     """The first block position sees the masks after it: changing the block's length
     changes its logits (a causal pass would not)."""
-    cache = _cache(with_lora, [20, 21, 22, 23])
+    cache = prefilled_cache(with_lora.lm, [20, 21, 22, 23])
     with torch.no_grad(), with_lora.draft_view():
         short = block_view_logits(with_lora.lm, torch.tensor([24, 14]), torch.arange(4, 6), cache)
         long = block_view_logits(with_lora.lm, torch.tensor([24, 14, 14, 14]),

@@ -29,6 +29,7 @@ from diffspec.model_executors.reference.orthrus import (
 from diffspec.model_executors.reference.views import block_view_logits
 from diffspec.spec_workers.reference.decoder import BlockDrafter, Request, speculative_generate
 from diffspec.testing.checkpoints import write_orthrus, write_qwen3
+from tests.unit.kv import prefilled_cache
 
 
 def _tiny(arch: str) -> torch.nn.Module:
@@ -52,16 +53,6 @@ def _tiny(arch: str) -> torch.nn.Module:
             "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}
     config = Ministral3Config(**sizes, rope_parameters=rope, initializer_range=0.2)
     return Ministral3ForCausalLM(config).eval()
-
-
-def _prefix_cache(model, ids: list[int]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    if ids:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-    return cache
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -110,7 +101,7 @@ def _hand_written_logits(model, ids: Tensor, positions: Tensor, cache,
 def test_block_view_matches_hand_written_attention(arch):
     model = _tiny(arch)
     prefix = [5, 9, 2, 30, 41, 7, 11, 3, 19]
-    cache = _prefix_cache(model, prefix)
+    cache = prefilled_cache(model, prefix)
     ids = torch.tensor([12, 60, 60, 60, 33])
     positions = torch.tensor([9, 10, 12, 11, 13])  # any order: each token its own position
     generator = torch.Generator().manual_seed(1)
@@ -129,7 +120,7 @@ def test_block_view_matches_hand_written_attention(arch):
 def test_causal_mask_equals_the_models_causal_forward(arch):
     model = _tiny(arch)
     prefix, block = [5, 9, 2, 30], [12, 40, 41, 42]
-    cache = _prefix_cache(model, prefix)
+    cache = prefilled_cache(model, prefix)
     mask = torch.cat([torch.ones(4, 4, dtype=torch.bool), torch.ones(4, 4, dtype=torch.bool).tril()], dim=1)
     positions = torch.arange(4, 8)
     with torch.no_grad():
@@ -155,7 +146,7 @@ def test_no_cache_runs_the_block_alone():
 @pytest.mark.parametrize("keep_kv", [False, True])
 def test_cache_length_moves_back_unless_keep_kv(keep_kv):
     model = _tiny("qwen3")
-    cache = _prefix_cache(model, [5, 9, 2])
+    cache = prefilled_cache(model, [5, 9, 2])
     prefix_keys = cache.layers[0].keys.clone()
     with torch.no_grad():
         block_view_logits(model, torch.tensor([1, 2]), torch.tensor([3, 4]), cache,
@@ -166,7 +157,7 @@ def test_cache_length_moves_back_unless_keep_kv(keep_kv):
 
 def test_block_view_rejects_a_mask_of_the_wrong_shape():
     model = _tiny("qwen3")
-    cache = _prefix_cache(model, [5, 9, 2])
+    cache = prefilled_cache(model, [5, 9, 2])
     with pytest.raises(ValueError, match=r"\[n, cache_len \+ n\]"):
         block_view_logits(model, torch.tensor([1, 2]), torch.tensor([3, 4]), cache,
                           torch.ones(2, 2, dtype=torch.bool))
@@ -233,7 +224,7 @@ def test_diffusion_view_uses_the_diff_weights(tmp_path):
     block, positions = torch.tensor([12, 40, 41]), torch.arange(3, 6)
     mask = torch.cat([torch.ones(3, 3, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool).tril()], dim=1)
     for model, same in ((perturbed, False), (copies, True)):
-        cache = _prefix_cache(model.lm, [5, 9, 2])
+        cache = prefilled_cache(model.lm, [5, 9, 2])
         with torch.no_grad():
             ar = block_view_logits(model.lm, block, positions, cache, mask)
             diffusion = model.diffusion_logits(block, positions, cache, mask)
@@ -249,7 +240,7 @@ def test_dual_pass_training_mask_equals_per_block_drafting(tmp_path):
     anchors, k, length = [0, 3, 7], 4, 12
     mask, position_ids = orthrus_dual_pass_mask(length, anchors, k)
     blocks = torch.tensor([t for a in anchors for t in [clean[a]] + [model.mask_token_id] * 3])
-    cache = _prefix_cache(model.lm, clean)  # the AR pass over the clean sequence
+    cache = prefilled_cache(model.lm, clean)  # the AR pass over the clean sequence
     for p in model.lm.parameters():
         p.requires_grad_(False)
     for p in model.diffusion_parameters():
@@ -258,7 +249,7 @@ def test_dual_pass_training_mask_equals_per_block_drafting(tmp_path):
     assert cache.get_seq_length() == length
     with torch.no_grad():
         for b, a in enumerate(anchors):
-            alone = model.draft_logits(clean[a], _prefix_cache(model.lm, clean[:a]), k - 1)
+            alone = model.draft_logits(clean[a], prefilled_cache(model.lm, clean[:a]), k - 1)
             torch.testing.assert_close(together[b * k : b * k + k - 1], alone,
                                        atol=2e-5, rtol=1e-5)
     together.logsumexp(-1).sum().backward()

@@ -169,3 +169,59 @@ def test_acceptance_curve_starts_from_the_init_heads(rows, tmp_path):
     assert points[0]["tokens"] == first.record["tokens_seen"] > 0
     assert [p["step"] for p in points] == [0, 1, 2, 2]  # start, snapshots 1 and 2, final
     assert points[1]["tokens"] > points[0]["tokens"]
+
+
+def test_a_narrowed_block_is_the_engines_shorter_block():
+    """A block of K = 8 narrowed to width 3 (narrow_blocks) gives its first 3 rows the
+    logits a block of K = 3 gives (what an engine computes when the adaptive policy drafts
+    2): the hidden columns change nothing the rows see, on the real reference model."""
+    from diffspec.model_executors.reference.orthrus import orthrus_from_base
+    from diffspec.model_executors.reference.views import block_view_logits
+    from diffspec.train.data import anchor_blocks, narrow_blocks
+    from diffspec.train.orthrus import BlockDistiller
+
+    model = orthrus_from_base(BASE, block_size=8, rank=8, seed=0)
+    with torch.no_grad():  # heads away from the AR projections: the views differ
+        for name, p in model.lm.named_parameters():
+            if "_diff." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    distiller = BlockDistiller(model.lm, block_size=8, mask_token_id=model.mask_token_id,
+                               num_anchors=2, draft_view=model.diffusion_view)
+    ids = torch.randint(5, 60, (1, 30), generator=torch.Generator().manual_seed(1))
+    anchors = torch.tensor([[6, 17]])
+    _, cache = distiller._teacher(ids)
+    wide = narrow_blocks(anchor_blocks(ids, anchors, 8, model.mask_token_id),
+                         torch.tensor([3, 8]), 30, 8)
+    short = anchor_blocks(ids, anchors, 3, model.mask_token_id)
+    with torch.no_grad(), model.diffusion_view():
+        got = block_view_logits(model.lm, wide.input_ids, wide.position_ids, cache,
+                                wide.attention_mask)[0]
+        want = block_view_logits(model.lm, short.input_ids, short.position_ids, cache,
+                                 short.attention_mask)[0]
+        plain = anchor_blocks(ids, anchors, 8, model.mask_token_id)
+        full = block_view_logits(model.lm, plain.input_ids, plain.position_ids, cache,
+                                 plain.attention_mask)[0]
+    torch.testing.assert_close(got[:3], want[:3], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(full[:3], want[:3], atol=1e-3)  # unnarrowed: rows see more
+    torch.testing.assert_close(got[8:], full[8:], rtol=1e-4, atol=1e-4)  # width 8: as is
+
+
+def test_training_on_a_mix_of_block_widths(rows, tmp_path):
+    """--block-widths: the run trains (the divergence falls), records its widths, resumes
+    with them, and refuses a width past the block size."""
+    run = _run(tmp_path / "mix", rows, 20, block_widths=[2, 4, 8])
+    hist = run.record["history"]
+    assert sum(h["kl"] for h in hist[-5:]) < 0.9 * sum(h["kl"] for h in hist[:5])
+    assert run.record["config"]["extra"]["block_widths"] == [2, 4, 8]
+    with pytest.raises(ValueError, match=r"^set --block-widths within 2\.\.8"):
+        _run(tmp_path / "bad", rows, 2, block_widths=[2, 9])
+
+
+def test_cross_entropy_on_the_ar_argmax(rows, tmp_path):
+    """--loss ce: the heads learn the AR view's greedy tokens (their agreement rises), the
+    KL is still reported, and the setting is recorded."""
+    run = _run(tmp_path / "ce", rows, 20, loss="ce")
+    hist = run.record["history"]
+    assert all("kl" in h for h in hist)
+    assert sum(h["acc"] for h in hist[-5:]) > sum(h["acc"] for h in hist[:5])
+    assert run.record["config"]["extra"]["loss"] == "ce"

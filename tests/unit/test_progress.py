@@ -83,7 +83,11 @@ def test_ticker_prints_while_the_block_runs_and_done_only_on_success() -> None:
     out, seen = io.StringIO(), iter(range(0, 10**9, 1000))
     p = Progress("[x] fetch", 10_000_000, "B", interval=0.05, file=out)
     with p.ticker(lambda: float(next(seen))):
-        time.sleep(0.4)
+        # wait for the ticker's lines, not a fixed time: on a loaded machine its thread
+        # may wake late (a fixed 0.4 s saw 2 lines under load 12 on 2 cores)
+        deadline = time.monotonic() + 30
+        while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
     lines = out.getvalue().splitlines()
     assert len(lines) >= 3 and lines[-1].startswith("[x] fetch: done, ")
     assert re.match(r"\[x\] fetch: [\d.]+ MB/10\.0 MB \([\d.]+%\) \| ", lines[1]), lines

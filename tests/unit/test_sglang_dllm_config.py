@@ -92,7 +92,10 @@ SAMPLING_CASES = {
     "greedy_top_k_1": (_params(temperature=0.7), None),
     "temperature": (_params(temperature=0.7, top_k=1 << 30),
                     "set temperature 0 (or top_k 1) for --dllm-algorithm FastDLLM"),
-    "default_temperature": (_params(top_k=1 << 30), "set temperature 0"),
+    # no sampling field set: SGLang's defaults (temperature 1, whole vocabulary), served
+    "no_sampling_fields": (_params(top_k=1 << 30, top_p=1.0, min_p=0.0), None),
+    "explicit_top_p": (_params(top_k=1 << 30, top_p=0.9),
+                       "set temperature 0 (or top_k 1) for --dllm-algorithm FastDLLM"),
     "penalty": (_params(repetition_penalty=1.2), "remove repetition_penalty for"),
     "both": (_params(temperature=0.5, top_k=1 << 30, regex="a+", logit_bias={"3": 1.0}),
              "set temperature 0 (or top_k 1) and remove logit_bias, regex for"),
@@ -108,5 +111,5 @@ def test_sampling_fastdllm_would_ignore_is_refused(case: str) -> None:
         assert message is None
     else:
         assert message is not None and message.startswith(first_words), message
-        if "temperature" in first_words:
+        if "temperature" in first_words and params.temperature != 1.0:
             assert f"would ignore temperature {params.temperature:g}" in message

@@ -44,10 +44,12 @@ def test_bad_settings_say_what_to_do(options: dict, first_words: str) -> None:
     assert str(info.value).startswith(first_words), str(info.value)
 
 
-def _req(max_new_tokens: int, temperature: float = 1.0, top_k: int = 1):
-    """SGLang stores greedy requests as temperature 1 with top_k 1."""
+def _req(max_new_tokens: int, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0):
+    """SGLang stores greedy requests as temperature 1 with top_k 1, and a request that
+    sets no sampling field as temperature 1 with top_k ``1 << 30`` (the whole vocabulary)."""
     return SimpleNamespace(sampling_params=SimpleNamespace(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k))
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=0.0))
 
 
 @pytest.mark.parametrize(("req", "num_blocks", "first_words"), [
@@ -56,7 +58,9 @@ def _req(max_new_tokens: int, temperature: float = 1.0, top_k: int = 1):
     (_req(57), 4, None),  # 64 = 4 serial blocks of 2 slots
     (_req(65), 1, "set max_new_tokens <= 64"),  # rounds up to 72 > 64
     (_req(40), 2, "set max_new_tokens to a multiple of 16"),  # 2 blocks of 2.5 slots
-    (_req(20, temperature=0.7, top_k=-1), 1, "set temperature 0"),
+    (_req(20, temperature=0.7, top_k=1 << 30), 1, "set temperature 0"),
+    (_req(20, top_k=1 << 30), 1, None),  # no sampling field set: served greedily
+    (_req(20, top_k=1 << 30, top_p=0.9), 1, "set temperature 0"),
 ])
 def test_requests_refused_with_what_to_do(req, num_blocks: int, first_words: str | None
                                           ) -> None:
@@ -65,3 +69,20 @@ def test_requests_refused_with_what_to_do(req, num_blocks: int, first_words: str
         assert message is None
     else:
         assert message is not None and message.startswith(first_words), message
+
+
+@pytest.mark.parametrize(("options", "refused"), [
+    ({}, False),  # the registry defaults: slots of 32, one block
+    ({"slot_size": 8, "num_blocks": 2, "block_size": 64}, True),  # 8 tokens: one slot
+    ({"num_blocks": 4}, True),  # the model card's GSM8K setting
+    ({"slot_size": 4, "num_blocks": 2, "block_size": 64}, False),
+])
+def test_warmup_it_would_refuse_is_known_at_launch(options: dict, refused: bool) -> None:
+    """SGLang's start-up warm-up asks for 8 tokens; settings that refuse them are found at
+    launch (the launch check then skips the warm-up instead of stopping the server)."""
+    from diffspec.plugin.sglang.refusion import warmup_refusal
+
+    why = warmup_refusal(refusion_options(options, "cfg.yaml"))
+    assert (why is not None) == refused, why
+    if refused:
+        assert why.startswith("set max_new_tokens to a multiple of"), why

@@ -42,6 +42,7 @@ from diffspec.testing.checkpoints import write_nld, write_orthrus, write_qwen3
 from diffspec.testing.stats import chi_square_test
 from diffspec.testing.synthetic import build_tokenizer, sample_prompts
 from diffspec.testing.synthetic_tidar import SYNTH_TIDAR_DIR
+from tests.unit.kv import prefilled_cache
 from tests.unit.lossless_cases import GREEDY, SAMPLINGS
 
 # name: (writer, config overrides); mask id 7 is a reserved slot of the Qwen tokenizer.
@@ -104,16 +105,6 @@ class Recorder:
         return quadratic_forward(model, cache, anchor, drafts, num_masks)
 
 
-def _prefill(lm, token_ids: list[int]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=lm.config)
-    if token_ids:
-        with torch.inference_mode():
-            lm(input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True)
-    return cache
-
-
 def _assert_lossless(case: Case, requests: list[Request], **kwargs) -> list[RequestOutput]:
     ar = ar_generate(case.model.lm, requests)
     out = tidar_generate(case.model, requests, **kwargs)
@@ -129,7 +120,7 @@ def _brute_force_branch(model: QuadraticModel, prefix: list[int], verify: list[i
                         num_masks: int) -> Tensor:  # [num_masks, vocab]
     """Branch logits recomputed alone: ``verify`` causal after ``prefix``, then ``num_masks``
     masks that see the prefix, all of ``verify`` and each other."""
-    cache = _prefill(model.lm, prefix)
+    cache = prefilled_cache(model.lm, prefix)
     p, v, k = len(prefix), len(verify), num_masks
     mask = torch.zeros(v + k, p + v + k, dtype=torch.bool)
     mask[:, :p] = True
@@ -225,7 +216,7 @@ def test_every_branch_equals_brute_force(layout, models):
     K masks]; the forward appends all its KV, commit keeps P + a + 1."""
     model = models[layout].model
     prefix, verify, k = [30, 31, 32, 33, 34], [35, 36, 37, 38], 3
-    cache = _prefill(model.lm, prefix)
+    cache = prefilled_cache(model.lm, prefix)
     logits = quadratic_forward(model, cache, verify[0], verify[1:], k)
     n = len(verify) - 1
     assert logits.shape[0] == (n + 1) * (1 + k) == cache.get_seq_length() - len(prefix)
@@ -250,10 +241,10 @@ def test_kv_after_commit_equals_fresh_prefill(drafts_case, accepted, models):
     prefix = [40, 41, 42, 43, 44, 45]
     n = 0 if drafts_case == "bootstrap_no_drafts" else 4
     verify = [46, 47, 48, 49, 50][: n + 1]
-    cache = _prefill(model.lm, prefix)
+    cache = prefilled_cache(model.lm, prefix)
     quadratic_forward(model, cache, verify[0], verify[1:], model.block_size)
     commit_kv(cache, len(prefix), accepted)
-    fresh = _prefill(model.lm, prefix + verify[: accepted + 1])
+    fresh = prefilled_cache(model.lm, prefix + verify[: accepted + 1])
     assert cache.get_seq_length() == fresh.get_seq_length() == len(prefix) + accepted + 1
     for got, want in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
@@ -294,7 +285,7 @@ def test_decoder_selects_the_brute_force_branch(case_name, sampling, models, syn
         want, _ = sample_drafts(branch[skip:][:count], params, first)
         assert following.drafts == want
     for step in steps:
-        fresh = _prefill(model.lm, sequence[: step.prefix_len])
+        fresh = prefilled_cache(model.lm, sequence[: step.prefix_len])
         assert step.anchor == sequence[step.prefix_len]
         for (keys, values), layer in zip(step.kv, fresh.layers):
             torch.testing.assert_close(keys, layer.keys, atol=2e-5, rtol=1e-4)
@@ -310,7 +301,7 @@ def test_matches_nld_interleaved_layout(models):
     b = model.block_size
     prefix, verify = [30, 31, 32, 33], [40, 41, 42, 43, 44][:b]
     p = len(prefix)
-    cache = _prefill(model.lm, prefix)
+    cache = prefilled_cache(model.lm, prefix)
     ours = quadratic_forward(model, cache, verify[0], verify[1:], b)
 
     width = b + 1  # NLD: sub-block i = [t_i, mask x B]
@@ -320,7 +311,7 @@ def test_matches_nld_interleaved_layout(models):
     own_block = (block[None, :] == block[:, None]) & (offset[:, None] != 0)
     mask = torch.cat([torch.ones(b * width, p, dtype=torch.bool), first_tokens | own_block], 1)
     ids = torch.tensor([[t] + [model.mask_token_id] * b for t in verify]).flatten()
-    cache = _prefill(model.lm, prefix)
+    cache = prefilled_cache(model.lm, prefix)
     with torch.inference_mode():
         theirs = block_view_logits(model.lm, ids, p + block + offset, cache, mask).float()
     theirs = theirs.view(b, width, -1)

@@ -563,3 +563,45 @@ def test_rank_arg_takes_a_positive_integer_or_full() -> None:
     for bad in ("0", "-3", "dense", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="positive integer or 'full'"):
             rank_arg(bad)
+
+
+def test_torch_threads_sets_and_restores(monkeypatch) -> None:
+    """The trainers' thread count: set for the block, the caller's back after it (also when
+    the block raises); None or 0 leave torch's as it is."""
+    from diffspec.train import torch_threads
+
+    current = {"n": 4}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: current["n"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: current.update(n=n))
+    with torch_threads(1):
+        assert current["n"] == 1
+    assert current["n"] == 4
+    with pytest.raises(RuntimeError), torch_threads(2):
+        assert current["n"] == 2
+        raise RuntimeError("a failing step")
+    assert current["n"] == 4
+    for keep in (None, 0):
+        with torch_threads(keep):
+            assert current["n"] == 4
+
+
+def test_resumed_run_keeps_its_saved_settings(tmp_path) -> None:
+    """ResumableRun on resume: the first session's settings win over the caller's, its data
+    files are read again, changed rows are refused, and the budget stop is logged."""
+    from diffspec.train.runs import ResumableRun
+
+    fresh = ResumableRun.open(tmp_path, resume=False)
+    assert fresh.resumed(rank=64, block_size=8) == (64, 8)
+    assert fresh.files(lambda: [Path("new.jsonl")]) == [Path("new.jsonl")]
+    fresh.check_rows("anything")  # nothing to compare with
+    fresh.state = {"settings": {"rank": 16, "block_size": 32},
+                   "data": {"files": ["first.jsonl"], "rows_sha256": "abc"}}
+    assert fresh.resumed(rank=64, block_size=8) == (16, 32)
+    assert fresh.files(lambda: [Path("new.jsonl")]) == [Path("first.jsonl")]
+    fresh.check_rows("abc")
+    with pytest.raises(ValueError, match="--resume: the data rows differ"):
+        fresh.check_rows("changed")
+    logged: list[str] = []
+    budget = ResumableRun.open(tmp_path / "b", resume=False, max_cpu_s=0.0)
+    assert budget.stops_after(0, 5, logged.append) and "stopping after step 0" in logged[0]
+    assert not budget.stops_after(4, 5, logged.append)  # the last step: nothing to stop

@@ -68,3 +68,68 @@ def test_backends() -> None:
     for ok in (None, "auto", "CPU_ATTN", "TRITON_ATTN"):
         assert refusion_backend_error(ok) is None
     assert refusion_backend_error("FLASHINFER").startswith("use --attention-backend TRITON_ATTN")
+
+
+def _sampling(**fields: object):
+    """vLLM's ``SamplingParams`` as the front end holds them (temperature 0 resets top_p,
+    top_k and min_p, as vLLM does)."""
+    from types import SimpleNamespace
+
+    base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "min_tokens": 0, "logit_bias": None, "bad_words": None, "allowed_token_ids": None,
+            "seed": None}
+    return SimpleNamespace(**{**base, **fields})
+
+
+DIFFUSION_SAMPLING_CASES = {
+    "no_sampling_fields": (_sampling(), None),  # vLLM's neutral defaults: served
+    "greedy": (_sampling(temperature=0.0), None),
+    "seeded": (_sampling(seed=7), None),  # greedy output is the same every time
+    "generation_config_defaults": (_sampling(temperature=0.6, top_k=20, top_p=0.95),
+                                   "leave temperature, top_p, top_k out of the request"),
+    "penalty": (_sampling(repetition_penalty=1.1), "leave repetition_penalty out"),
+    "logit_bias": (_sampling(logit_bias={3: 1.0}), "leave logit_bias out"),
+}
+
+
+@pytest.mark.parametrize("case", list(DIFFUSION_SAMPLING_CASES))
+def test_diffusion_sampling_is_served_or_refused_with_what_to_do(case: str) -> None:
+    """Fast-dLLM and ReFusion on vLLM decode greedily: a request with no sampling field,
+    temperature 0 or a seed is served; any value they would ignore is refused, first words
+    what to do (the ``refusion_requests`` patch raises it as HTTP 400)."""
+    from diffspec.plugin.vllm.dllm import diffusion_request_error
+
+    params, first_words = DIFFUSION_SAMPLING_CASES[case]
+    message = diffusion_request_error(params, "ReFusion")
+    if first_words is None:
+        assert message is None
+    else:
+        assert message is not None and message.startswith(first_words), message
+        assert "ReFusion on vLLM's diffusion path decodes greedily" in message
+
+
+@pytest.mark.parametrize(("generation_config", "want"), [
+    ("auto", "vllm"),  # vLLM's default: generation_config.json's sampling defaults dropped
+    ("vllm", "vllm"),
+    ("/my/generation/config", "/my/generation/config"),  # the user's own folder is kept
+])
+def test_diffusion_paths_use_neutral_sampling_defaults(generation_config: str, want: str,
+                                                       caplog) -> None:
+    """A request that sets no sampling field must not get generation_config.json's
+    temperature 0.6 (refused by vLLM's diffusion path): the hooks switch vLLM's default
+    ``--generation-config auto`` to ``vllm`` and log once what they drop."""
+    from types import SimpleNamespace
+
+    from diffspec.plugin.vllm.dllm import neutral_sampling_defaults
+
+    model_config = SimpleNamespace(
+        generation_config=generation_config,
+        try_get_generation_config=lambda: {"temperature": 0.6, "top_p": 0.95, "eos_token_id": 2})
+    with caplog.at_level("INFO", logger="vllm.diffspec"):
+        neutral_sampling_defaults(model_config, "ReFusion")
+    assert model_config.generation_config == want
+    logged = [r.getMessage() for r in caplog.records if "decodes greedily" in r.getMessage()]
+    assert len(logged) == (generation_config == "auto")
+    if logged:
+        assert "not generation_config.json's {'temperature': 0.6, 'top_p': 0.95}" in logged[0]

@@ -18,6 +18,7 @@ from sglang.srt.models.utils import apply_qk_norm
 from sglang.srt.utils import add_prefix
 from torch import nn
 
+from diffspec.core.checkpoint import orthrus_weights_missing
 from diffspec.model_executors.sglang.views import DiffusionViewMixin, full_output
 
 __all__ = ["OrthrusForCausalLM", "OrthrusLlamaForCausalLM"]
@@ -84,11 +85,8 @@ class _OrthrusMixin(DiffusionViewMixin):
         expected |= {n for n in params if "_diff." in n and ".qkv_proj_diff." not in n}
         missing = sorted(expected - loaded)
         if missing:
-            norms = " and {q,k}_norm_diff" if any("_norm_diff." in n for n in expected) else ""
-            raise ValueError(
-                f"the checkpoint has no Orthrus diffusion weights for {missing[0]} "
-                f"({len(missing)} tensors missing); expected model.layers.N.self_attn."
-                f"{{q,k,v,o}}_proj_diff{norms} for every layer")
+            raise orthrus_weights_missing(
+                missing, "tensors", norms=any("_norm_diff." in n for n in expected))
 
 
 class OrthrusForCausalLM(_OrthrusMixin, Qwen3ForCausalLM):

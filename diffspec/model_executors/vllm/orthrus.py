@@ -16,6 +16,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLine
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
+from diffspec.core.checkpoint import orthrus_weights_missing
 from diffspec.model_executors.vllm.views import DiffusionViewMixin
 
 __all__ = ["OrthrusForCausalLM", "OrthrusLlamaForCausalLM"]
@@ -45,11 +46,8 @@ class _OrthrusMixin(DiffusionViewMixin):
         loaded = super().load_weights(weights)  # type: ignore[misc]
         missing = sorted(n for n, _ in self.named_parameters() if "_diff." in n and n not in loaded)
         if missing:
-            norms = " and {q,k}_norm_diff" if any("_norm_diff." in n for n in missing) else ""
-            raise ValueError(
-                f"the checkpoint has no Orthrus diffusion weights for {missing[0]} "
-                f"({len(missing)} parameters missing); expected model.layers.N.self_attn."
-                f"{{q,k,v,o}}_proj_diff{norms} for every layer")
+            raise orthrus_weights_missing(
+                missing, "parameters", norms=any("_norm_diff." in n for n in missing))
         return loaded
 
 

@@ -31,7 +31,7 @@ from diffspec.plugin.sglang.config import self_spec_algorithms, validate_server_
 from diffspec.plugin.sglang.decode_rows import register_decode_rows
 from diffspec.plugin.sglang.dllm import register_dllm
 from diffspec.plugin.sglang.headroom import register_headroom
-from diffspec.plugin.versions import check_engine_version
+from diffspec.plugin.versions import UnsupportedEngineVersion, check_engine_version
 
 logger = logging.getLogger("diffspec")
 
@@ -47,7 +47,14 @@ def register() -> None:
         return
     from importlib.metadata import version
 
-    check_engine_version("sglang", version("sglang"))
+    try:
+        check_engine_version("sglang", version("sglang"))
+    except UnsupportedEngineVersion as exc:
+        # SGLang's loader catches and logs a plugin's exception, so a launch would only
+        # say "unknown speculative algorithm": name diffspec's algorithms anyway, each
+        # refusing at launch with this message
+        _register_refusals(str(exc))
+        raise
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
@@ -76,3 +83,42 @@ def register() -> None:
     logger.info("diffspec plugin loaded into SGLang %s (architectures: %s; speculative "
                 "algorithms: %s)", version("sglang"), ", ".join(architectures),
                 ", ".join(algorithms))
+
+
+def _register_refusals(message: str) -> None:
+    """On an SGLang diffspec does not support: register diffspec's speculative and dLLM
+    algorithm names with launch validation that raises ``message`` (the version refusal:
+    what to install), so a launch that names one says why it cannot run. Best effort: an
+    SGLang without these registration points gets the message in its plugin log only."""
+    from diffspec.methods import get_method
+    from diffspec.plugin.hf_configs import register_model_types
+    from diffspec.plugin.sglang.refusion import ALGORITHM as REFUSION
+
+    def refuse(*_args, **_kwargs):
+        raise UnsupportedEngineVersion(message)
+
+    class _Refusing(type):  # whatever SGLang reads of the dLLM algorithm first raises
+        def __getattr__(cls, name):
+            raise UnsupportedEngineVersion(message)
+
+    for family in FAMILIES.values():  # transformers only: the launch reads the config first
+        register_model_types(family.hf_configs)
+
+    try:
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang.srt.speculative.spec_registry import get_spec
+
+        for name in self_spec_algorithms():
+            if get_spec(name) is None:
+                SpeculativeAlgorithm.register(name, supports_overlap=False,
+                                              validate_server_args=refuse)(refuse)
+    except Exception:  # noqa: BLE001 - another SGLang: its own registration may differ
+        logger.exception("diffspec: could not register its speculative algorithms' refusal")
+    try:
+        from sglang.srt.dllm.algorithm import algo_name_to_cls
+
+        refusing = _Refusing("UnsupportedSGLang", (), {})
+        for name in (get_method("fast_dllm").sglang.name, REFUSION):
+            algo_name_to_cls.setdefault(name, refusing)
+    except Exception:  # noqa: BLE001
+        logger.exception("diffspec: could not register its dLLM algorithms' refusal")

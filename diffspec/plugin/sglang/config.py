@@ -87,6 +87,17 @@ def validate_server_args(server_args) -> None:
         if value not in (None, 1):
             raise CheckpointError(f"--speculative-algorithm {name} supports {flag} 1 only "
                                   f"(got {value})")
+    # PD disaggregation: a server's runtime switch to the decode role captures decode CUDA
+    # graphs (disaggregation/role_switch.py, handle_pd_role_switch ->
+    # ensure_decode_cuda_graphs) after handle_server_args turned them off (S2), and a
+    # decode server takes its KV from a prefill server; neither is checked
+    mode = str(getattr(server_args, "disaggregation_mode", None) or "null")
+    if mode != "null":
+        raise CheckpointError(
+            f"remove --disaggregation-mode {mode} (serve prefill and decode in one server) "
+            f"with --speculative-algorithm {name}: diffspec's speculative algorithms run "
+            f"without CUDA graphs, which a switch to SGLang's decode role captures again, and "
+            f"are not checked with a KV cache handed over from a prefill server")
     kv_dtype = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
     if kv_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
         raise CheckpointError(
@@ -166,7 +177,7 @@ def _validate_diffspec_options(server_args, method: str) -> None:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(
                 f"point \"latency_profile\" at a forward-latency profile (python -m "
-                f"benchmarks.adaptive_sweep --profile-only --engines sglang --model CKPT "
+                f"benchmarks sweep --profile-only --engines sglang --model CKPT "
                 f"--method {method} --out DIR writes one), or leave it out: the worker "
                 f"measures one at start-up; {path!r} cannot be read as one: {exc}") from None
 

@@ -27,11 +27,14 @@ DUAL_CACHE_BACKEND = "torch_native"  # the attention backend the dual cache runs
 # which SGLang's ``handle_dllm_inference`` calls at start, after it picked the backend:
 # flashinfer when CUDA graphs are on). FastDLLM's prefix cache runs SGLang's own dLLM
 # forward (``DllmAlgorithm.run``: one DLLM_EXTEND over each request's whole block, what
-# SGLang's LowConfidence runs on flashinfer, with or without its graphs); ReFusion's ragged
-# forwards (their own prefix and query lengths per row, slots in commit order, scratch
-# ``req_to_token`` rows) are verified on torch_native only.
-FAST_DLLM_BACKENDS = ("torch_native", "flashinfer")
-REFUSION_BACKENDS = ("torch_native",)
+# SGLang's LowConfidence runs on flashinfer, with or without its graphs; triton's kernels ran
+# it in Triton's interpreter in the engine tier, tests/engine/test_sglang_triton.py; SGLang
+# itself switches to flashinfer while CUDA graphs are on, and to triton on AMD GPUs);
+# ReFusion's ragged forwards (their own prefix and query lengths per row, slots in commit
+# order, scratch ``req_to_token`` rows) are verified on torch_native and on triton (its
+# kernels in Triton's interpreter, same test), which run them without CUDA graphs.
+FAST_DLLM_BACKENDS = ("torch_native", "flashinfer", "triton")
+REFUSION_BACKENDS = ("torch_native", "triton")
 
 
 def dllm_backends(algorithm: str) -> tuple[str, ...]:
@@ -178,13 +181,14 @@ def dllm_backend_error(algorithm: str, backends, graphs_on: bool = False) -> str
         why = ("its forwards are ragged causal extends with their own prefix and query "
                "lengths per row, over slots in commit order and borrowed req_to_token rows, "
                "and SGLang's dLLM CUDA graphs replay inputs of bs * block_size tokens, which "
-               "they are not; verified on torch_native only")
-        todo = "use --attention-backend torch_native (which runs without CUDA graphs)"
+               "they are not; verified on torch_native and triton without CUDA graphs")
+        todo = ("use --attention-backend triton with --disable-cuda-graph (torch_native on "
+                "CPU)")
     else:
         why = ("FastDLLM runs SGLang's own dLLM block forward, which diffspec has checked on "
-               "torch_native (CPU) and reasoned for flashinfer, the backend SGLang's dLLM mode "
-               "picks with CUDA graphs")
-        todo = "use --attention-backend flashinfer (torch_native on CPU)"
+               "torch_native (CPU) and triton (its kernels in Triton's interpreter) and "
+               "reasoned for flashinfer, the backend SGLang's dLLM mode picks with CUDA graphs")
+        todo = "use --attention-backend flashinfer or triton (torch_native on CPU)"
     graphs = (" (SGLang's dLLM mode switches to flashinfer while CUDA graphs are on)"
               if graphs_on else "")
     return (f"{todo} with --dllm-algorithm {algorithm}: attention backend "
@@ -219,6 +223,31 @@ def configure_dllm_server_args(algorithm: str, server_args) -> None:
     error = dllm_backend_error(algorithm, backends, graphs_on)
     if error:
         raise CheckpointError(error)
+    neutral_sampling_defaults(algorithm, server_args)
+    from diffspec.plugin.sglang.refusion import ALGORITHM as REFUSION
+    from diffspec.plugin.sglang.refusion import skip_warmup_it_refuses
+
+    if algorithm == REFUSION:
+        skip_warmup_it_refuses(server_args)
+
+
+def neutral_sampling_defaults(algorithm: str, server_args) -> None:
+    """Let a chat request that sets no sampling field be served: with SGLang's default
+    ``--sampling-defaults model`` its OpenAI server fills a request's gaps from
+    generation_config.json (Qwen3's temperature 0.6, ...), which the greedy dLLM algorithms
+    would refuse; ``openai`` fills them with SGLang's own defaults, which they serve
+    greedily (:func:`diffspec.spec_workers.sglang.requests.sampling_asked`). Logged once,
+    at launch."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    if resolving_view(server_args).sampling_defaults != "model":
+        return
+    declare_resolution(server_args, "diffspec", sampling_defaults="openai")
+    logger.info("diffspec: --dllm-algorithm %s decodes greedily: a request's missing sampling "
+                "fields get SGLang's defaults (--sampling-defaults openai), not the model's "
+                "generation_config.json; a request may leave every sampling field out or set "
+                "temperature 0, and is refused (HTTP 400) for any other sampling value",
+                algorithm)
 
 
 def _turn_end_ids(info) -> list[int]:

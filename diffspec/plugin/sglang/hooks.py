@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 
 from diffspec.plugin.engine_sources import Target
-from diffspec.plugin.versions import release_matches
+from diffspec.plugin.versions import ALLOW_ENV, release_matches, unsupported_allowed
 
 __all__ = ["HOOKS", "OVERRIDES", "TARGETS", "register_around"]
 
@@ -106,10 +106,15 @@ def register_around(name: str, hook: Callable) -> bool:
 
     running = version("sglang")
     if not release_matches(running, HOOKS[name]):
+        if not unsupported_allowed():
+            logger.warning("diffspec: SGLang hook %s is not checked against SGLang %s "
+                           "(checked: %s); not applied, so what it does is missing "
+                           "(diffspec/plugin/patches.md)", name, running,
+                           ", ".join(HOOKS[name]))
+            return False
         logger.warning("diffspec: SGLang hook %s is not checked against SGLang %s (checked: "
-                       "%s); not applied, so what it does is missing (diffspec/plugin/"
-                       "patches.md)", name, running, ", ".join(HOOKS[name]))
-        return False
+                       "%s); applied anyway because %s is set", name, running,
+                       ", ".join(HOOKS[name]), ALLOW_ENV)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGETS[name].path, hook, HookType.AROUND)

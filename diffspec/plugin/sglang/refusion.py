@@ -24,10 +24,14 @@ from diffspec.plugin.sglang.config import yaml_mapping
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "refusion_dllm_config", "refusion_options"]
+__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "WARMUP_TOKENS", "refusion_dllm_config",
+           "refusion_options", "skip_warmup_it_refuses", "warmup_refusal"]
 
 ALGORITHM = get_method("refusion").sglang.name  # "ReFusion"
 DEFAULT_BLOCK_SIZE = 256
+# SGLang's start-up warm-up: one /generate of max_new_tokens 8, greedy (launch_server's
+# _execute_server_warmup); a refused warm-up stops the server
+WARMUP_TOKENS = 8
 _OPTIONS = ("slot_size", "slot_threshold", "token_threshold", "num_blocks", "block_size")
 
 
@@ -97,3 +101,39 @@ def refusion_dllm_config(cfg: Any, info=None):
         first_done_first_out_mode=False,
         requires_separate_context_encoding=True,
     )
+
+
+def warmup_refusal(options: dict[str, Any]) -> str | None:
+    """Why ReFusion with the resolved ``options`` would refuse SGLang's start-up warm-up
+    request (:data:`WARMUP_TOKENS` greedy tokens), or ``None``: with ``num_blocks`` > 1 the
+    8 tokens, rounded up to whole slots, may not split into the serial blocks (the model
+    card's setting, slots of 32 in 4 blocks, does not)."""
+    from types import SimpleNamespace
+
+    from diffspec.spec_workers.sglang.requests import refusion_request_error
+
+    warmup = SimpleNamespace(sampling_params=SimpleNamespace(
+        max_new_tokens=WARMUP_TOKENS, temperature=1.0, top_k=1))  # greedy, as SGLang stores it
+    return refusion_request_error(warmup, options["block_size"], options["slot_size"],
+                                  options["num_blocks"])
+
+
+def skip_warmup_it_refuses(server_args: Any) -> None:
+    """Launch check of ``--dllm-algorithm ReFusion``: skip SGLang's start-up warm-up
+    request when these settings would refuse it (:func:`warmup_refusal`), which would stop
+    the server before it serves anything; logged. A request like it from a client gets the
+    400 with what to do."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    if cfg.skip_server_warmup:
+        return
+    source = cfg.dllm_algorithm_config or "the dLLM settings"
+    why = warmup_refusal(refusion_options(yaml_mapping(cfg.dllm_algorithm_config, _OPTIONS),
+                                          source))
+    if why is None:
+        return
+    declare_resolution(server_args, "diffspec", skip_server_warmup=True)
+    logger.info("diffspec: skipping SGLang's start-up warm-up request (%d tokens): "
+                "--dllm-algorithm %s with these settings refuses it (%s), which would stop "
+                "the server", WARMUP_TOKENS, ALGORITHM, why)

@@ -29,6 +29,7 @@ from diffspec.methods import Method, methods_for_engine
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 __all__ = ["GPU_ATTENTION_BACKEND", "attention_backend_error", "budget_error", "cudagraph_plan",
+           "named_backends", "split_kernel_block_message", "tidar_kernel_split_error",
            "diffspec_options", "drafting_rows", "is_self_spec_proposer", "proposer_path",
            "self_spec_methods", "tidar_branch_rows", "translate_speculative_config",
            "unknown_method_message"]
@@ -207,12 +208,96 @@ def translate_speculative_config(
 
 
 # The attention backends the self-speculative methods run on: CPU_ATTN (verified on CPU by
-# the engine tier) and FLASH_ATTN (reasoned from vLLM's code: its metadata builder makes
-# fresh metadata per build and accepts causal=False over the paged cache; docs/gpu-support.md).
+# the engine tier), TRITON_ATTN (its own Triton kernels and metadata builder run by the
+# engine tier in Triton's interpreter on CPU: tests/engine/test_vllm_triton_attn.py) and
+# FLASH_ATTN (reasoned from vLLM's code: its metadata builder makes fresh metadata per build
+# and accepts causal=False over the paged cache; docs/gpu-support.md).
 # On a GPU the plugin names FLASH_ATTN when the user names none, so vLLM's selector fails
 # loudly where FLASH_ATTN cannot run instead of falling back to FlashInfer.
 GPU_ATTENTION_BACKEND = "FLASH_ATTN"
-CHECKED_ATTENTION_BACKENDS = ("CPU_ATTN", GPU_ATTENTION_BACKEND)
+CHECKED_ATTENTION_BACKENDS = ("CPU_ATTN", "TRITON_ATTN", GPU_ATTENTION_BACKEND)
+
+
+def named_backends(attention_config: Any, global_name: Any = None) -> list[tuple[str, str]]:
+    """Every attention backend the user named, as ``(where, NAME)``: the global one
+    (``global_name``, else ``attention_config.backend``) and each entry of
+    ``attention_config.backend_per_kind``, which vLLM's selector gives the layers of that
+    KV-cache kind instead of the global backend (``get_attn_backend`` in
+    ``vllm/v1/attention/selector.py``, vLLM 0.32 and 0.33). A check of the backend a
+    method runs on must read them all; "auto" and unset names are left out."""
+    if isinstance(attention_config, Mapping):
+        named, per_kind = attention_config.get("backend"), attention_config.get("backend_per_kind")
+    else:
+        named = getattr(attention_config, "backend", None)
+        per_kind = getattr(attention_config, "backend_per_kind", None)
+    out = []
+    for where, backend in [("--attention-backend", global_name or named),
+                           *((f"backend_per_kind[{kind!r}] of --attention-config", backend)
+                             for kind, backend in (per_kind or {}).items())]:
+        name = getattr(backend, "name", backend)
+        if name is not None and str(name).upper() != "AUTO":
+            out.append((where, str(name).upper()))
+    return out
+
+
+def per_kind_note(where: str) -> str:
+    """What a refusal of a per-kind backend adds after its reason (empty for the global)."""
+    if where == "--attention-backend":
+        return ""
+    return (f" (named in {where}, which vLLM uses instead of --attention-backend for the "
+            f"layers of that kind: remove the entry or name a backend above)")
+
+
+def split_kernel_block_message(block_size: int, kernel: int, backend: str) -> str:
+    """The refusal of TiDAR on vLLM's V2 runner over KV blocks split into kernel blocks."""
+    return (f"set --block-size {kernel} (a block size the attention backend {backend} runs "
+            f"as it is) for method 'tidar' on vLLM's V2 model runner: its KV blocks of "
+            f"{block_size} tokens are split into kernel blocks, whose block tables vLLM maps "
+            f"into one buffer per attention group, and the branches' metadata, built before "
+            f"the verify runs, would overwrite the verify's")
+
+
+def tidar_kernel_split_error(vllm_config: Any, backend_class: Any = None) -> str | None:
+    """At config time, before the weights load: why TiDAR cannot run on vLLM's V2 runner
+    with this configuration's KV blocks (:func:`split_kernel_block_message`), or ``None``.
+
+    The runner splits a KV block into kernel blocks when its attention backend does not run
+    the block size as it is (``AttentionGroup.create_metadata_builders`` ->
+    ``select_common_block_size``, ``vllm/v1/worker/utils.py``). The block size is the
+    user's ``--block-size``, else the one vLLM picks after the model loads for its one
+    backend (``update_block_size_for_backend`` -> ``get_preferred_block_size``); both are
+    computed here with vLLM's own functions, for the backend the launch names for full
+    attention (``backend_per_kind['full_attention']``, else the global one; diffspec names
+    FLASH_ATTN on a GPU when the user names none). ``backend_class``: that backend's class
+    (default: looked up). With no backend named (vLLM's automatic choice, CPU_ATTN on a
+    CPU) the runner's own check refuses it when it sets up the KV cache."""
+    from vllm.config.cache import CacheConfig
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.v1.worker.utils import select_common_block_size
+
+    if backend_class is None:
+        named = dict(named_backends(vllm_config.attention_config))
+        name = named.get("backend_per_kind['full_attention'] of --attention-config",
+                         named.get("--attention-backend"))
+        if name is None:
+            return None
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        try:
+            backend_class = AttentionBackendEnum[name].get_class()
+        except (ImportError, KeyError):  # not on this platform: vLLM's own error follows
+            return None
+    cache = vllm_config.cache_config
+    with set_current_vllm_config(vllm_config):
+        block = cache.block_size if getattr(cache, "user_specified_block_size", True) \
+            else backend_class.get_preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE)
+        try:
+            kernel = select_common_block_size(block, [backend_class])
+        except ValueError:  # no kernel block at all: vLLM's own error at KV cache setup
+            return None
+    if kernel == block:
+        return None
+    return split_kernel_block_message(block, kernel, backend_class.get_name())
 
 
 def attention_backend_error(method: str, named: str | None) -> str | None:
@@ -233,10 +318,10 @@ def attention_backend_error(method: str, named: str | None) -> str | None:
                "problems, platforms/cuda.py); not checked by diffspec")
     else:
         why = (f"its draft pass attends non-causally over the paged KV cache, which diffspec "
-               f"has checked on {' and '.join(CHECKED_ATTENTION_BACKENDS)} only, not on "
+               f"has checked on {', '.join(CHECKED_ATTENTION_BACKENDS)} only, not on "
                f"{named}")
-    return (f"use --attention-backend {GPU_ATTENTION_BACKEND} (GPU) or CPU_ATTN (CPU) with "
-            f"method {method!r}: {why}")
+    return (f"use --attention-backend {GPU_ATTENTION_BACKEND} or TRITON_ATTN (GPU) or "
+            f"CPU_ATTN (CPU) with method {method!r}: {why}")
 
 
 def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager: bool,
@@ -358,7 +443,7 @@ def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
             "a latency profile prices the adaptive policy's steps, and \"adaptive\": false "
             "drafts num_speculative_tokens every step")
     if path:
-        measure = (f"python -m benchmarks.adaptive_sweep --profile-only --engines vllm "
+        measure = (f"python -m benchmarks sweep --profile-only --engines vllm "
                    f"--method {spec.get('method', 'orthrus')} --model CKPT --out DIR, through "
                    f"this engine: DIR/vllm-latency-profile.json; or leave it out: the engine "
                    f"measures one at start-up")

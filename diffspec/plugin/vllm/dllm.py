@@ -16,18 +16,29 @@ from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from diffspec.methods import get_method
+from diffspec.plugin.vllm.config import named_backends, per_kind_note
 
 logger = logging.getLogger("vllm.diffspec")
 
-__all__ = ["DEFAULT_BLOCK", "DIFFUSION_GPU_BACKEND", "OPTIONS", "THRESHOLD_ARG",
-           "V2_RUNNER_UNAVAILABLE", "FastDLLMConfigError", "diffusion_backend_error",
-           "diffusion_block_size", "fast_dllm_options", "register_config_hooks",
+__all__ = ["ATTRIBUTE", "CANVAS_ARG", "DEFAULT_BLOCK", "DIFFUSION_GPU_BACKEND",
+           "METHOD_ATTRIBUTE", "OPTIONS", "THRESHOLD_ARG", "V2_RUNNER_UNAVAILABLE",
+           "FastDLLMConfigError", "diffusion_backend_error", "diffusion_block_size",
+           "diffusion_request_error", "fast_dllm_options", "fast_dllm_request_error",
+           "neutral_sampling_defaults", "no_async_scheduling", "register_config_hooks",
            "verify_and_update_config"]
 
 DEFAULT_BLOCK = 32  # Fast-dLLM's block when the checkpoint has no trained one
 OPTIONS = ("threshold", "sub_block_size", "cache")  # --additional-config diffspec.fast_dllm
 THRESHOLD_ARG = "fast_dllm_threshold"  # per-request SamplingParams.extra_args key
+CANVAS_ARG = "diffusion_canvas_length"  # vLLM's per-request canvas width (extra_args)
+ATTRIBUTE = "diffspec_fast_dllm"  # hf_config attribute: {"block_size": N} (both processes)
 _SETTINGS_FLAG = "--additional-config '{\"diffspec\": {\"fast_dllm\": {...}}}'"
+# hf_config attribute naming the diffusion method diffspec serves (set by the config hooks;
+# read in the front end by the patch refusion_requests, which checks each request's sampling)
+METHOD_ATTRIBUTE = "diffspec_diffusion_method"
+# generation_config.json's sampling fields vLLM's server would fill a request's gaps with
+_SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty")
 
 V2_RUNNER_UNAVAILABLE = (
     "serve {arch} with SGLang's dLLM mode (--dllm-algorithm FastDLLM) or with a GPU build "
@@ -76,6 +87,83 @@ def diffusion_backend_error(arch: str | None, named: str | None,
             + (f" (FlashAttention {flash_attn_version or 'by default 2 or 3'})"
                if named.upper() == "FLASH_ATTN" else "")
             + " would raise at the first forward")
+
+
+def no_async_scheduling(vllm_config: Any, method: str) -> None:
+    """Async scheduling off for ``method`` on vLLM's diffusion path (Fast-dLLM, ReFusion),
+    with one log line; a :class:`CheckpointError` whose first words say what to do when the
+    user asked for it. Their samplers read each request's computed-token count on the host
+    (``input_batch.num_computed_tokens_np``: where its canvas starts, whether the scheduler
+    cut it for the token budget), which vLLM's async scheduling (on a GPU its default, then
+    the ``DiffusionAsyncScheduler``) updates a step late. The hook runs before vLLM resolves
+    the default (``VllmConfig.__post_init__``), so ``None`` here is "not asked for"."""
+    scheduler = vllm_config.scheduler_config
+    if scheduler.async_scheduling:
+        raise CheckpointError(
+            f"remove --async-scheduling (or add --no-async-scheduling) to serve {method} on "
+            f"vLLM's diffusion path: its sampler reads each request's computed-token count "
+            f"on the host (where its canvas starts, whether the scheduler cut it), which "
+            f"async scheduling (DiffusionAsyncScheduler) updates a step late")
+    if scheduler.async_scheduling is None:
+        scheduler.async_scheduling = False
+        logger.info("diffspec: %s runs on vLLM's diffusion path with async scheduling off "
+                    "(DiffusionScheduler): its sampler reads each request's computed-token "
+                    "count on the host, which async scheduling updates a step late", method)
+
+
+def fast_dllm_request_error(extra_args: Any, block: int) -> str | None:
+    """Why Fast-dLLM cannot decode a request with these ``extra_args`` (first words: what
+    to do), or ``None``: a canvas width of its own (vLLM's ``diffusion_canvas_length``)
+    other than the served block. vLLM's diffusion scheduler would schedule that width, and
+    every block is decoded and kept whole at the served block size."""
+    width = (extra_args or {}).get(CANVAS_ARG)
+    if width is None or width == block:
+        return None
+    return (f"remove {CANVAS_ARG} from the request's extra_args (vllm_xargs), or set it to "
+            f"{block}: Fast-dLLM decodes every request in blocks of the server's "
+            f"--diffusion-config canvas_length ({block}), the block whose KV it keeps; a "
+            f"canvas of {width!r} per request is not supported (serve with canvas_length "
+            f"{width!r} instead)")
+
+
+def neutral_sampling_defaults(model_config: Any, method: str) -> None:
+    """Let a request that sets no sampling field be served by ``method``'s greedy decoding:
+    with vLLM's default ``--generation-config auto`` the OpenAI server fills a request's
+    missing sampling fields from generation_config.json (Qwen3's temperature 0.6, top_k 20,
+    ...), which vLLM's diffusion path refuses (it takes temperature 1.0 only). Set
+    ``generation_config = "vllm"`` (vLLM's neutral defaults; the file's EOS ids are still
+    read) and say once what is not applied. A folder the user named is kept."""
+    if getattr(model_config, "generation_config", None) != "auto":
+        return
+    file_defaults = {k: v for k, v in model_config.try_get_generation_config().items()
+                     if k in _SAMPLING_DEFAULTS}
+    model_config.generation_config = "vllm"
+    logger.info("diffspec: %s decodes greedily by its own rules: a request's missing sampling "
+                "fields get vLLM's neutral defaults%s; a request may leave every sampling "
+                "field out or set temperature 0 or 1, and is refused (HTTP 400) for any other "
+                "sampling value", method,
+                f", not generation_config.json's {file_defaults}" if file_defaults else "")
+
+
+def diffusion_request_error(params: Any, method: str) -> str | None:
+    """Why ``method`` on vLLM's diffusion path cannot honour the sampling of ``params``
+    (vLLM ``SamplingParams``; first words: what to do), or ``None``. It decodes greedily,
+    so it serves temperature 0 (greedy), 1 (vLLM's default, what its diffusion path takes)
+    and a seed (greedy output is the same every time); any other sampling value would be
+    ignored, so the request is refused."""
+    neutral = {"top_p": (1.0,), "top_k": (0, -1, 1), "min_p": (0.0,),
+               "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
+               "frequency_penalty": (0.0,), "min_tokens": (0,)}
+    asked = [] if params.temperature in (0.0, 1.0) else [f"temperature {params.temperature:g}"]
+    asked += [f"{k} {getattr(params, k):g}" for k, ok in neutral.items()
+              if getattr(params, k, ok[0]) not in ok]
+    asked += [k for k in ("logit_bias", "bad_words", "allowed_token_ids")
+              if getattr(params, k, None)]
+    if not asked:
+        return None
+    return (f"leave {', '.join(a.split()[0] for a in asked)} out of the request (temperature "
+            f"may be 0 or 1): {method} on vLLM's diffusion path decodes greedily by its own "
+            f"rules and would ignore {', '.join(asked)}")
 
 
 class FastDLLMConfigError(RuntimeError):
@@ -154,11 +242,11 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "until every slot is committed (at least one per step, so at most the block's "
             "size in steps)")
     attention = getattr(vllm_config, "attention_config", None)
-    backend = getattr(attention, "backend", None)
-    error = diffusion_backend_error(arch, getattr(backend, "name", backend),
-                                    getattr(attention, "flash_attn_version", None))
-    if error:
-        raise CheckpointError(error)
+    for where, name in named_backends(attention):  # backend_per_kind's too
+        error = diffusion_backend_error(arch, name, getattr(attention, "flash_attn_version", None))
+        if error:
+            raise CheckpointError(error + per_kind_note(where))
+    no_async_scheduling(vllm_config, "Fast-dLLM")
     info = inspect_checkpoint(model_config.model)
     if info.mask_token_id is None:
         raise CheckpointError(f"serve a checkpoint with a mask token: {model_config.model} "
@@ -178,6 +266,11 @@ def verify_and_update_config(vllm_config: Any) -> None:
     vllm_config.diffusion_config = DiffusionConfig(canvas_length=block)
     model_config.hf_config.canvas_length = block
     model_config.__dict__.pop("is_diffusion", None)  # a cached_property read before the hook
+    # the request check (patch refusion_requests, in the front end): no canvas of its own
+    setattr(model_config.hf_config, ATTRIBUTE, {"block_size": block})
+    _prefix_caching_off(vllm_config.cache_config, arch)
+    setattr(model_config.hf_config, METHOD_ATTRIBUTE, "Fast-dLLM")
+    neutral_sampling_defaults(model_config, "Fast-dLLM")
     turn_end = _turn_end_ids(info)
     # the checkpoint's EOS ids (config.json, generation_config.json) and its turn end: the
     # reference decoder's stops, which vLLM's stop check must share (patch generation_stops)
@@ -192,6 +285,22 @@ def verify_and_update_config(vllm_config: Any) -> None:
     logger.info("diffspec: Fast-dLLM on vLLM's diffusion path for %s: block %d, sub-block %d, "
                 "threshold %s, prefix cache, turn-end stops %s", arch, block, sub,
                 options["threshold"], turn_end or "none")
+
+
+def _prefix_caching_off(cache_config: Any, arch: str | None) -> None:
+    """vLLM's prefix cache off, with one log line. Fast-dLLM keeps the K/V of each block's
+    completing forward, which attends within the block both ways (the reference decoder's
+    prefix cache); vLLM would hash those blocks into its prefix cache, and a later prompt
+    holding that text (the next chat turn) would read them instead of a causal prefill's
+    K/V, so its tokens would not be the reference's."""
+    if not cache_config.enable_prefix_caching:
+        return
+    cache_config.enable_prefix_caching = False
+    logger.warning("diffspec: Fast-dLLM on vLLM's diffusion path serves %s with prefix "
+                   "caching off: the K/V it keeps of each decoded block comes from a "
+                   "forward that attends within the block both ways, which a later prompt "
+                   "holding that text must not reuse. Cost: every prompt is prefilled whole",
+                   arch)
 
 
 def _require_v2_runner(arch: str | None) -> None:

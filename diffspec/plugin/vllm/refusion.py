@@ -26,6 +26,8 @@ from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
 from diffspec.methods import get_method
+from diffspec.plugin.vllm.config import named_backends, per_kind_note
+from diffspec.plugin.vllm.dllm import no_async_scheduling
 
 logger = logging.getLogger("vllm.diffspec")
 
@@ -141,10 +143,11 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "on SGLang's dLLM mode): its sampler runs forwards of its own after vLLM's, which "
             "diffspec has checked on one device only")
     attention = getattr(vllm_config, "attention_config", None)
-    backend = getattr(attention, "backend", None)
-    error = refusion_backend_error(getattr(backend, "name", backend))
-    if error:
-        raise CheckpointError(error)
+    for where, name in named_backends(attention):  # backend_per_kind's too
+        error = refusion_backend_error(name)
+        if error:
+            raise CheckpointError(error + per_kind_note(where))
+    no_async_scheduling(vllm_config, "ReFusion")
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:  # vLLM would refuse later with "V1 does not support: diffusion models"
@@ -158,6 +161,13 @@ def verify_and_update_config(vllm_config: Any) -> None:
     hf_config.canvas_length = canvas
     hf_config.architectures = [ARCHITECTURE]  # the worker loads diffspec's class
     model_config.__dict__.pop("is_diffusion", None)  # a cached_property read before the hook
+    from diffspec.plugin.vllm.dllm import METHOD_ATTRIBUTE, neutral_sampling_defaults
+
+    setattr(hf_config, METHOD_ATTRIBUTE, "ReFusion")
+    neutral_sampling_defaults(model_config, "ReFusion")
+    # a chat request with no max_tokens gets the canvas (vLLM: what is left of
+    # max_model_len, which no canvas holds): the server's default, a user's own kept
+    model_config.override_generation_config.setdefault("max_new_tokens", canvas)
     settings["mask_token_id"] = int(info.mask_token_id)
     setattr(hf_config, ATTRIBUTE, settings)
     # the checkpoint's EOS ids are vLLM's stops (patch generation_stops), as the reference's
@@ -166,8 +176,10 @@ def verify_and_update_config(vllm_config: Any) -> None:
         vllm_config.additional_config = {}
     vllm_config.additional_config.setdefault("diffspec", {})["refusion"] = dict(settings)
     logger.info("diffspec: ReFusion on vLLM's diffusion path: canvas %d, slots of %d, %d "
-                "serial block(s), thresholds %s / %s", canvas, settings["slot_size"],
-                settings["num_blocks"], settings["slot_threshold"], settings["token_threshold"])
+                "serial block(s), thresholds %s / %s; a request's default max_tokens %s",
+                canvas, settings["slot_size"], settings["num_blocks"],
+                settings["slot_threshold"], settings["token_threshold"],
+                model_config.override_generation_config["max_new_tokens"])
 
 
 def _name_gpu_backend(attention: Any) -> None:

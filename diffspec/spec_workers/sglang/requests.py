@@ -13,7 +13,7 @@ from typing import Any
 from diffspec.methods import get_method
 
 __all__ = ["FAST_DLLM", "REFUSION", "fast_dllm_request_error", "refuse_unsupported_requests",
-           "refusion_request_error", "unsupported_request_option"]
+           "refusion_request_error", "sampling_asked", "unsupported_request_option"]
 
 logger = logging.getLogger("diffspec")
 
@@ -74,15 +74,33 @@ _IGNORED_FIELDS = (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                    ("structural_tag", None))
 
 
+_TOP_K_ALL = 1 << 30  # SGLang's top_k for "the whole vocabulary" (a request's -1 or none)
+
+
+def sampling_asked(params: Any) -> list[str]:
+    """The sampling ``params`` (SGLang's normalized ``SamplingParams``) asks for beyond
+    greedy decoding, as ``"name value"``: none for a greedy request (``top_k == 1``, how
+    SGLang stores temperature 0) nor for one that sets no sampling field (SGLang's defaults:
+    temperature 1, top_p 1, top_k whole vocabulary, min_p 0; diffspec's dLLM launch check
+    has the OpenAI server fill a request's gaps with these, not generation_config.json's,
+    :func:`diffspec.plugin.sglang.dllm.configure_dllm_server_args`)."""
+    if params.top_k == 1:
+        return []
+    unset = {"temperature": 1.0, "top_p": 1.0, "top_k": _TOP_K_ALL, "min_p": 0.0}
+    return [f"{name} {getattr(params, name, value):g}" for name, value in unset.items()
+            if getattr(params, name, value) != value]
+
+
 def fast_dllm_request_error(params: Any) -> str | None:
     """Why ``--dllm-algorithm FastDLLM`` refuses a request (first: what to do), or ``None``.
 
     ``params``: SGLang's normalized ``SamplingParams`` (greedy is ``top_k == 1``; a request
-    that gives no temperature gets SGLang's default 1.0). FastDLLM decodes greedily, as the
-    reference decoder does, so sampling, penalties, ``min_new_tokens``, logit biases and
-    grammars would be silently ignored: the request is refused instead (SGLang aborts that
-    request alone, with this message)."""
-    asked = [] if params.top_k == 1 else [f"temperature {params.temperature:g}"]
+    that sets no sampling field gets SGLang's defaults, temperature 1.0 included, and is
+    served: :func:`sampling_asked`). FastDLLM decodes greedily, as the reference decoder
+    does, so sampling, penalties, ``min_new_tokens``, logit biases and grammars would be
+    silently ignored: the request is refused instead (SGLang aborts that request alone,
+    with this message)."""
+    asked = sampling_asked(params)
     ignored = [name for name, unset in _IGNORED_FIELDS
                if getattr(params, name, unset) not in (unset, {}, "")]
     if not asked and not ignored:
@@ -91,17 +109,19 @@ def fast_dllm_request_error(params: Any) -> str | None:
         [f"remove {', '.join(ignored)}"] if ignored else [])
     return (f"{' and '.join(todo)} for --dllm-algorithm {FAST_DLLM}: it decodes greedily "
             f"(confidence-threshold unmasking of argmax tokens) and would ignore "
-            f"{', '.join(asked + ignored)}" + (" (SGLang's default temperature when a request "
-                                               "gives none is 1)" if asked else ""))
+            f"{', '.join(asked + ignored)}" + (" (a request that sets no sampling field is "
+                                               "served, greedily)" if asked else ""))
 
 
 def refusion_request_error(req: Any, block_size: int, slot_size: int, num_blocks: int
                         ) -> str | None:
     """Why ReFusion cannot serve ``req`` (first words: what to do), or ``None``."""
     params = req.sampling_params
-    if params.temperature > 0 and params.top_k != 1:
-        return ("set temperature 0: ReFusion in SGLang decodes greedily (its plan and "
-                f"verify rules are greedy), got temperature {params.temperature}")
+    asked = sampling_asked(params)
+    if asked:
+        return ("set temperature 0 (or leave the sampling fields out): ReFusion in SGLang "
+                f"decodes greedily (its plan and verify rules are greedy), got "
+                f"{', '.join(asked)}")
     gen_len = math.ceil(params.max_new_tokens / slot_size) * slot_size
     if gen_len > block_size:
         return (f"set max_new_tokens <= {block_size} or raise block_size in "

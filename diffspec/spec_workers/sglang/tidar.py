@@ -94,9 +94,11 @@ class TiDARWorker(TargetModelSpecWorker):
         self.tokens_per_req = (self.num_drafts + 1) * (1 + self.num_masks)  # T
         self._layouts: dict[tuple[int, int], _StepLayout] = {}  # (n, k) -> layout
         config = self.model_runner.model.config
-        self.adaptive = adaptive_policy(self.model_runner.model_config.hf_config,
-                                        self.num_drafts, "quadratic", "tidar",
-                                        track_step_times=self.server_args.tp_size == 1)
+        self.adaptive = adaptive_policy(
+            self.model_runner.model_config.hf_config, self.num_drafts, "quadratic", "tidar",
+            track_step_times=self.server_args.tp_size == 1,
+            deterministic=bool(getattr(self.server_args, "enable_deterministic_inference",
+                                       False)))
         if self.adaptive is not None:
             self.adaptive.cost = StepCost("quadratic", skip=0 if self.logits_shift else 1)
         self.timings = DraftTimings(self.device)

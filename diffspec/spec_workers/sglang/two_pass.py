@@ -47,8 +47,11 @@ class TwoPassWorker(TargetModelSpecWorker):
         self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
         hf_config = self.model_runner.model_config.hf_config
-        self.adaptive = adaptive_policy(hf_config, self.width - 1, "two_pass", self.method,
-                                        track_step_times=self.server_args.tp_size == 1)
+        self.adaptive = adaptive_policy(
+            hf_config, self.width - 1, "two_pass", self.method,
+            track_step_times=self.server_args.tp_size == 1,
+            deterministic=bool(getattr(self.server_args, "enable_deterministic_inference",
+                                       False)))
         self.prompt_lookup = prompt_lookup(hf_config, self.method)
         self.lookup_stats = LookupStats()
         self.timings = DraftTimings(self.device)
@@ -70,16 +73,19 @@ class TwoPassWorker(TargetModelSpecWorker):
         # the model's positions (the anchor is at C)
         caps = [max(0, min(self.width - 1, remaining(req) - 1, self._max_position - c))
                 for req, c in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True)]
-        found = self._lookup(batch, caps)  # [bs] lookup drafts ([]: no match)
+        found, ngram = self._lookup(batch, caps)  # [bs] lookup drafts ([]: no match), n
         if self.adaptive is not None:  # one width per step: W = the policy's k + 1
             self.measure_latency_profile()  # done at start-up, unless SGLang skipped the hook
             self.adaptive.forget(set(rids))
-            k, lookup = self.adaptive.choose_shared_hybrid(rids, caps, [len(f) for f in found])
+            k, lookup, caps = self.adaptive.choose_shared_hybrid(
+                rids, caps, [len(f) for f in found], ngram)
             choice_metrics().record(k, bs)
             if self.adaptive.steps % self.adaptive.log_every == 1:
                 logger.info("diffspec: %s", self.adaptive.summary())
-            found = [f[:k] if use else [] for f, use in zip(found, lookup, strict=True)]
-            caps = [len(f) if f else min(k, cap) for f, cap in zip(found, caps, strict=True)]
+            # a lookup row takes its first count drafts; a drafter row drafts count (0: a
+            # step of the lookup drafts alone, no draft pass)
+            found = [f[:c] if use else [] for f, use, c in zip(found, lookup, caps,
+                                                                strict=True)]
         else:  # a fixed count: a match's continuation wherever there is one
             caps = [len(f) if f else cap for f, cap in zip(found, caps, strict=True)]
         w = 1 + max(caps)  # one width per step (SGLang's verify); narrower blocks padded
@@ -129,13 +135,14 @@ class TwoPassWorker(TargetModelSpecWorker):
         return self._decoded(out, accept_lens, new_seq_lens, SpecDraftInput(
             bonus_tokens=bonus, new_seq_lens=new_seq_lens), w, on_publish)
 
-    def _lookup(self, batch, caps: list[int]) -> list[list[int]]:
+    def _lookup(self, batch, caps: list[int]) -> tuple[list[list[int]], list[int]]:
         """Each request's prompt-lookup drafts (at most its cap; ``[]``: no match or
-        lookup off) from its committed tokens: prompt + output, the anchor last."""
+        lookup off) from its committed tokens (prompt + output, the anchor last), and the
+        length of the n-gram each matched (0: none)."""
         if self.prompt_lookup is None:
-            return [[] for _ in caps]
+            return [[] for _ in caps], [0] * len(caps)
         contexts = [[*req.origin_input_ids, *req.output_ids] for req in batch.reqs]
-        return lookup_drafts(contexts, caps, self.prompt_lookup)
+        return lookup_drafts(contexts, caps, self.prompt_lookup, with_ngram=True)
 
     def _record(self, lookup: list[int], diffusion: int) -> None:
         """Count this step's draft sources (``lookup_stats``, and Prometheus counters), with

@@ -8,7 +8,8 @@ Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/fast_dll
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -26,9 +27,10 @@ from diffspec.methods import get_method
 from diffspec.plugin.vllm.dllm import THRESHOLD_ARG
 from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS
 
-__all__ = ["BlockState", "DiffusionModelState", "DiffusionSampler", "FastDLLMModelState",
-           "FastDLLMSampler", "begin_blocks", "block_outcome", "complete_block",
-           "denoise_step", "ignored_sampling", "request_stops", "seed_token"]
+__all__ = ["FINISHED_KEPT", "BlockState", "DiffusionModelState", "DiffusionSampler",
+           "FastDLLMModelState", "FastDLLMSampler", "ForwardCounts", "begin_blocks",
+           "block_outcome", "complete_block", "denoise_step", "ignored_sampling",
+           "request_stops", "seed_token"]
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
@@ -175,6 +177,48 @@ def complete_block(state: BlockState, last_logits: torch.Tensor | None, block: i
 # ---------------------------------------------------------------------------- engine
 
 
+FINISHED_KEPT = 256  # finished requests whose forward counts a model state keeps
+
+
+class ForwardCounts(Mapping[str, int]):
+    """The engine forwards each request took part in, by request id: every live request's
+    count, and the counts of the last ``kept`` finished ones (oldest dropped first), so a
+    server's model state holds at most ``max_num_reqs + kept`` of them however many
+    requests it has served. A request that comes back (a preempted one, re-added) goes on
+    from its count."""
+
+    def __init__(self, kept: int = FINISHED_KEPT) -> None:
+        self.kept = kept
+        self.live: dict[str, int] = {}
+        self.finished: OrderedDict[str, int] = OrderedDict()
+
+    def start(self, req_id: str) -> None:
+        """``req_id`` joins the batch (again)."""
+        self.live[req_id] = self.finished.pop(req_id, self.live.get(req_id, 0))
+
+    def count(self, req_id: str) -> None:
+        """``req_id`` took part in one more forward."""
+        self.live[req_id] = self.live.get(req_id, 0) + 1
+
+    def finish(self, req_id: str) -> None:
+        """``req_id`` left the batch: its count joins the finished ones (bounded)."""
+        if req_id not in self.live:
+            return
+        self.finished[req_id] = self.live.pop(req_id)
+        while len(self.finished) > self.kept:
+            self.finished.popitem(last=False)
+
+    def __getitem__(self, req_id: str) -> int:
+        return self.live[req_id] if req_id in self.live else self.finished[req_id]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.finished
+        yield from self.live
+
+    def __len__(self) -> int:
+        return len(self.finished) + len(self.live)
+
+
 class DiffusionModelState(DefaultModelState):
     """What diffspec's model states on vLLM's diffusion path share (Fast-dLLM's here,
     ReFusion's in :mod:`diffspec.spec_workers.vllm.refusion`): the generate task, no bonus
@@ -189,7 +233,7 @@ class DiffusionModelState(DefaultModelState):
         super().__init__(vllm_config, model, encoder_cache, device)
         self.states: dict[int, Any] = {}  # vLLM slot -> the request's decoding state
         self.slot_of: dict[str, int] = {}
-        self.forwards: dict[str, int] = {}  # request id -> forwards it took part in
+        self.forwards = ForwardCounts()  # request id -> forwards it took part in
 
     def get_supported_generation_tasks(self) -> tuple[str, ...]:
         return ("generate",)
@@ -197,17 +241,18 @@ class DiffusionModelState(DefaultModelState):
     def add_request(self, req_index: int, new_req_data: Any) -> None:
         super().add_request(req_index, new_req_data)
         self.slot_of[new_req_data.req_id] = req_index
-        self.forwards.setdefault(new_req_data.req_id, 0)
+        self.forwards.start(new_req_data.req_id)
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)
+        self.forwards.finish(req_id)
         slot = self.slot_of.pop(req_id, None)
         if slot is not None:
             self.states.pop(slot, None)
 
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
         for req_id in input_batch.req_ids[: input_batch.num_reqs]:
-            self.forwards[req_id] = self.forwards.get(req_id, 0) + 1
+            self.forwards.count(req_id)
         return super().prepare_inputs(input_batch, req_states)
 
 
@@ -292,7 +337,10 @@ def ignored_sampling(sampling_params: Any) -> list[str]:
     ignored = [f"{k} {getattr(sampling_params, k)}" for k, ok in defaults.items()
                if getattr(sampling_params, k, None) not in ok]
     extra = getattr(sampling_params, "extra_args", None) or {}
-    return ignored + [f"extra_args {k}" for k in extra if str(k).startswith("diffusion_")]
+    # diffusion_canvas_length is honoured (ReFusion) or refused at admission unless it is
+    # the served block (Fast-dLLM; patch refusion_requests): never ignored
+    return ignored + [f"extra_args {k}" for k in extra
+                      if str(k).startswith("diffusion_") and k != "diffusion_canvas_length"]
 
 
 class DiffusionSampler:

@@ -19,7 +19,7 @@ logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers
 
 __all__ = ["DRAFT_LOGITS_ROWS", "PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy",
            "draft_argmax", "logger", "measure_profile", "non_causal_blocks",
-           "non_causal_metadata", "on_device", "prompt_lookup"]
+           "non_causal_metadata", "on_device", "prompt_lookup", "seeded_requests"]
 
 PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
 PROFILE_CONTEXT = 256  # context tokens per request in the start-up profile's forwards
@@ -172,6 +172,19 @@ def adaptive_policy(vllm_config, max_drafts: int, cost):
     return AdaptiveDrafts(max_drafts, None, cost, track_step_times=tp == 1, draft_prior=prior)
 
 
+def seeded_requests(runner, req_ids) -> list[bool]:
+    """Per request of ``req_ids``, whether it samples with its own seed (vLLM's per-request
+    generator): the adaptive policy then drafts it by its own history alone
+    (:class:`~diffspec.core.adaptive.AdaptiveDrafts`), so the same seeded request gives
+    the same samples every time. Greedy requests are exact whatever their drafts."""
+    flags = []
+    for req_id in req_ids:
+        params = getattr(runner.requests[req_id], "sampling_params", None)
+        flags.append(params is not None and getattr(params, "seed", None) is not None
+                     and float(getattr(params, "temperature", 0.0) or 0.0) > 1e-5)
+    return flags
+
+
 def prompt_lookup(vllm_config, method: str):
     """The speculative config's prompt-lookup settings
     (:class:`~diffspec.core.lookup.PromptLookup`, moved to
@@ -231,6 +244,7 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
         "device": device_name(device), "threads": torch.get_num_threads(),
         "tensor_parallel": tp.world_size, "enforce_eager": model_config.enforce_eager,
         "method": method, "max_drafts": policy.max_drafts, "grid": grid,
+        **profile_settings(config, runner),
     }
     model = runner.get_model()
 
@@ -250,6 +264,26 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
     policy.set_profile(cached_latency_profile(
         key, measure, lambda line: logger.info("%s", line),
         broadcast=None if tp.world_size == 1 else tp.broadcast_object, rank0=tp.rank_in_group == 0))
+
+
+def profile_settings(vllm_config, runner=None) -> dict:
+    """What else a step's time depends on, for a cached profile's key: the attention
+    backends the runner's layers use (its attention groups; the configured backend,
+    global and per KV-cache kind, where the runner has none yet), the CUDA-graph mode and
+    the KV-cache dtype. A profile measured under other settings is measured again."""
+    backends = sorted({group.backend.get_name()
+                       for groups in getattr(runner, "attn_groups", None) or []
+                       for group in groups})
+    attention = getattr(vllm_config, "attention_config", None)
+    if not backends and attention is not None:
+        backends = [str(getattr(attention, "backend", None))] + [
+            f"{kind}={backend}" for kind, backend
+            in sorted((getattr(attention, "backend_per_kind", None) or {}).items())]
+    compilation = getattr(vllm_config, "compilation_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    return {"attention_backends": backends,
+            "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", None)),
+            "kv_cache_dtype": str(getattr(cache, "cache_dtype", None))}
 
 
 def _dummy_query_len(tokens: int, max_seqs: int) -> int:

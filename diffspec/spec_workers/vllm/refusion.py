@@ -8,6 +8,7 @@ Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/refusion
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from diffspec.core.slots import (
     verify_slot_drafts,
 )
 from diffspec.spec_workers.vllm.fast_dllm import (
+    FINISHED_KEPT,
     DiffusionModelState,
     DiffusionSampler,
     request_stops,
@@ -156,8 +158,9 @@ class ReFusionModelState(DiffusionModelState):
         self.reencode = bool(vllm_config.cache_config.enable_prefix_caching)
         self.vllm_config = vllm_config
         self.logits_rows = DRAFT_LOGITS_ROWS  # rows of logits computed at once
-        # per canvas step: (the request ids it decoded, the forwards they shared after it)
-        self.decode_steps: list[tuple[list[str], int]] = []
+        # the last canvas steps (bounded): (the request ids each decoded, the forwards they
+        # shared after it)
+        self.decode_steps: deque[tuple[list[str], int]] = deque(maxlen=FINISHED_KEPT)
         self._attn: tuple[Any, ...] | None = None  # this step's block table, groups, config
 
     def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
@@ -399,7 +402,7 @@ class ReFusionSampler(DiffusionSampler):
             outs = iter(self.state.forward(seqs))
             for k in ready:
                 rid = req_ids[reqs[k].batch]
-                self.state.forwards[rid] = self.state.forwards.get(rid, 0) + 1
+                self.state.forwards.count(rid)
                 advance(k, [next(outs) for _ in wants[k]])
         self.state.decode_steps.append(([req_ids[r.batch] for r in reqs], forwards))
 
@@ -413,7 +416,7 @@ class ReFusionSampler(DiffusionSampler):
         self.state.forward(seqs)
         for r in reqs:
             rid = input_batch.req_ids[r.batch]
-            self.state.forwards[rid] = self.state.forwards.get(rid, 0) + 1
+            self.state.forwards.count(rid)
 
     # -------------------------------------------------------------- one request's rounds
 

@@ -25,6 +25,7 @@ from diffspec.spec_workers.vllm.proposer import (
     measure_profile,
     non_causal_blocks,
     on_device,
+    seeded_requests,
 )
 
 __all__ = ["BranchPlan", "TiDARProposer", "check_branch_budget", "check_decoder_layers",
@@ -234,7 +235,8 @@ class TiDARProposer:
         self.adaptive.forget(set(req_ids))
         skip = 0 if self.logits_shift else 1
         caps = [p.num_masks - skip for p in plans]
-        k = self.adaptive.choose_shared([req_ids[p.row] for p in plans], caps)
+        planned = [req_ids[p.row] for p in plans]
+        k = self.adaptive.choose_shared(planned, caps, seeded_requests(runner, planned))
         counts = [min(k, cap) for cap in caps]
         if plans and self.adaptive.steps % self.adaptive.log_every == 1:
             logger.info("diffspec: %s", self.adaptive.summary())

@@ -86,14 +86,13 @@ class TiDARSpeculator(DraftModelSpeculator):
             if group.kernel_block_size is not None:
                 # the mapped block tables live in one persistent buffer per group: the
                 # branches' builds would overwrite the verify's before it runs
-                raise RuntimeError(
-                    f"set --block-size {group.kernel_block_size} (a block size the attention "
-                    f"backend {group.backend.get_name()} runs as it is) for method 'tidar' on "
-                    f"vLLM's V2 model runner: its KV blocks of "
-                    f"{group.kv_cache_spec.block_size} tokens are split into kernel blocks, "
-                    f"whose block tables vLLM maps into one buffer per attention group, and "
-                    f"the branches' metadata, built before the verify runs, would overwrite "
-                    f"the verify's")
+                # (refused at config time where the launch names the backend:
+                # diffspec.plugin.vllm.config.tidar_kernel_split_error; this is the backstop)
+                from diffspec.plugin.vllm.config import split_kernel_block_message
+
+                raise RuntimeError(split_kernel_block_message(
+                    group.kv_cache_spec.block_size, group.kernel_block_size,
+                    group.backend.get_name()))
         self.model_state = model_state
         self.kv_cache_config = kv_cache_config
         self.block_tables = block_tables

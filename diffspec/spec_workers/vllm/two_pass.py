@@ -23,6 +23,7 @@ from diffspec.spec_workers.vllm.proposer import (
     non_causal_blocks,
     on_device,
     prompt_lookup,
+    seeded_requests,
 )
 
 __all__ = ["DraftBlock", "TwoPassProposer", "chunks", "plan_blocks", "plan_v2_blocks"]
@@ -144,10 +145,11 @@ class TwoPassProposer:
         num_slots = (table.num_blocks_per_row[:len(num_left)] * table.block_size).tolist()
         blocks = plan_blocks(sampled_token_ids, batch.num_tokens_no_spec.tolist(), num_left,
                              num_slots, self.num_speculative_tokens, self.max_model_len)
-        found = self._lookup(batch, blocks)  # [len(blocks)] lookup drafts ([]: no match)
+        found, ngram = self._lookup(batch, blocks)  # [len(blocks)] lookup drafts, matched n
         if self.adaptive is not None:
+            seeded = seeded_requests(runner, [batch.req_ids[b.row] for b in blocks])
             blocks, found = _adapt(self.adaptive, batch.req_ids, sampled_token_ids, blocks,
-                                   found)
+                                   found, ngram, seeded)
         else:  # a fixed count: a match's continuation wherever there is one
             blocks = [replace(b, num_drafts=len(f)) if f else b for b, f in zip(blocks, found)]
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -163,19 +165,21 @@ class TwoPassProposer:
                 drafts[block.row] = tokens
         return drafts
 
-    def _lookup(self, batch, blocks: list[DraftBlock]) -> list[list[int]]:
+    def _lookup(self, batch, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[int]]:
         """Each block's prompt-lookup drafts (at most its ``num_drafts``; ``[]``: no match
         or lookup off), from the runner's committed tokens of its request (prompt +
-        output, the anchor last: vLLM writes the sampled tokens there before drafting)."""
+        output, the anchor last: vLLM writes the sampled tokens there before drafting),
+        and the length of the n-gram each matched (0: none)."""
         if self.prompt_lookup is None or not blocks:
-            return [[] for _ in blocks]
+            return [[] for _ in blocks], [0] * len(blocks)
         rows = np.array([b.row for b in blocks])
         lengths = np.array([b.start + 1 for b in blocks])  # [B] committed tokens
         tokens = torch.from_numpy(batch.token_ids_cpu[rows, :int(lengths.max())])  # [B, T]
-        drafts, counts = ngram_lookup(tokens, torch.from_numpy(lengths),
-                                      torch.tensor([b.num_drafts for b in blocks]),
-                                      self.prompt_lookup)
-        return [row[:n].tolist() for row, n in zip(drafts, counts.tolist())]
+        drafts, counts, ngram = ngram_lookup(tokens, torch.from_numpy(lengths),
+                                             torch.tensor([b.num_drafts for b in blocks]),
+                                             self.prompt_lookup, with_ngram=True)
+        return ([row[:n].tolist() for row, n in zip(drafts, counts.tolist())],
+                ngram.tolist())
 
     def _record(self, lookup: list[int], diffusion: int) -> None:
         """Count this step's draft sources (``lookup_stats``), with a log line now and
@@ -208,18 +212,19 @@ class TwoPassProposer:
 
 
 def _adapt(policy, req_ids: list[str], sampled_token_ids: list[list[int]],
-           blocks: list[DraftBlock], found: list[list[int]],
-           ) -> tuple[list[DraftBlock], list[list[int]]]:
+           blocks: list[DraftBlock], found: list[list[int]], ngram: list[int] | None = None,
+           seeded: list[bool] | None = None) -> tuple[list[DraftBlock], list[list[int]]]:
     """Feed this step's outcomes to ``policy``, let it pick each block's source (its
-    lookup drafts ``found``, where there are some, or the diffusion view) and count, and
-    cut the blocks to that count (a block cut to 0 drafts is dropped: a plain AR step for
-    that request); the blocks and their lookup drafts (``[]``: the diffusion view's)."""
+    lookup drafts ``found``, where there are some, matched on ``ngram`` tokens, or the
+    diffusion view) and count (``seeded`` blocks: from their own history), and cut the
+    blocks to that count (a block cut to 0 drafts is dropped: a plain AR step for that
+    request); the blocks and their lookup drafts (``[]``: the diffusion view's)."""
     for row, emitted in enumerate(sampled_token_ids):
         policy.observe(req_ids[row], len(emitted))
     policy.forget(set(req_ids))
     counts, lookup = policy.choose_hybrid([req_ids[b.row] for b in blocks],
                                           [b.num_drafts for b in blocks],
-                                          [len(f) for f in found])
+                                          [len(f) for f in found], ngram, seeded)
     if policy.steps % policy.log_every == 1:
         logger.info("diffspec: %s", policy.summary())
     kept = [(replace(b, num_drafts=k), f[:k] if use else [])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from diffspec.plugin.versions import release_matches
+from diffspec.plugin.versions import ALLOW_ENV, release_matches, unsupported_allowed
 
 __all__ = ["PATCHES", "apply_all", "applicable"]
 
@@ -26,18 +26,18 @@ logger = logging.getLogger("vllm.diffspec")
 
 # module name (in this package) -> vLLM releases it was checked against
 PATCHES: dict[str, tuple[str, ...]] = {
-    "speculative_method": ("0.32", "0.33"),
-    "lookahead_slots": ("0.32", "0.33"),
-    "drafting_rows": ("0.32", "0.33"),
-    "runner_propose": ("0.32", "0.33"),
-    "runner_forward": ("0.32", "0.33"),
-    "plain_sampling": ("0.32", "0.33"),
-    "drafts_in_output": ("0.32", "0.33"),
-    "cpu_expand_kernel": ("0.32", "0.33"),
-    "generation_stops": ("0.32", "0.33"),
-    "warm_up_profile": ("0.32", "0.33"),
-    "refusion_requests": ("0.32", "0.33"),
-    "v2_speculator": ("0.32", "0.33"),
+    "speculative_method": ("0.32.0", "0.33.0"),
+    "lookahead_slots": ("0.32.0", "0.33.0"),
+    "drafting_rows": ("0.32.0", "0.33.0"),
+    "runner_propose": ("0.32.0", "0.33.0"),
+    "runner_forward": ("0.32.0", "0.33.0"),
+    "plain_sampling": ("0.32.0", "0.33.0"),
+    "drafts_in_output": ("0.32.0", "0.33.0"),
+    "cpu_expand_kernel": ("0.32.0", "0.33.0"),
+    "generation_stops": ("0.32.0", "0.33.0"),
+    "warm_up_profile": ("0.32.0", "0.33.0"),
+    "refusion_requests": ("0.32.0", "0.33.0"),
+    "v2_speculator": ("0.32.0", "0.33.0"),
 }
 
 
@@ -48,10 +48,18 @@ def applicable(vllm_version: str) -> list[str]:
 
 
 def apply_all(vllm_version: str) -> list[str]:
-    """Apply the patches checked against ``vllm_version``; log each one that is not (a
-    vLLM the version guard let through, ``DIFFSPEC_ALLOW_UNSUPPORTED_ENGINE=1``). Returns
-    the names applied."""
+    """Apply the patches checked against ``vllm_version``; log each one that is not. With
+    ``DIFFSPEC_ALLOW_UNSUPPORTED_ENGINE=1`` (the version guard let an unchecked vLLM
+    through) every patch is applied, each unchecked one logged. Returns the names
+    applied."""
     names = applicable(vllm_version)
+    if unsupported_allowed():  # the whole plugin or a loud failure, never a partial one
+        for name in PATCHES:
+            if name not in names:
+                logger.warning("diffspec: patch %s is not checked against vLLM %s (checked: "
+                               "%s); applied anyway because %s is set", name, vllm_version,
+                               ", ".join(PATCHES[name]), ALLOW_ENV)
+        names = list(PATCHES)
     for name in PATCHES:
         if name in names:
             importlib.import_module(f"{__name__}.{name}").apply()

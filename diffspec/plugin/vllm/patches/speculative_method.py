@@ -46,6 +46,11 @@ TARGETS = (
                ("vllm.config.attention:AttentionConfig", "use_non_causal: bool = False"),
                ("vllm.config.compilation:CompilationConfig",
                 "cudagraph_mode: CUDAGraphMode = None"),
+               # the backends a launch names (config.named_backends, read by this patch and
+               # the diffusion config hooks): a per-kind entry replaces the global one
+               ("vllm.v1.attention.selector:get_attn_backend",
+                "backend = attention_config.backend if attention_config.backend_per_kind: "
+                "... backend = attention_config.backend_per_kind.get(kind.value, backend)"),
            )),
 )
 
@@ -136,31 +141,37 @@ def _require_non_causal(args, method: str) -> None:
     """diffspec's drafters attend non-causally over the paged KV cache: ask vLLM's backend
     selector for a backend that can (``attention_config.use_non_causal``), refuse a named
     backend diffspec has not checked (:func:`~diffspec.plugin.vllm.config.
-    attention_backend_error`: FlashInfer, for one), and on a GPU name FLASH_ATTN when the
+    attention_backend_error`: FlashInfer, for one; the global backend and every per-kind one
+    of ``backend_per_kind``, which overrides it), and on a GPU name FLASH_ATTN when the
     user named none, so the selector cannot fall back to an unchecked backend."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from diffspec.plugin.vllm.config import GPU_ATTENTION_BACKEND, attention_backend_error
+    from diffspec.plugin.vllm.config import (
+        GPU_ATTENTION_BACKEND,
+        attention_backend_error,
+        named_backends,
+        per_kind_note,
+    )
 
     config = args.attention_config
-    named = args.attention_backend or getattr(config, "backend", None)
-    name = getattr(named, "name", named)
-    if named is not None and name.upper() != "AUTO":
+    named = named_backends(config, args.attention_backend)  # the per-kind ones too
+    for where, name in named:
         try:
-            backend = (AttentionBackendEnum[name.upper()] if isinstance(named, str)
-                       else named).get_class()
+            backend = AttentionBackendEnum[name].get_class()
         except (ImportError, KeyError):  # not on this platform: vLLM's own error follows
             backend = None
         if backend is not None and not backend.supports_non_causal():
             raise ValueError(
                 f"use an attention backend that attends non-causally (CPU_ATTN on CPU, "
                 f"FLASH_ATTN on GPU): method {method!r} drafts with non-causal attention over "
-                f"the paged KV cache, which {backend.get_name()} cannot do")
+                f"the paged KV cache, which {backend.get_name()} cannot do"
+                f"{per_kind_note(where)}")
         error = attention_backend_error(method, name)
         if error:
-            raise ValueError(error)
-    elif current_platform.is_cuda_alike() and hasattr(config, "backend"):
+            raise ValueError(error + per_kind_note(where))
+    global_named = any(where == "--attention-backend" for where, _ in named)
+    if not global_named and current_platform.is_cuda_alike() and hasattr(config, "backend"):
         args.attention_backend = None  # "auto": the one below, not both
         config.backend = AttentionBackendEnum[GPU_ATTENTION_BACKEND]
         logger.info("diffspec: method %r runs on attention backend %s (checked for its "

@@ -116,6 +116,20 @@ TARGETS += (
                 "return use_v2_model_runner ... "
                 "unsupported = self._get_v2_model_runner_unsupported_features()"),
            )),
+    # tidar: the kernel block split, computed at config time as the runner computes it
+    Target("vllm.v1.worker.utils", "select_common_block_size",
+           ("kv_manager_block_size", "backends", "kv_cache_specs"),
+           relies_on=(("vllm.v1.worker.utils:AttentionGroup.create_metadata_builders",
+                       "kernel_block_size = select_common_block_size( kernel_block_size, "
+                       "[self.backend], [spec] )"),)),
+    Target("vllm.v1.attention.backend", "AttentionBackend.get_preferred_block_size",
+           ("cls", "default_block_size"),
+           relies_on=(("vllm.platforms.interface:Platform.update_block_size_for_backend",
+                       "if not cache_config.user_specified_block_size: preferred = "
+                       "cls._preferred_block_size_for_backends("),
+                      ("vllm.platforms.interface:Platform._preferred_block_size_for_backends",
+                       "if len(backend_classes) == 1: return backend_classes[0]."
+                       "get_preferred_block_size(default_block_size)"))),
 )
 
 def apply() -> None:
@@ -169,6 +183,12 @@ def _allow_on_v2_runner() -> None:
         if envs.VLLM_USE_V2_MODEL_RUNNER is True and is_self_spec_proposer(
                 self.speculative_config):
             features = [f for f in features if f != CUSTOM_CLASS_ENTRY]
+            if _method(self) == "tidar":  # config validation: before the weights load
+                from diffspec.plugin.vllm.config import tidar_kernel_split_error
+
+                error = tidar_kernel_split_error(self)
+                if error:
+                    raise ValueError(error)
         return features
 
     VllmConfig._get_v2_model_runner_unsupported_features = mark(unsupported_features,
