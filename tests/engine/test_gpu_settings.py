@@ -51,11 +51,11 @@ VLLM_REFUSED = {
     # row 5: TiDAR's branch metadata on FlashInfer's one re-planned wrapper
     "tidar_flashinfer": ("nld", {"speculative_config": {"method": "tidar"},
                                  "attention_backend": "FLASHINFER"},
-                         "use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or CPU_ATTN "
+                         "use --attention-backend TRITON_ATTN or FLASH_ATTN (GPU) or CPU_ATTN "
                          "(CPU) with method 'tidar': "),
     "orthrus_flashinfer": ("orthrus", {"speculative_config": {"method": "orthrus"},
                                        "attention_backend": "FLASHINFER"},
-                           "use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or CPU_ATTN "
+                           "use --attention-backend TRITON_ATTN or FLASH_ATTN (GPU) or CPU_ATTN "
                            "(CPU) with method 'orthrus': "),
     # row 5: full CUDA graphs keep FA3's scheduler metadata in one persistent buffer
     "tidar_full_graphs": ("nld", {"speculative_config": {"method": "tidar"},
@@ -75,7 +75,7 @@ VLLM_REFUSED = {
                                           "attention_backend": "CPU_ATTN",
                                           "attention_config": {"backend_per_kind": {
                                               "full_attention": "FLASHINFER"}}},
-                                  "use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or "
+                                  "use --attention-backend TRITON_ATTN or FLASH_ATTN (GPU) or "
                                   "CPU_ATTN (CPU) with method 'tidar': "),
     "fast_dllm_flashinfer_per_kind": ("llada", {"attention_config": {"backend_per_kind": {
                                                     "full_attention": "FLASHINFER"}},

@@ -571,7 +571,7 @@ def test_seeded_sampling_is_reproducible_under_the_default(engine) -> None:
          r"speculative_config"),
         # refused when the config is built, before the model loads
         ("causal_only_backend", (r"^\w+: use an attention backend that attends non-causally "
-                                 r"\(CPU_ATTN on CPU, FLASH_ATTN on GPU\).*TRITON_FLASH_ATTN")),
+                                 r"\(CPU_ATTN on CPU, TRITON_ATTN on GPU\).*TRITON_FLASH_ATTN")),
     ],
 )
 def test_clear_errors(engine, case: str, match: str) -> None:

@@ -17,7 +17,7 @@ from diffspec.plugin.sglang.config import (
 )
 from diffspec.plugin.sglang.dllm import dllm_backend_error, dllm_backends
 from diffspec.plugin.vllm.config import attention_backend_error as vllm_backend_error
-from diffspec.plugin.vllm.config import cudagraph_plan
+from diffspec.plugin.vllm.config import cudagraph_plan, gpu_default_backend, named_backends
 from diffspec.plugin.vllm.dllm import diffusion_backend_error
 
 pytestmark = pytest.mark.unit
@@ -98,6 +98,20 @@ def test_vllm_checked_backends_run(method: str, named) -> None:
     assert vllm_backend_error(method, named) is None
 
 
+@pytest.mark.parametrize(("config", "on_gpu", "want"), [
+    ({}, True, "TRITON_ATTN"),  # none named on a GPU: the backend whose kernels ran here
+    ({"backend": "auto"}, True, "TRITON_ATTN"),
+    ({}, False, None),  # CPU: vLLM's CPU_ATTN, run here
+    ({"backend": "FLASH_ATTN"}, True, None),  # the user's choice stands
+    ({"backend": "CPU_ATTN"}, False, None),
+    # a per-kind entry overrides the global backend for its layers only: the others still
+    # get TRITON_ATTN (and the per-kind one was checked by attention_backend_error)
+    ({"backend_per_kind": {"full_attention": "FLASH_ATTN"}}, True, "TRITON_ATTN"),
+])
+def test_vllm_names_triton_attn_on_a_gpu_when_none_is_named(config, on_gpu, want) -> None:
+    assert gpu_default_backend(named_backends(config), on_gpu) == want
+
+
 @pytest.mark.parametrize(("method", "named", "why"), [
     ("tidar", "FLASHINFER", "share one re-planned wrapper"),
     ("orthrus", "FLASHINFER", "non-causal path out of its default order"),
@@ -106,7 +120,7 @@ def test_vllm_checked_backends_run(method: str, named) -> None:
 ])
 def test_vllm_other_backends_refused(method: str, named: str, why: str) -> None:
     error = vllm_backend_error(method, named)
-    assert error.startswith(f"use --attention-backend FLASH_ATTN or TRITON_ATTN (GPU) or "
+    assert error.startswith(f"use --attention-backend TRITON_ATTN or FLASH_ATTN (GPU) or "
                             f"CPU_ATTN (CPU) with method {method!r}: "), error
     assert why in error
 

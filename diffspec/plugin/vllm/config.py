@@ -29,6 +29,7 @@ from diffspec.methods import Method, methods_for_engine
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
 __all__ = ["GPU_ATTENTION_BACKEND", "attention_backend_error", "budget_error", "cudagraph_plan",
+           "gpu_default_backend",
            "named_backends", "split_kernel_block_message", "tidar_kernel_split_error",
            "diffspec_options", "drafting_rows", "is_self_spec_proposer", "proposer_path",
            "self_spec_methods", "tidar_branch_rows", "translate_speculative_config",
@@ -210,12 +211,22 @@ def translate_speculative_config(
 # The attention backends the self-speculative methods run on: CPU_ATTN (verified on CPU by
 # the engine tier), TRITON_ATTN (its own Triton kernels and metadata builder run by the
 # engine tier in Triton's interpreter on CPU: tests/engine/test_vllm_triton_attn.py) and
-# FLASH_ATTN (reasoned from vLLM's code: its metadata builder makes fresh metadata per build
-# and accepts causal=False over the paged cache; docs/gpu-support.md).
-# On a GPU the plugin names FLASH_ATTN when the user names none, so vLLM's selector fails
-# loudly where FLASH_ATTN cannot run instead of falling back to FlashInfer.
-GPU_ATTENTION_BACKEND = "FLASH_ATTN"
-CHECKED_ATTENTION_BACKENDS = ("CPU_ATTN", "TRITON_ATTN", GPU_ATTENTION_BACKEND)
+# FLASH_ATTN (reasoned from vLLM's code, CUDA code never run here: its metadata builder
+# makes fresh metadata per build and accepts causal=False over the paged cache;
+# docs/gpu-support.md). On a GPU the plugin names TRITON_ATTN, the one whose kernels have
+# run, when the user names none: vLLM's own choice would be FLASH_ATTN, else FlashInfer.
+GPU_ATTENTION_BACKEND = "TRITON_ATTN"
+CHECKED_ATTENTION_BACKENDS = ("CPU_ATTN", GPU_ATTENTION_BACKEND, "FLASH_ATTN")
+
+
+def gpu_default_backend(named: list[tuple[str, str]], on_gpu: bool) -> str | None:
+    """The attention backend the plugin names for a self-speculative launch: on a GPU
+    (``on_gpu``) where the user named no global backend (``named``: :func:`named_backends`),
+    :data:`GPU_ATTENTION_BACKEND`, the GPU backend whose own kernels ran the methods here;
+    else ``None`` (the user's choice, or vLLM's CPU_ATTN on a CPU)."""
+    if not on_gpu or any(where == "--attention-backend" for where, _ in named):
+        return None
+    return GPU_ATTENTION_BACKEND
 
 
 def named_backends(attention_config: Any, global_name: Any = None) -> list[tuple[str, str]]:
@@ -268,7 +279,7 @@ def tidar_kernel_split_error(vllm_config: Any, backend_class: Any = None) -> str
     backend (``update_block_size_for_backend`` -> ``get_preferred_block_size``); both are
     computed here with vLLM's own functions, for the backend the launch names for full
     attention (``backend_per_kind['full_attention']``, else the global one; diffspec names
-    FLASH_ATTN on a GPU when the user names none). ``backend_class``: that backend's class
+    TRITON_ATTN on a GPU when the user names none). ``backend_class``: that backend's class
     (default: looked up). With no backend named (vLLM's automatic choice, CPU_ATTN on a
     CPU) the runner's own check refuses it when it sets up the KV cache."""
     from vllm.config.cache import CacheConfig
@@ -320,7 +331,7 @@ def attention_backend_error(method: str, named: str | None) -> str | None:
         why = (f"its draft pass attends non-causally over the paged KV cache, which diffspec "
                f"has checked on {', '.join(CHECKED_ATTENTION_BACKENDS)} only, not on "
                f"{named}")
-    return (f"use --attention-backend {GPU_ATTENTION_BACKEND} or TRITON_ATTN (GPU) or "
+    return (f"use --attention-backend {GPU_ATTENTION_BACKEND} or FLASH_ATTN (GPU) or "
             f"CPU_ATTN (CPU) with method {method!r}: {why}")
 
 
@@ -332,7 +343,9 @@ def cudagraph_plan(method: str, adaptive: bool, mode: str | None, enforce_eager:
     for a mode with full CUDA
     graphs where the method cannot run under them: ``tidar`` (its branch metadata, built
     before the branches run, would share FLASH_ATTN's persistent FA3 scheduler metadata,
-    which full graphs keep in one buffer), any method with ``"adaptive": true`` or prompt
+    which full graphs keep in one buffer; TRITON_ATTN's metadata point at the runner's
+    persistent input buffers, which a captured verify replays: whatever the backend, graphs
+    are not run here), any method with ``"adaptive": true`` or prompt
     lookup (``adaptive`` here: either; the verify length changes per step: vLLM's own rule
     for dynamic speculative decoding on the V1 runner is PIECEWISE, config/vllm.py
     ``_maybe_override_dynamic_sd_cudagraph_mode``) and any method on vLLM's V2 model runner

@@ -110,7 +110,7 @@ def non_causal_metadata(
             raise RuntimeError(
                 f"attention backend {group.backend.get_name()} cannot attend non-causally "
                 f"over the paged KV cache, which method {method!r} drafts with; pick one "
-                f"that can (--attention-backend FLASH_ATTN on GPU, CPU_ATTN on CPU)")
+                f"that can (--attention-backend TRITON_ATTN on GPU, CPU_ATTN on CPU)")
         per_layer.update(dict.fromkeys(group.layer_names, metadata))
     return NonCausalBlocks(per_layer, slot_mapping, positions, query_start)
 

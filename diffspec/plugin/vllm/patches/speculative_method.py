@@ -142,14 +142,15 @@ def _require_non_causal(args, method: str) -> None:
     selector for a backend that can (``attention_config.use_non_causal``), refuse a named
     backend diffspec has not checked (:func:`~diffspec.plugin.vllm.config.
     attention_backend_error`: FlashInfer, for one; the global backend and every per-kind one
-    of ``backend_per_kind``, which overrides it), and on a GPU name FLASH_ATTN when the
-    user named none, so the selector cannot fall back to an unchecked backend."""
+    of ``backend_per_kind``, which overrides it), and on a GPU name TRITON_ATTN when the
+    user named none (:func:`~diffspec.plugin.vllm.config.gpu_default_backend`): the backend
+    whose own kernels ran the methods here, rather than vLLM's FLASH_ATTN / FlashInfer."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from diffspec.plugin.vllm.config import (
-        GPU_ATTENTION_BACKEND,
         attention_backend_error,
+        gpu_default_backend,
         named_backends,
         per_kind_note,
     )
@@ -164,19 +165,19 @@ def _require_non_causal(args, method: str) -> None:
         if backend is not None and not backend.supports_non_causal():
             raise ValueError(
                 f"use an attention backend that attends non-causally (CPU_ATTN on CPU, "
-                f"FLASH_ATTN on GPU): method {method!r} drafts with non-causal attention over "
-                f"the paged KV cache, which {backend.get_name()} cannot do"
+                f"TRITON_ATTN on GPU): method {method!r} drafts with non-causal attention "
+                f"over the paged KV cache, which {backend.get_name()} cannot do"
                 f"{per_kind_note(where)}")
         error = attention_backend_error(method, name)
         if error:
             raise ValueError(error + per_kind_note(where))
-    global_named = any(where == "--attention-backend" for where, _ in named)
-    if not global_named and current_platform.is_cuda_alike() and hasattr(config, "backend"):
+    default = gpu_default_backend(named, current_platform.is_cuda_alike())
+    if default is not None and hasattr(config, "backend"):
         args.attention_backend = None  # "auto": the one below, not both
-        config.backend = AttentionBackendEnum[GPU_ATTENTION_BACKEND]
-        logger.info("diffspec: method %r runs on attention backend %s (checked for its "
-                    "non-causal draft attention; name another with --attention-backend)",
-                    method, GPU_ATTENTION_BACKEND)
+        config.backend = AttentionBackendEnum[default]
+        logger.info("diffspec: method %r runs on attention backend %s (its Triton kernels ran "
+                    "the method's draft and verify attention in diffspec's tests; name "
+                    "another with --attention-backend, e.g. FLASH_ATTN)", method, default)
     if hasattr(config, "use_non_causal"):
         config.use_non_causal = True
 
