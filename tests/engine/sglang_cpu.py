@@ -115,6 +115,46 @@ def build_libcuda_stub(python: str, cache_dir: str | Path | None = None) -> Path
     return folder
 
 
+# Triton's interpreter keeps bfloat16 values as uint16 bit patterns, and its ``tl.dot``
+# multiplies those patterns (triton-lang/triton#11584; the maintainers: bf16 is not
+# supported in the interpreter), so every bf16 attention kernel returns garbage there. This
+# widens a bf16 operand of ``tl.dot`` to float32 exactly (a bf16 is the upper half of a
+# float32) before the matmul, which accumulates in the accumulator's dtype as a GPU's MMA
+# does. Only the interpreter's emulation of ``tl.dot`` changes; every kernel runs as
+# written. Both harnesses' ``sitecustomize`` run it (inert without TRITON_INTERPRET=1).
+INTERPRETER_BF16_DOT = '''
+def _widen_interpreted_bf16_dot():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "diffspec_bf16", False):
+        return
+    dot = builder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = np.ascontiguousarray(handle.data).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot.diffspec_bf16 = True
+    builder.create_dot = create_dot
+
+
+_widen_interpreted_bf16_dot()
+'''
+
 _SITECUSTOMIZE = '''"""diffspec test harness: supply sgl_kernel CPU ops missing from SGLang's CUDA wheel."""
 import importlib.abc
 import importlib.machinery
@@ -189,7 +229,7 @@ class _AfterSglKernel(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _AfterSglKernel())
-'''
+''' + INTERPRETER_BF16_DOT
 
 
 def sitecustomize_dir(folder: Path, text: str) -> Path:

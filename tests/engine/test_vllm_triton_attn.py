@@ -106,6 +106,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs.append({"name": "orthrus_adaptive", "model": str(SYNTH_ORTHRUS_DIR),
                  "llm": _spec("orthrus", adaptive=True, latency_profile=str(profile)),
                  "batches": batches})
+    for family, model in MODELS.items():  # bf16: match rates reported, not asserted
+        runs += [{"name": f"{family}_ar_bf16", "model": str(model),
+                  "llm": {**LLM_KWARGS, "dtype": "bfloat16"}, "batches": batches},
+                 {"name": f"{family}_spec_bf16", "model": str(model),
+                  "llm": {**_spec(family), "dtype": "bfloat16"}, "batches": batches}]
     return run_vllm_generate(SYNTH_ORTHRUS_DIR, [], tmp, {"runs": runs}, v2=False,
                              triton_attn=True, timeout=1800)
 
@@ -207,3 +212,84 @@ def test_adaptive_steps_with_and_without_drafts(engine) -> None:
     plain = [len(out) - 1 - sum(a + 1 for a in s or []) for out, s in zip(run["outputs"], steps)]
     assert max(plain) > 0, plain
 
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_bf16_match_rate_report(engine, family: str, record_property, capsys) -> None:
+    """bf16 on TRITON_ATTN's kernels: each method beside AR in bf16 on the same backend.
+    bf16 reorders reductions (the verify's K-wide GEMMs), so equality is not promised: the
+    match rate (common prefix / AR tokens) is printed and recorded, not asserted to be 1;
+    what is asserted is that the bf16 path drafts and accepts (the interpreter's bf16
+    ``tl.dot``, before the harness widened it, made every draft wrong while AR and the
+    method still agreed on the same garbage) and a floor far below what it measures."""
+    ar = engine["runs"][f"{family}_ar_bf16"]["greedy"]
+    spec = engine["runs"][f"{family}_spec_bf16"]["greedy"]
+    same = total = 0
+    for a, b in zip(ar["outputs"], spec["outputs"]):
+        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        total += len(a)
+    identical = sum(a == b for a, b in zip(ar["outputs"], spec["outputs"]))
+    accepted = [a for steps in spec["spec_steps"] for a in steps or []]
+    rate = same / total
+    record_property(f"bf16_triton_attn_{family}_token_match_rate", rate)
+    with capsys.disabled():
+        print(f"\n[bf16 TRITON_ATTN {METHODS[family]}] {identical}/{len(ar['outputs'])} "
+              f"requests identical to bf16 AR, token match rate {rate:.3f}, "
+              f"{sum(accepted)} drafts accepted in {len(accepted)} verify steps")
+    assert rate >= 0.5 and all(spec["outputs"])
+    assert sum(accepted) > 0, spec["spec_steps"]
+
+
+_KERNEL_CHECK = """
+import json, math
+import torch
+from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+torch.manual_seed(0)
+errors = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for causal in (True, False):
+        qlen, ctx, heads, kv_heads, dim, block = 8, 40, 4, 2, 64, 16
+        k = torch.randn(8, block, kv_heads, dim).to(dtype)
+        v = torch.randn(8, block, kv_heads, dim).to(dtype)
+        q = torch.randn(qlen, heads, dim).to(dtype)
+        out = torch.empty_like(q)
+        table = torch.tensor([[3, 1, 5, 0, 2, 4, 6, 7]], dtype=torch.int32)
+        unified_attention(q=q, k=k, v=v, out=out,
+                          cu_seqlens_q=torch.tensor([0, qlen], dtype=torch.int32),
+                          max_seqlen_q=qlen, seqused_k=torch.tensor([ctx], dtype=torch.int32),
+                          max_seqlen_k=ctx, softmax_scale=1 / math.sqrt(dim), causal=causal,
+                          window_size=(-1, -1), block_table=table, softcap=0,
+                          q_descale=None, k_descale=None, v_descale=None)
+        keys = k[table[0].long()].reshape(-1, kv_heads, dim)[:ctx].float()
+        values = v[table[0].long()].reshape(-1, kv_heads, dim)[:ctx].float()
+        keys = keys.repeat_interleave(heads // kv_heads, 1)
+        values = values.repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) / math.sqrt(dim)
+        if causal:
+            later = torch.arange(ctx)[None] > torch.arange(ctx - qlen, ctx)[:, None]
+            scores = scores.masked_fill(later, float("-inf"))
+        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        errors[f"{dtype}-{causal}"] = (out.float() - want).abs().max().item()
+print("ERRORS", json.dumps(errors))
+"""
+
+
+def test_triton_attn_kernel_in_bf16_matches_attention() -> None:
+    """TRITON_ATTN's paged attention kernel, causal and not, fp32 and bf16, as the harness
+    runs it (Triton's interpreter, whose bf16 ``tl.dot`` the harness widens), against
+    attention computed in fp32 from the same inputs: fp32 to rounding, bf16 to bf16's
+    precision (without the widening the bf16 error was about 1e9)."""
+    import subprocess
+    import sys
+
+    from tests.engine.vllm_v2_cpu import require_triton_interpreter, vllm_v2_cpu_env
+
+    require_triton_interpreter()
+    done = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], capture_output=True,
+                          text=True, env=vllm_v2_cpu_env(v2=False), timeout=600)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("ERRORS ")), None)
+    assert line, done.stdout[-2000:] + done.stderr[-4000:]
+    errors = json.loads(line.removeprefix("ERRORS "))
+    for case, error in errors.items():
+        assert error < (1e-5 if "float32" in case else 5e-2), errors
