@@ -15,11 +15,9 @@ from diffspec.plugin.sglang.config import (
     attention_backend_error,
     graphs_off_message,
 )
-from diffspec.plugin.sglang.default_backend import (
-    GPU_DEFAULT_BACKEND,
-    DefaultBackend,
-    gpu_default_backend,
-)
+from diffspec.plugin.sglang.default_backend import GPU_DEFAULT_BACKEND, DefaultBackend
+# renamed: vLLM's rule of the same name is imported below
+from diffspec.plugin.sglang.default_backend import gpu_default_backend as sglang_default
 from diffspec.plugin.sglang.dllm import dllm_backend_error, dllm_backends
 from diffspec.plugin.vllm.config import attention_backend_error as vllm_backend_error
 from diffspec.plugin.vllm.config import cudagraph_plan, gpu_default_backend, named_backends
@@ -104,7 +102,7 @@ def test_sglang_gpu_default_is_triton_for_speculative(algorithm: str, graphs_on:
     """Issue 46, item 3: not SGLang's fa3 (Hopper: refused) or flashinfer (reasoned only);
     CUDA graphs are left to ``handle_server_args``, which turns them off for these (S2)."""
     name = algorithm.upper()
-    choice = gpu_default_backend(algorithm, None, "cuda", NONE_NAMED, graphs_on)
+    choice = sglang_default(algorithm, None, "cuda", NONE_NAMED, graphs_on)
     assert choice == DefaultBackend("--speculative-algorithm", name, graphs_off=False)
     assert GPU_DEFAULT_BACKEND == "triton"
     line = choice.message()
@@ -119,14 +117,14 @@ def test_sglang_gpu_default_is_triton_for_speculative(algorithm: str, graphs_on:
                                                   ("ReFusion", "torch_native")])
 def test_sglang_gpu_default_is_triton_without_graphs_for_dllm(algorithm: str, other: str) -> None:
     """SGLang's dLLM mode keeps triton only without CUDA graphs (S11): they go off too."""
-    choice = gpu_default_backend(None, algorithm, "cuda", NONE_NAMED, graphs_on=True)
+    choice = sglang_default(None, algorithm, "cuda", NONE_NAMED, graphs_on=True)
     assert choice == DefaultBackend("--dllm-algorithm", algorithm, graphs_off=True)
     line = choice.message()
     assert "; CUDA graphs off, as --disable-cuda-graph does" in line
     assert f"name --attention-backend {other}" in line
     assert dllm_backend_error(algorithm, (GPU_DEFAULT_BACKEND,) * 2) is None
     # graphs already off (--disable-cuda-graph): triton, nothing more to turn off
-    quiet = gpu_default_backend(None, algorithm, "cuda:0", NONE_NAMED, graphs_on=False)
+    quiet = sglang_default(None, algorithm, "cuda:0", NONE_NAMED, graphs_on=False)
     assert quiet == DefaultBackend("--dllm-algorithm", algorithm, graphs_off=False)
     assert "CUDA graphs off" not in quiet.message()
 
@@ -144,7 +142,7 @@ def test_sglang_gpu_default_is_triton_without_graphs_for_dllm(algorithm: str, ot
     (None, None, "cuda", NONE_NAMED),
 ])
 def test_sglang_gpu_default_leaves_other_launches(speculative, dllm, device, backends) -> None:
-    assert gpu_default_backend(speculative, dllm, device, backends, graphs_on=True) is None
+    assert sglang_default(speculative, dllm, device, backends, graphs_on=True) is None
 
 
 # ------------------------------------------------------------------ vLLM self-spec
