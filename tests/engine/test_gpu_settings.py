@@ -149,6 +149,10 @@ def test_vllm_v2_tidar_refuses_split_kernel_blocks_at_config_time(ckpts, monkeyp
 # ------------------------------------------------------------------------------ SGLang
 
 
+# a GPU launch as a user writes it: no attention backend, CUDA graphs on (SGLang's default)
+GPU_UNNAMED = {"device": "cuda", "attention_backend": None, "disable_cuda_graph": False}
+
+
 @pytest.fixture(scope="module")
 def sglang(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.engine.conftest import require_sglang
@@ -182,6 +186,17 @@ def sglang(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "orthrus_disaggregation": (ckpts["orthrus"], {**spec, "disaggregation_mode": "decode",
                                                       "disaggregation_transfer_backend":
                                                           "fake"}),
+        # issue 46, item 3: device cuda, no backend named -> triton (dLLM: graphs off too);
+        # the pipeline resolves device cuda on this CPU machine (nothing touches a GPU)
+        **{f"{name}_cuda_unnamed": (ckpts[ckpt], {**args, **GPU_UNNAMED})
+           for name, ckpt, args in (("orthrus", "orthrus", spec),
+                                    ("tidar", "nld", {**spec, "speculative_algorithm": "TIDAR"}),
+                                    ("fast_dllm", "llada", {"dllm_algorithm": "FastDLLM"}),
+                                    ("refusion", "refusion", {"dllm_algorithm": "ReFusion"}))},
+        "fast_dllm_cuda_flashinfer": (ckpts["llada"], {"dllm_algorithm": "FastDLLM",
+                                                       **GPU_UNNAMED,
+                                                       "attention_backend": "flashinfer"}),
+        "no_spec_cuda_unnamed": (ckpts["orthrus"], GPU_UNNAMED),
         # the dual cache's own advice comes first (torch_native, not flashinfer)
         "fast_dllm_dual_flashinfer": (ckpts["llada"], {
             "dllm_algorithm": "FastDLLM", "attention_backend": "flashinfer",
@@ -195,7 +210,8 @@ def _resolve_sglang(python: str, tmp: Path, cases: dict, **env: str) -> dict:
     from tests.engine.sglang_cpu import sglang_cpu_env
 
     job = {name: {"model": str(model), "server_args": args,
-                  "fields": ["disable_cuda_graph", "cuda_graph_config", "attention_backend"]}
+                  "fields": ["disable_cuda_graph", "cuda_graph_config", "attention_backend",
+                             "page_size"]}
            for name, (model, args) in cases.items()}
     (tmp / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([python, str(HERE / "sglang_server_args.py"), str(tmp / "job.json")],
@@ -246,6 +262,41 @@ def test_sglang_refusion_on_torch_native_resolves(sglang) -> None:
     case = sglang["refusion_torch_native"]
     assert case["error"] is None, case["error"]
     assert case["fields"]["attention_backend"] == "torch_native"
+
+
+@pytest.mark.parametrize(("case", "flag"), [
+    ("orthrus_cuda_unnamed", "--speculative-algorithm ORTHRUS"),
+    ("tidar_cuda_unnamed", "--speculative-algorithm TIDAR"),
+    ("fast_dllm_cuda_unnamed", "--dllm-algorithm FastDLLM"),
+    ("refusion_cuda_unnamed", "--dllm-algorithm ReFusion"),
+])
+def test_sglang_gpu_launch_naming_no_backend_gets_triton(sglang, case: str, flag: str) -> None:
+    """Issue 46, item 3: the backend diffspec has run them on, CUDA graphs off, one line. On
+    this machine SGLang's own choice would be triton too (no FlashInfer, not Hopper), but its
+    dLLM mode would then switch to flashinfer for the graphs (ReFusion: refused)."""
+    result = sglang[case]
+    assert result["error"] is None, result["error"]
+    fields = result["fields"]
+    assert fields["attention_backend"] == "triton" and fields["disable_cuda_graph"] is True
+    assert "backend='full'" not in fields["cuda_graph_config"], fields["cuda_graph_config"]
+    lines = [line for line in result["log"] if "with no attention backend named" in line]
+    assert len(lines) == 1, result["log"]
+    assert lines[0].startswith(f"diffspec: {flag} on a CUDA device with no attention backend "
+                               f"named: using --attention-backend triton, "), lines[0]
+    if "TIDAR" in flag:  # one token per page: SGLang's default, not refused (S5)
+        assert fields["page_size"] == 1
+
+
+def test_sglang_gpu_launch_naming_a_backend_keeps_it(sglang) -> None:
+    """A named backend and launches without diffspec's algorithms are SGLang's alone."""
+    named = sglang["fast_dllm_cuda_flashinfer"]
+    assert named["error"] is None, named["error"]
+    assert named["fields"]["attention_backend"] == "flashinfer"
+    assert "backend='full'" in named["fields"]["cuda_graph_config"].split("prefill")[0]
+    plain = sglang["no_spec_cuda_unnamed"]
+    assert plain["error"] is None and plain["fields"]["disable_cuda_graph"] is False
+    for case in (named, plain):
+        assert not [line for line in case["log"] if "no attention backend named" in line]
 
 
 # -------------------------------------------------- SGLang: an unsupported release (item 6)

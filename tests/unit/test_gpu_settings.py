@@ -15,6 +15,9 @@ from diffspec.plugin.sglang.config import (
     attention_backend_error,
     graphs_off_message,
 )
+from diffspec.plugin.sglang.default_backend import GPU_DEFAULT_BACKEND, DefaultBackend
+# renamed: vLLM's rule of the same name is imported below
+from diffspec.plugin.sglang.default_backend import gpu_default_backend as sglang_default
 from diffspec.plugin.sglang.dllm import dllm_backend_error, dllm_backends
 from diffspec.plugin.vllm.config import attention_backend_error as vllm_backend_error
 from diffspec.plugin.vllm.config import cudagraph_plan, gpu_default_backend, named_backends
@@ -86,6 +89,60 @@ def test_sglang_dllm_backends_accepted(algorithm: str) -> None:
     assert "triton" in dllm_backends(algorithm)
     for backend in dllm_backends(algorithm):
         assert dllm_backend_error(algorithm, (backend, backend)) is None
+
+
+# ------------------------------------------------------------ SGLang: a GPU launch naming none
+
+NONE_NAMED = (None, None, None)  # --attention-backend, --prefill-..., --decode-attention-backend
+
+
+@pytest.mark.parametrize("algorithm", [*SGLANG_ALGORITHMS, "orthrus"])
+@pytest.mark.parametrize("graphs_on", [True, False])
+def test_sglang_gpu_default_is_triton_for_speculative(algorithm: str, graphs_on: bool) -> None:
+    """Issue 46, item 3: not SGLang's fa3 (Hopper: refused) or flashinfer (reasoned only);
+    CUDA graphs are left to ``handle_server_args``, which turns them off for these (S2)."""
+    name = algorithm.upper()
+    choice = sglang_default(algorithm, None, "cuda", NONE_NAMED, graphs_on)
+    assert choice == DefaultBackend("--speculative-algorithm", name, graphs_off=False)
+    assert GPU_DEFAULT_BACKEND == "triton"
+    line = choice.message()
+    assert line.startswith(f"diffspec: --speculative-algorithm {name} on a CUDA device with no "
+                           f"attention backend named: using --attention-backend triton, ")
+    assert "name --attention-backend flashinfer" in line and "CUDA graphs off" not in line
+    # what is set runs: triton with one token per page, SGLang's default page size
+    assert attention_backend_error(name, (GPU_DEFAULT_BACKEND,) * 2, page_size=1) is None
+
+
+@pytest.mark.parametrize(("algorithm", "other"), [("FastDLLM", "flashinfer"),
+                                                  ("ReFusion", "torch_native")])
+def test_sglang_gpu_default_is_triton_without_graphs_for_dllm(algorithm: str, other: str) -> None:
+    """SGLang's dLLM mode keeps triton only without CUDA graphs (S11): they go off too."""
+    choice = sglang_default(None, algorithm, "cuda", NONE_NAMED, graphs_on=True)
+    assert choice == DefaultBackend("--dllm-algorithm", algorithm, graphs_off=True)
+    line = choice.message()
+    assert "; CUDA graphs off, as --disable-cuda-graph does" in line
+    assert f"name --attention-backend {other}" in line
+    assert dllm_backend_error(algorithm, (GPU_DEFAULT_BACKEND,) * 2) is None
+    # graphs already off (--disable-cuda-graph): triton, nothing more to turn off
+    quiet = sglang_default(None, algorithm, "cuda:0", NONE_NAMED, graphs_on=False)
+    assert quiet == DefaultBackend("--dllm-algorithm", algorithm, graphs_off=False)
+    assert "CUDA graphs off" not in quiet.message()
+
+
+@pytest.mark.parametrize(("speculative", "dllm", "device", "backends"), [
+    ("ORTHRUS", None, "cuda", ("fa3", None, None)),  # a named backend is the user's
+    ("TIDAR", None, "cuda", ("flashinfer", None, None)),
+    ("LINEAR_SELF_SPEC", None, "cuda", (None, "flashinfer", None)),  # a named half, too
+    (None, "ReFusion", "cuda", (None, None, "triton")),
+    (None, "FastDLLM", "cuda", ("flashinfer", None, None)),
+    ("ORTHRUS", None, "cpu", NONE_NAMED),  # CPU: SGLang's choice (torch_native here)
+    (None, "FastDLLM", "cpu", NONE_NAMED),
+    ("EAGLE", None, "cuda", NONE_NAMED),  # not diffspec's algorithms
+    (None, "LowConfidence", "cuda", NONE_NAMED),
+    (None, None, "cuda", NONE_NAMED),
+])
+def test_sglang_gpu_default_leaves_other_launches(speculative, dllm, device, backends) -> None:
+    assert sglang_default(speculative, dllm, device, backends, graphs_on=True) is None
 
 
 # ------------------------------------------------------------------ vLLM self-spec

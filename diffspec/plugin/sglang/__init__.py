@@ -16,7 +16,11 @@
   (:mod:`diffspec.plugin.sglang.headroom`, also in ``patches.md``);
 * hooks the torch-native backend's decode kernel so the rows of one request (the
   self-speculative passes on SGLang's CPU path) read its K/V once, not once per row
-  (:mod:`diffspec.plugin.sglang.decode_rows`, also in ``patches.md``).
+  (:mod:`diffspec.plugin.sglang.decode_rows`, also in ``patches.md``);
+* hooks ``handle_attention_backend_compatibility`` so a CUDA launch of diffspec's
+  algorithms that names no attention backend gets ``triton`` (the GPU backend they have
+  run on) instead of SGLang's automatic choice
+  (:mod:`diffspec.plugin.sglang.default_backend`, also in ``patches.md``).
 This module imports neither torch nor SGLang at import time.
 
 Design notes: docs/design/plugins.md (section ``diffspec/plugin/sglang/__init__.py``).
@@ -29,6 +33,7 @@ import logging
 from diffspec.methods import FAMILIES, load_object
 from diffspec.plugin.sglang.config import self_spec_algorithms, validate_server_args
 from diffspec.plugin.sglang.decode_rows import register_decode_rows
+from diffspec.plugin.sglang.default_backend import register_default_backend
 from diffspec.plugin.sglang.dllm import register_dllm
 from diffspec.plugin.sglang.headroom import register_headroom
 from diffspec.plugin.versions import UnsupportedEngineVersion, check_engine_version
@@ -71,6 +76,7 @@ def register() -> None:
     register_dllm()  # --dllm-algorithm FastDLLM / ReFusion
     register_headroom()  # req_to_token rows hold the KV window the scheduler reserves
     register_decode_rows()  # torch-native decode: one K/V read per request, not per row
+    register_default_backend()  # a GPU launch naming no attention backend: triton
     algorithms = self_spec_algorithms()
     for name, method in algorithms.items():
         if get_spec(name) is None:

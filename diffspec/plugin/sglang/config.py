@@ -23,8 +23,8 @@ from diffspec.methods import Method, methods_for_engine
 
 logger = logging.getLogger("diffspec")
 
-__all__ = ["VERIFY_BACKENDS", "activation_tokens", "attention_backend_error", "graphs_off_message",
-           "self_spec_algorithms", "spec_class", "validate_server_args"]
+__all__ = ["VERIFY_BACKENDS", "activation_tokens", "attention_backend_error", "graphs_disabled",
+           "graphs_off_message", "self_spec_algorithms", "spec_class", "validate_server_args"]
 
 # Attention backends diffspec's speculative steps run on. A step's verify (and the
 # ORTHRUS / LINEAR_SELF_SPEC draft pass) is a TARGET_VERIFY batch whose width varies per
@@ -222,6 +222,17 @@ def graphs_off_message(algorithm: str, phases) -> str:
             f"launch overhead on every forward, most visible at small batches")
 
 
+def graphs_disabled(graphs):
+    """SGLang's ``CudaGraphConfig`` ``graphs`` with every phase off, and the phases that
+    were on (``[]``: ``graphs`` itself)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    on = [p for p in Phase.ALL if getattr(graphs, p).backend != Backend.DISABLED]
+    for phase in on:
+        graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
+    return graphs, on
+
+
 def quadratic_max_drafts(info) -> int:
     """Drafts per step a TiDAR / NLD checkpoint yields in quadratic mode: one branch of
     ``block_size`` masks, ``block_size - 1 + shift`` drafts (the reference decoder's
@@ -326,24 +337,16 @@ def _build_spec_classes():
             """CUDA graphs off for every phase (SGLang's ``cuda_graph_config``, already
             parsed when this runs, and the legacy ``disable_cuda_graph``), with one log
             line when they were on."""
-            from sglang.srt.model_executor.cuda_graph_config import (
-                Backend,
-                CudaGraphConfig,
-                Phase,
-                with_phase,
-            )
+            from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 
             graphs = getattr(server_args, "cuda_graph_config", None)
             if not isinstance(graphs, CudaGraphConfig):
                 graphs = CudaGraphConfig.from_dict(graphs if isinstance(graphs, dict) else None)
                 if getattr(server_args, "disable_cuda_graph", False):
-                    for phase in Phase.ALL:
-                        graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
-            on = [p for p in Phase.ALL if getattr(graphs, p).backend != Backend.DISABLED]
+                    graphs = graphs_disabled(graphs)[0]
+            graphs, on = graphs_disabled(graphs)
             if on:
                 logger.warning(graphs_off_message(self.name, on))
-                for phase in on:
-                    graphs = with_phase(graphs, phase, backend=Backend.DISABLED)
                 server_args.cuda_graph_config = graphs
             server_args.disable_cuda_graph = True
 

@@ -29,6 +29,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "headroom": ("0.5.23",),
     "decode_rows": ("0.5.23",),
     "dllm": ("0.5.23",),
+    "default_backend": ("0.5.23",),
 }
 
 # hook -> what it hooks AROUND in SGLang (and relies on there)
@@ -49,6 +50,35 @@ TARGETS: dict[str, Target] = {
         "sglang.srt.dllm.config", "DllmConfig.from_server_args", ("server_args",),
         relies_on=(("sglang.srt.arg_groups.dllm_hook:handle_dllm_inference",
                     "get_algorithm_cls(cfg.dllm_algorithm).configure_server_args(server_args)"),)),
+    "default_backend": Target(
+        "sglang.srt.arg_groups.attention_hook", "handle_attention_backend_compatibility",
+        ("server_args",),
+        relies_on=(
+            # the device is resolved, the CUDA graphs parsed and CPU's backend picked before
+            # the hooked step; the page size (1: TIDAR on triton) and the dLLM mode after it
+            ("sglang.srt.arg_groups.pipeline:run_resolution_pipeline",
+             "run_hook(handle_missing_default_values, server_args) ... "
+             "run_hook(handle_cuda_graph_config, server_args) ... "
+             "run_hook(handle_cpu_backends, server_args) ... "
+             "run_hook(handle_attention_backend_compatibility, server_args) ... "
+             "run_post_process_pass(server_args, _page_size_default) ... "
+             "run_hook(handle_dllm_inference, server_args)"),
+            ("sglang.srt.arg_groups.platform_hook:handle_cpu_backends",
+             "if cfg.device == \"cpu\": if cfg.attention_backend is None:"),
+            # the hooked step fills SGLang's default only where no backend is declared
+            ("sglang.srt.arg_groups.attention_hook:handle_attention_backend_compatibility",
+             "cfg = resolving_view(server_args) ... "
+             "run_post_process_pass(server_args, _attention_backend_default)"),
+            ("sglang.srt.arg_groups.overrides:_attention_backend_default",
+             "if view.attention_backend is None: backend = get_default_attn_backend("),
+            ("sglang.srt.arg_groups.overrides:_page_size_default",
+             "if view.page_size is not None: return {} ... "
+             "if not get_platform().is_musa: return {\"page_size\": 1}"),
+            # the dLLM mode keeps a declared triton while the decode phase's graphs are off
+            ("sglang.srt.arg_groups.overrides:_dllm_attention_backend",
+             "elif view.cuda_graph_config.decode.backend != Backend.DISABLED: "
+             "if view.attention_backend != \"flashinfer\":"),
+        )),
 }
 
 # SGLang base-class methods diffspec's classes override (TwoPassAlgo / TiDARAlgo:
