@@ -29,7 +29,7 @@ __all__ = ["ATTRIBUTE", "CANVAS_ARG", "DEFAULT_BLOCK", "DIFFUSION_BACKENDS",
            "DIFFUSION_GPU_BACKEND", "METHOD_ATTRIBUTE", "OPTIONS", "THRESHOLD_ARG",
            "V2_RUNNER_UNAVAILABLE", "DiffusionConfigError", "FastDLLMConfigError",
            "diffusion_backend_error", "diffusion_block_size", "diffusion_request_error",
-           "fast_dllm_options", "fast_dllm_request_error", "name_gpu_backend",
+           "fast_dllm_options", "fast_dllm_request_error", "method_options", "name_gpu_backend",
            "neutral_sampling_defaults", "no_async_scheduling", "refuse_attention_backends",
            "register_config_hooks", "register_hook", "require_v2_runner",
            "verify_and_update_config"]
@@ -254,20 +254,31 @@ def diffusion_block_size(info: CheckpointInfo, requested: int | None,
     return config.sizes(info)
 
 
+def method_options(additional_config: Any, key: str, flag: str, served: str,
+                   known: Iterable[str], resolved: Iterable[str], note: str) -> dict[str, Any]:
+    """``additional_config["diffspec"][key]`` (``flag``), checked to be a JSON object of
+    ``known`` keys (and ``resolved`` ones, which the hook writes back for the workers); a
+    :class:`CheckpointError` whose first words say what to do otherwise (``note``: where
+    what is not a key is set)."""
+    extra = additional_config if isinstance(additional_config, dict) else {}
+    options = (extra.get("diffspec") or {}).get(key) or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"make diffspec.{key} a JSON object in {flag} (keys: "
+                              f"{', '.join(known)}), got {options!r}")
+    unknown = sorted(set(options) - set(known) - set(resolved))
+    if unknown:
+        raise CheckpointError(f"remove {', '.join(unknown)} from diffspec.{key} in {flag}: "
+                              f"{served} on vLLM takes {', '.join(known)} ({note})")
+    return options
+
+
 def fast_dllm_options(additional_config: Any) -> dict[str, Any]:
     """diffspec's Fast-dLLM settings from vLLM's ``additional_config``, checked: a
     :class:`CheckpointError` whose first words say what to do otherwise."""
-    extra = additional_config if isinstance(additional_config, dict) else {}
-    options = (extra.get("diffspec") or {}).get("fast_dllm") or {}
-    if not isinstance(options, dict):
-        raise CheckpointError(f"make diffspec.fast_dllm a JSON object in {_SETTINGS_FLAG} "
-                              f"(keys: {', '.join(OPTIONS)}), got {options!r}")
-    resolved = {"block_size", "mask_token_id", "logits_shift", "turn_end_ids"}
-    unknown = sorted(set(options) - set(OPTIONS) - resolved)
-    if unknown:
-        raise CheckpointError(f"remove {', '.join(unknown)} from diffspec.fast_dllm in "
-                              f"{_SETTINGS_FLAG}: Fast-dLLM on vLLM takes {', '.join(OPTIONS)} "
-                              f"(the block is --diffusion-config's canvas_length)")
+    options = method_options(additional_config, "fast_dllm", _SETTINGS_FLAG, "Fast-dLLM",
+                             OPTIONS, {"block_size", "mask_token_id", "logits_shift",
+                                       "turn_end_ids"},
+                             "the block is --diffusion-config's canvas_length")
     cache = options.get("cache", "prefix")
     if cache == "dual":
         raise CheckpointError(DUAL_CACHE_UNSUPPORTED.format(flag=_SETTINGS_FLAG, cache=cache))

@@ -29,6 +29,7 @@ from diffspec.plugin.vllm.dllm import (
     DIFFUSION_BACKENDS,
     METHOD_ATTRIBUTE,
     DiffusionConfigError,
+    method_options,
     name_gpu_backend,
     neutral_sampling_defaults,
     no_async_scheduling,
@@ -71,17 +72,10 @@ def refusion_settings(additional_config: Any, canvas: int | None) -> dict[str, A
     :class:`CheckpointError` whose first words say what to do otherwise."""
     from diffspec.spec_workers.reference.refusion import ReFusionConfig
 
-    extra = additional_config if isinstance(additional_config, dict) else {}
-    options = (extra.get("diffspec") or {}).get("refusion") or {}
-    if not isinstance(options, dict):
-        raise CheckpointError(f"make diffspec.refusion a JSON object in {_FLAG} (keys: "
-                              f"{', '.join(_KNOBS)}), got {options!r}")
-    resolved = {"canvas_length", "mask_token_id"}  # written back by the hook
-    unknown = sorted(set(options) - set(_KNOBS) - resolved)
-    if unknown:
-        raise CheckpointError(f"remove {', '.join(unknown)} from diffspec.refusion in {_FLAG}: "
-                              f"ReFusion on vLLM takes {', '.join(_KNOBS)} (the most tokens a "
-                              f"request may generate is --diffusion-config's canvas_length)")
+    options = method_options(additional_config, "refusion", _FLAG, "ReFusion", _KNOBS,
+                             {"canvas_length", "mask_token_id"},
+                             "the most tokens a request may generate is --diffusion-config's "
+                             "canvas_length")
     defaults = get_method("refusion").defaults
     try:
         config = ReFusionConfig(**{k: options.get(k, defaults[k]) for k in _KNOBS})
