@@ -9,6 +9,7 @@ Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/two_pass
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
@@ -19,7 +20,7 @@ __all__ = ["SelfSpeculator"]
 
 class SelfSpeculator(DraftModelSpeculator):
     """The V2 runner's speculator for a self-speculative ``method`` (module docstring);
-    subclasses add ``propose`` and what their method wraps."""
+    subclasses draft in :meth:`_fill_drafts` and add what their method wraps."""
 
     def __init__(self, vllm_config, device: torch.device, req_states, method: str) -> None:
         super().__init__(vllm_config, device)
@@ -56,3 +57,40 @@ class SelfSpeculator(DraftModelSpeculator):
 
     def capture(self) -> None:
         """Nothing to capture (eager forwards)."""
+
+    # ------------------------------------------------------------ each step
+
+    @torch.inference_mode()
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs=None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        """Draft tokens ``[num_reqs, num_speculative_tokens]`` for the runner's batch (its
+        order), called after each verify's bookkeeping: every request's row starts as its
+        last sampled token (the anchor), which the drafts :meth:`_fill_drafts` writes
+        replace; the rest repeat it, and the verify may reject them like any draft."""
+        num_reqs = input_batch.num_reqs
+        drafts = self.draft_tokens[:num_reqs]  # [num_reqs, K]
+        if dummy_run:  # warm-up / profile: no requests, nothing to draft
+            drafts.zero_()
+            return drafts
+        idx = input_batch.idx_mapping[:num_reqs]  # [num_reqs] request-state rows
+        anchors = last_sampled.view(-1)[idx]  # [num_reqs]
+        drafts.copy_(anchors[:, None].expand(num_reqs, drafts.shape[1]))
+        k = self.num_speculative_steps if num_speculative_tokens is None \
+            else num_speculative_tokens
+        self._fill_drafts(drafts, input_batch, anchors, num_sampled[:num_reqs].tolist(), k)
+        return drafts
+
+    def _fill_drafts(self, drafts: torch.Tensor, input_batch, anchors: torch.Tensor,
+                     num_sampled: list[int], k: int) -> None:
+        """Write this step's drafts into ``drafts`` ``[num_reqs, K]`` (rows hold the
+        anchors): ``num_sampled`` tokens sampled per request, at most ``k`` drafts each."""
+        raise NotImplementedError
+
+    def _num_slots(self, input_batch) -> np.ndarray:
+        """``[num_reqs]`` the KV slots each request of the batch holds (its blocks)."""
+        rows = input_batch.idx_mapping_np[:input_batch.num_reqs]
+        return self.block_tables.num_blocks.np[0, rows] * self.block_tables.block_sizes[0]

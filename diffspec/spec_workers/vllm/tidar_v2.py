@@ -11,7 +11,11 @@ import numpy as np
 import torch
 
 from diffspec.spec_workers.vllm.forward import decoder_forward
-from diffspec.spec_workers.vllm.proposer import draft_argmax, non_causal_metadata
+from diffspec.spec_workers.vllm.proposer import (
+    draft_argmax,
+    non_causal_metadata,
+    one_kv_cache_group,
+)
 from diffspec.spec_workers.vllm.speculator import SelfSpeculator
 from diffspec.spec_workers.vllm.tidar import (
     BranchPlan,
@@ -70,11 +74,10 @@ class TiDARSpeculator(SelfSpeculator):
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
-        """The runner's block tables and attention groups (``SelfSpeculator.set_attn``);
-        wrap the model state's ``prepare_attn`` to plan each step's branches."""
-        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
-                         target_attn_groups)
-        for group in target_attn_groups[0]:
+        """The runner's block tables and attention groups (``SelfSpeculator.set_attn``),
+        refused where the backend splits the KV blocks; wrap the model state's
+        ``prepare_attn`` to plan each step's branches."""
+        for group in one_kv_cache_group(target_attn_groups, "tidar"):
             if group.kernel_block_size is not None:
                 # the mapped block tables live in one persistent buffer per group: the
                 # branches' builds would overwrite the verify's before it runs
@@ -85,6 +88,8 @@ class TiDARSpeculator(SelfSpeculator):
                 raise RuntimeError(split_kernel_block_message(
                     group.kv_cache_spec.block_size, group.kernel_block_size,
                     group.backend.get_name()))
+        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
+                         target_attn_groups)
         original = model_state.prepare_attn
 
         def prepare_attn(input_batch, cudagraph_mode, tables, *args, **kwargs):
@@ -116,8 +121,7 @@ class TiDARSpeculator(SelfSpeculator):
         # prompt + output tokens: a prefill chunk short of the prompt samples nothing
         num_tokens = np.maximum(input_batch.prefill_len_np[:num_reqs],
                                 computed + scheduled - drafts)
-        page = self.block_tables.block_sizes[0]
-        slots = self.block_tables.num_blocks.np[0, input_batch.idx_mapping_np[:num_reqs]] * page
+        slots = self._num_slots(input_batch)
         plans = plan_branches(scheduled.tolist(), drafts.tolist(), computed.tolist(),
                               num_tokens.tolist(), [None] * num_reqs, slots.tolist(),
                               self.num_speculative_steps, self.logits_shift,
@@ -165,41 +169,25 @@ class TiDARSpeculator(SelfSpeculator):
         self._ran = (branches, hidden[num_verify:])
         return hidden[:num_verify]
 
-    @torch.inference_mode()
-    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
-                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
-                mm_inputs=None, is_profile: bool = False,
-                num_speculative_tokens: int | None = None) -> torch.Tensor:
-        """Draft tokens ``[num_reqs, num_speculative_tokens]`` for the runner's batch (its
-        order): the argmax of the branch each request's acceptance selected; drafts past
-        that branch (or with none) repeat the request's last token, which the verify may
-        reject like any draft."""
-        num_reqs = input_batch.num_reqs
-        drafts = self.draft_tokens[:num_reqs]  # [num_reqs, K]
+    def _fill_drafts(self, drafts: torch.Tensor, input_batch, anchors: torch.Tensor,
+                     num_sampled: list[int], k: int) -> None:
+        """The argmax of the branch each request's acceptance selected (as many drafts as
+        ``next_draft_count`` gives); past that branch (or with none) its row keeps the
+        anchor."""
         ran, self._ran = self._ran, None
-        if dummy_run:  # warm-up / profile: no requests, nothing to draft
-            drafts.zero_()
-            return drafts
         if self._planned is not None:
             self._planned = None
             raise RuntimeError("method 'tidar' planned branches that no forward ran (the "
                                "runner replayed a CUDA graph?): set cudagraph_mode NONE or "
                                "add --enforce-eager")
-        idx = input_batch.idx_mapping[:num_reqs]  # [num_reqs] request-state rows
-        drafts.copy_(last_sampled.view(-1)[idx][:, None].expand(num_reqs, drafts.shape[1]))
         if ran is None:
-            return drafts
+            return
         branches, hidden = ran
-        emitted = num_sampled[:num_reqs].tolist()
-        page = self.block_tables.block_sizes[0]
-        slots = (self.block_tables.num_blocks.np[0, input_batch.idx_mapping_np[:num_reqs]]
-                 * page).tolist()
+        slots = self._num_slots(input_batch).tolist()
         skip = 0 if self.logits_shift else 1
         rows, counts, index = [], [], []
         for plan in branches.plans:
-            n = emitted[plan.row]
+            n = num_sampled[plan.row]
             if n == 0:
                 continue
             # n - 1 drafts accepted: that branch pre-drafted this outcome; the committed
@@ -213,13 +201,12 @@ class TiDARSpeculator(SelfSpeculator):
                 counts.append(count)
                 index.extend(range(start, start + count))
         if not index:
-            return drafts
+            return
         tokens = draft_argmax(self.model, hidden,
                               torch.tensor(index, dtype=torch.int64, device=self.device))
         if tokens is None:  # a tensor-parallel rank without the gathered logits
-            return drafts
+            return
         at = 0
         for row, count in zip(rows, counts):
             drafts[row, :count] = torch.tensor(tokens[at:at + count], dtype=drafts.dtype)
             at += count
-        return drafts

@@ -46,31 +46,13 @@ class TwoPassSpeculator(SelfSpeculator):
 
     # ------------------------------------------------------------ each step
 
-    @torch.inference_mode()
-    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
-                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
-                mm_inputs=None, is_profile: bool = False,
-                num_speculative_tokens: int | None = None) -> torch.Tensor:
-        """Draft tokens ``[num_reqs, num_speculative_tokens]`` for the runner's batch (its
-        order): a request's drafts past its block (or with no block) repeat its anchor,
-        which the verify may reject like any draft."""
-        num_reqs = input_batch.num_reqs
-        drafts = self.draft_tokens[:num_reqs]  # [num_reqs, K]
-        if dummy_run:  # warm-up / profile: no requests, nothing to draft
-            drafts.zero_()
-            return drafts
-        k = self.num_speculative_steps if num_speculative_tokens is None \
-            else num_speculative_tokens
-        idx = input_batch.idx_mapping[:num_reqs]  # [num_reqs] request-state rows
-        idx_np = input_batch.idx_mapping_np[:num_reqs]
-        anchors = last_sampled.view(-1)[idx]  # [num_reqs]
-        drafts.copy_(anchors[:, None].expand(num_reqs, drafts.shape[1]))
+    def _fill_drafts(self, drafts: torch.Tensor, input_batch, anchors: torch.Tensor,
+                     num_sampled: list[int], k: int) -> None:
+        """The drafts of each request's block ``[anchor, <mask> x n]``; past its block (or
+        with no block) its row keeps the anchor."""
+        idx = input_batch.idx_mapping[:input_batch.num_reqs]  # [num_reqs] request-state rows
         positions = self.req_states.num_computed_tokens.gpu[idx].tolist()  # anchor positions
-        page = self.block_tables.block_sizes[0]
-        num_slots = (self.block_tables.num_blocks.np[0, idx_np] * page).tolist()
-        plan = plan_v2_blocks(num_sampled[:num_reqs].tolist(), positions, num_slots, k,
+        plan = plan_v2_blocks(num_sampled, positions, self._num_slots(input_batch).tolist(), k,
                               self.max_model_len)
         for chunk in chunks(plan, self.max_forward_tokens):
             rows = [b.row for b in chunk]
@@ -83,7 +65,6 @@ class TwoPassSpeculator(SelfSpeculator):
                 n = block.num_drafts
                 drafts[block.row, :n] = torch.tensor(tokens[at:at + n], dtype=drafts.dtype)
                 at += n
-        return drafts
 
     def _draft(self, req_rows: torch.Tensor, anchors: torch.Tensor, starts: list[int],
                lengths: np.ndarray) -> list[int] | None:
