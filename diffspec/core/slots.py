@@ -1,10 +1,11 @@
-"""ReFusion slot rules (plan, verify, reorder) as pure tensor functions.
+"""ReFusion slot rules (layout, plan, verify, reorder) as pure functions.
 
 Design notes: docs/design/core.md (section ``diffspec/core/slots.py``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -19,8 +20,20 @@ __all__ = [
     "reorder_for_kv_reuse",
     "score_slots",
     "select_slots",
+    "slot_layout",
     "verify_slot_drafts",
 ]
+
+
+def slot_layout(max_tokens: int, slot_size: int, num_blocks: int) -> tuple[int, int | None]:
+    """A request's generation layout: ``(gen_len, block_len)``, ``max_tokens`` rounded up
+    to whole slots and the length of each of the ``num_blocks`` serial blocks it splits
+    into; ``block_len`` is ``None`` when those blocks would not be whole slots (ReFusion
+    cannot decode the request)."""
+    gen_len = math.ceil(max_tokens / slot_size) * slot_size
+    if gen_len % num_blocks or (gen_len // num_blocks) % slot_size:
+        return gen_len, None
+    return gen_len, gen_len // num_blocks
 
 
 def score_slots(

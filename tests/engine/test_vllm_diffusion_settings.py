@@ -30,7 +30,7 @@ require_engine("vllm")  # the whole module: skipped, or failed where CI requires
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_REFUSION_DIR
 from diffspec.plugin.engine_sources import Target, problems
 from diffspec.plugin.versions import SUPPORTED_ENGINE_VERSIONS
-from diffspec.plugin.vllm.dllm import FastDLLMConfigError, fast_dllm_request_error
+from diffspec.plugin.vllm.dllm import DiffusionConfigError, fast_dllm_request_error
 from diffspec.spec_workers.vllm.fast_dllm import (
     FINISHED_KEPT,
     FastDLLMModelState,
@@ -108,7 +108,7 @@ def test_async_scheduling_off_with_a_log_line(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("method", list(MODELS))
 def test_explicit_async_scheduling_is_refused_at_start(monkeypatch: pytest.MonkeyPatch,
                                                        method: str) -> None:
-    with pytest.raises(FastDLLMConfigError) as err:
+    with pytest.raises(DiffusionConfigError) as err:
         _gpu_like_config(monkeypatch, method, async_scheduling=True)
     assert str(err.value).startswith("remove --async-scheduling (or add "
                                      "--no-async-scheduling) to serve "), str(err.value)

@@ -473,7 +473,7 @@ def _vllm_config(path: Path, *, canvas: int | None = None, diffusion: bool = Tru
 @pytest.fixture
 def with_v2_runner(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend the V2 runner can run, to check what the hook resolves."""
-    monkeypatch.setattr(hook, "_require_v2_runner", lambda arch: None)
+    monkeypatch.setattr(hook, "require_v2_runner", lambda name, algorithm: None)
 
 
 @pytest.mark.parametrize(("path", "canvas", "expected"), [

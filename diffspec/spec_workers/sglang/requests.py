@@ -7,7 +7,6 @@ at import time, so the unit tier checks the messages.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from diffspec.methods import get_method
@@ -116,19 +115,21 @@ def fast_dllm_request_error(params: Any) -> str | None:
 def refusion_request_error(req: Any, block_size: int, slot_size: int, num_blocks: int
                         ) -> str | None:
     """Why ReFusion cannot serve ``req`` (first words: what to do), or ``None``."""
+    from diffspec.core.slots import slot_layout
+
     params = req.sampling_params
     asked = sampling_asked(params)
     if asked:
         return ("set temperature 0 (or leave the sampling fields out): ReFusion in SGLang "
                 f"decodes greedily (its plan and verify rules are greedy), got "
                 f"{', '.join(asked)}")
-    gen_len = math.ceil(params.max_new_tokens / slot_size) * slot_size
+    gen_len, block_len = slot_layout(params.max_new_tokens, slot_size, num_blocks)
     if gen_len > block_size:
         return (f"set max_new_tokens <= {block_size} or raise block_size in "
                 f"--dllm-algorithm-config: a request's generation must fit the KV block "
                 f"SGLang gives it; max_new_tokens {params.max_new_tokens} rounds up to "
                 f"{gen_len} (whole slots of {slot_size})")
-    if gen_len % num_blocks or (gen_len // num_blocks) % slot_size:
+    if block_len is None:
         return (f"set max_new_tokens to a multiple of {slot_size * num_blocks} (or change "
                 f"num_blocks / slot_size): {gen_len} tokens ({params.max_new_tokens} rounded "
                 f"up to whole slots of {slot_size}) do not split into {num_blocks} serial "

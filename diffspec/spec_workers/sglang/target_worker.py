@@ -92,6 +92,17 @@ class TargetModelSpecWorker(BaseSpecWorker):
         self.speculative_num_steps = 1
         self.topk = 1
 
+    def _adaptive_policy(self, max_drafts: int, cost: str):
+        """The adaptive draft-count policy of the served model's config
+        (:func:`~diffspec.spec_workers.sglang.policy.adaptive_policy`) under this server's
+        arguments: step times tracked with one tensor-parallel rank only, off under
+        ``--enable-deterministic-inference``."""
+        return adaptive_policy(
+            self.model_runner.model_config.hf_config, max_drafts, cost, self.method,
+            track_step_times=self.server_args.tp_size == 1,
+            deterministic=bool(getattr(self.server_args, "enable_deterministic_inference",
+                                       False)))
+
     @property
     def draft_worker(self):
         return None  # every pass runs the target model on the target KV pool

@@ -40,7 +40,6 @@ from diffspec.spec_workers.sglang.target_worker import (
     StepLogits,
     TargetModelSpecWorker,
     accept,
-    adaptive_policy,
     choice_metrics,
     step_logits,
 )
@@ -94,11 +93,7 @@ class TiDARWorker(TargetModelSpecWorker):
         self.tokens_per_req = (self.num_drafts + 1) * (1 + self.num_masks)  # T
         self._layouts: dict[tuple[int, int], _StepLayout] = {}  # (n, k) -> layout
         config = self.model_runner.model.config
-        self.adaptive = adaptive_policy(
-            self.model_runner.model_config.hf_config, self.num_drafts, "quadratic", "tidar",
-            track_step_times=self.server_args.tp_size == 1,
-            deterministic=bool(getattr(self.server_args, "enable_deterministic_inference",
-                                       False)))
+        self.adaptive = self._adaptive_policy(self.num_drafts, "quadratic")
         if self.adaptive is not None:
             self.adaptive.cost = StepCost("quadratic", skip=0 if self.logits_shift else 1)
         self.timings = DraftTimings(self.device)

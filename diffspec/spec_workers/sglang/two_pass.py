@@ -21,7 +21,6 @@ from diffspec.spec_workers.sglang.target_worker import (
     StepLogits,
     TargetModelSpecWorker,
     accept,
-    adaptive_policy,
     choice_metrics,
     logger,
     prompt_lookup,
@@ -46,13 +45,9 @@ class TwoPassWorker(TargetModelSpecWorker):
         max_len = getattr(model.config, "max_position_embeddings", None)
         self._max_position = int(max_len or self.model_runner.model_config.context_len) - 1
         self._offsets = torch.arange(self.width, device=self.device)  # [W]
-        hf_config = self.model_runner.model_config.hf_config
-        self.adaptive = adaptive_policy(
-            hf_config, self.width - 1, "two_pass", self.method,
-            track_step_times=self.server_args.tp_size == 1,
-            deterministic=bool(getattr(self.server_args, "enable_deterministic_inference",
-                                       False)))
-        self.prompt_lookup = prompt_lookup(hf_config, self.method)
+        self.adaptive = self._adaptive_policy(self.width - 1, "two_pass")
+        self.prompt_lookup = prompt_lookup(self.model_runner.model_config.hf_config,
+                                           self.method)
         self.lookup_stats = LookupStats()
         self.timings = DraftTimings(self.device)
 

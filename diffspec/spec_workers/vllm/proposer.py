@@ -19,7 +19,8 @@ logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers
 
 __all__ = ["DRAFT_LOGITS_ROWS", "PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy",
            "draft_argmax", "logger", "measure_profile", "non_causal_blocks",
-           "non_causal_metadata", "on_device", "prompt_lookup", "seeded_requests"]
+           "non_causal_metadata", "on_device", "one_kv_cache_group", "prompt_lookup",
+           "seeded_requests"]
 
 PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
 PROFILE_CONTEXT = 256  # context tokens per request in the start-up profile's forwards
@@ -54,15 +55,22 @@ def non_causal_blocks(
     method: str,
 ) -> NonCausalBlocks:
     """:func:`non_causal_metadata` for blocks of the V1 runner's input batch rows ``rows``."""
-    groups = runner.attn_groups
-    if len(groups) != 1:
-        raise RuntimeError(f"method {method!r} supports models with one KV cache group (full "
-                           f"attention in every layer); this one has {len(groups)}")
+    groups = one_kv_cache_group(runner.attn_groups, method)
     table = runner.input_batch.block_table[0]
     tables = table.get_device_tensor(runner.input_batch.num_reqs)[
         on_device(runner, np.asarray(rows, dtype=np.int64))]
-    return non_causal_metadata(groups[0], tables, table.block_size, starts, lengths, method,
+    return non_causal_metadata(groups, tables, table.block_size, starts, lengths, method,
                                runner.device)
+
+
+def one_kv_cache_group(attn_groups: list, method: str) -> list:
+    """The attention groups of the runner's one KV cache group (``attn_groups[0]``, V1 and
+    V2 runners alike); a ``RuntimeError`` for a model with more (not full attention in
+    every layer), which ``method``'s non-causal blocks cannot attend over."""
+    if len(attn_groups) != 1:
+        raise RuntimeError(f"method {method!r} supports models with one KV cache group (full "
+                           f"attention in every layer); this one has {len(attn_groups)}")
+    return attn_groups[0]
 
 
 def non_causal_metadata(

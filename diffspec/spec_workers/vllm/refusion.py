@@ -35,8 +35,8 @@ from diffspec.spec_workers.vllm.fast_dllm import (
     DiffusionSampler,
     request_stops,
 )
+from diffspec.spec_workers.vllm.forward import decoder_forward
 from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS
-from diffspec.spec_workers.vllm.tidar import decoder_forward
 
 __all__ = ["ReFusionModelState", "ReFusionSampler", "logit_rows"]
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from diffspec.core.adaptive import StepCost
 from diffspec.profiling import DraftTimings
+from diffspec.spec_workers.vllm.forward import decoder_forward
 from diffspec.spec_workers.vllm.proposer import (
     NonCausalBlocks,
     adaptive_policy,
@@ -28,8 +29,8 @@ from diffspec.spec_workers.vllm.proposer import (
     seeded_requests,
 )
 
-__all__ = ["BranchPlan", "TiDARProposer", "check_branch_budget", "check_decoder_layers",
-           "decoder_forward", "next_draft_count", "plan_branches"]
+__all__ = ["BranchPlan", "TiDARProposer", "build_branches", "check_branch_budget",
+           "check_decoder_layers", "next_draft_count", "plan_branches"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,40 @@ class _Branches:
     restore_index: torch.Tensor | None  # [R] verify tokens d_1 .. d_n (runner's layout)
 
 
+def build_branches(
+    plans: list[BranchPlan],
+    blocks: Callable[[list[int], list[int], np.ndarray], NonCausalBlocks],
+    query_start: np.ndarray,  # [num_reqs + 1] the runner's query start of each row
+    mask_token_id: int,
+    device: torch.device,
+) -> _Branches:
+    """The branch tokens of ``plans``, branch index by branch index; each index's
+    non-causal metadata is ``blocks(rows, starts, lengths)`` (the runner rows with a branch
+    there, its first position and mask count per row), built on the target's builders."""
+    pos, steps, offsets = [], [], {}
+    total = 0
+    for a in range(max(p.num_drafts for p in plans) + 1):
+        group = [p for p in plans if p.num_drafts >= a]
+        built = blocks([p.row for p in group], [p.anchor + a + 1 for p in group],
+                       np.array([p.num_masks for p in group], dtype=np.int32))
+        for p, start in zip(group, built.query_start[:-1]):
+            offsets[(p.row, a)] = total + int(start)
+        steps.append((slice(total, total + built.num_tokens), built))
+        pos.append(built.positions)
+        total += built.num_tokens
+    restore = np.concatenate([np.arange(query_start[p.row + 1] - p.num_drafts,
+                                        query_start[p.row + 1]) for p in plans])
+    return _Branches(
+        plans=plans,
+        input_ids=torch.full((total,), mask_token_id, dtype=torch.long, device=device),
+        positions=torch.cat(pos),
+        steps=steps[::-1],
+        offsets=offsets,
+        restore_index=(torch.from_numpy(restore.astype(np.int64)).to(device, non_blocking=True)
+                       if len(restore) else None),
+    )
+
+
 class TiDARProposer:
     """The drafter vLLM's ``custom_class`` hook instantiates for method ``tidar``: its
     :meth:`forward_with_runner` replaces the verify forward, its
@@ -210,7 +245,10 @@ class TiDARProposer:
         """The quadratic forward: hidden states ``[T + B, hidden]`` and the branches."""
         model = runner.get_model()
         num_verify = input_ids.shape[0]
-        branches = self._build_branches(runner, plans, num_verify)
+        branches = build_branches(
+            plans, lambda rows, starts, lengths: non_causal_blocks(
+                runner, rows, starts, lengths, self.method),
+            runner.query_start_loc.np, self.mask_token_id, runner.device)
         ids = torch.cat([input_ids, branches.input_ids])  # [T + B]
         pos = torch.cat([positions[:num_verify], branches.positions])  # [T + B]
         with _quadratic_attention(model, num_verify, branches):
@@ -255,32 +293,6 @@ class TiDARProposer:
             _num_left(runner),
             (table.num_blocks_per_row[:num_reqs] * table.block_size).tolist(),
             self.num_speculative_tokens, self.logits_shift, self.max_model_len)
-
-    def _build_branches(self, runner, plans: list[BranchPlan], num_verify: int) -> _Branches:
-        pos, steps, offsets = [], [], {}
-        total = 0
-        for a in range(max(p.num_drafts for p in plans) + 1):
-            group = [p for p in plans if p.num_drafts >= a]
-            lengths = np.array([p.num_masks for p in group], dtype=np.int32)
-            blocks = non_causal_blocks(runner, [p.row for p in group],
-                                       [p.anchor + a + 1 for p in group], lengths, self.method)
-            for p, start in zip(group, blocks.query_start[:-1]):
-                offsets[(p.row, a)] = total + int(start)
-            steps.append((slice(total, total + blocks.num_tokens), blocks))
-            pos.append(blocks.positions)
-            total += blocks.num_tokens
-        query_start = runner.query_start_loc.np
-        restore = np.concatenate([np.arange(query_start[p.row + 1] - p.num_drafts,
-                                            query_start[p.row + 1]) for p in plans])
-        return _Branches(
-            plans=plans,
-            input_ids=torch.full((total,), self.mask_token_id, dtype=torch.long,
-                                 device=runner.device),
-            positions=torch.cat(pos),
-            steps=steps[::-1],
-            offsets=offsets,
-            restore_index=on_device(runner, restore.astype(np.int64)) if len(restore) else None,
-        )
 
     # ---------------------------------------------------------------- the drafts
 
@@ -359,20 +371,6 @@ def _num_left(runner) -> list[int | None]:
         max_tokens = getattr(state.sampling_params, "max_tokens", None)
         out.append(None if max_tokens is None else max_tokens - len(state.output_token_ids))
     return out
-
-
-def decoder_forward(
-    inner: nn.Module,  # vLLM's *Model (Qwen3Model, LlamaModel, ...)
-    input_ids: torch.Tensor,  # [N]
-    positions: torch.Tensor,  # [N]
-) -> torch.Tensor:  # [N, hidden]
-    """The model's own layers, eagerly (bypassing the compiled ``forward``)."""
-    hidden = inner.embed_input_ids(input_ids)
-    residual = None
-    for layer in islice(inner.layers, inner.start_layer, inner.end_layer):
-        hidden, residual = layer(positions, hidden, residual)
-    hidden, _ = inner.norm(hidden, residual)
-    return hidden
 
 
 @contextmanager

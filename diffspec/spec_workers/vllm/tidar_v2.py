@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from diffspec.spec_workers.vllm.proposer import draft_argmax, non_causal_metadata
+from diffspec.spec_workers.vllm.forward import decoder_forward
+from diffspec.spec_workers.vllm.proposer import (
+    draft_argmax,
+    non_causal_metadata,
+    one_kv_cache_group,
+)
+from diffspec.spec_workers.vllm.speculator import SelfSpeculator
 from diffspec.spec_workers.vllm.tidar import (
     BranchPlan,
     _Branches,
     _quadratic_attention,
+    build_branches,
     check_branch_budget,
     check_decoder_layers,
-    decoder_forward,
     next_draft_count,
     plan_branches,
 )
@@ -26,7 +31,7 @@ from diffspec.spec_workers.vllm.tidar import (
 __all__ = ["TiDARSpeculator"]
 
 
-class TiDARSpeculator(DraftModelSpeculator):
+class TiDARSpeculator(SelfSpeculator):
     """TiDAR on the V2 runner: the target forward of each step carries the branches.
 
     * ``set_attn`` wraps the runner's model state's ``prepare_attn`` (called right before the
@@ -43,28 +48,21 @@ class TiDARSpeculator(DraftModelSpeculator):
     """
 
     def __init__(self, vllm_config, device: torch.device, req_states) -> None:
-        super().__init__(vllm_config, device)
+        # num_forwards counts the forwards that carried branches
+        super().__init__(vllm_config, device, req_states, "tidar")
         hf_config = vllm_config.model_config.hf_config
-        self.method = "tidar"
-        self.req_states = req_states
-        self.mask_token_id = int(hf_config.mask_token_id)
         self.logits_shift = getattr(hf_config, "dlm_type", None) == "dream"
         check_branch_budget(vllm_config, self.num_speculative_steps, self.logits_shift)
-        self.num_forwards = 0  # forwards that carried branches (tests read it)
         self._planned: _Branches | None = None  # built by prepare_attn, run by the forward
         self._ran: tuple[_Branches, torch.Tensor] | None = None  # branches, their hidden
 
     # ------------------------------------------------------------ the runner's set-up calls
 
-    def load_draft_model(self, target_model, target_attn_layer_names):  # the served model
-        return target_model
-
     def load_model(self, target_model) -> None:
-        """Called by the runner with the target model: check its layers, and route its
-        forward through :meth:`_forward`."""
+        """The target model: check its layers, and route its forward through
+        :meth:`_forward`."""
         check_decoder_layers(target_model)
-        self.model = target_model
-        self.draft_attn_layer_names: set[str] = set()
+        super().load_model(target_model)
         original = target_model.forward
 
         def forward(input_ids=None, positions=None, intermediate_tensors=None,
@@ -76,13 +74,10 @@ class TiDARSpeculator(DraftModelSpeculator):
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
-        """The runner's block tables and attention groups; wrap the model state's
+        """The runner's block tables and attention groups (``SelfSpeculator.set_attn``),
+        refused where the backend splits the KV blocks; wrap the model state's
         ``prepare_attn`` to plan each step's branches."""
-        if len(target_attn_groups) != 1:
-            raise RuntimeError(f"method 'tidar' supports models with one KV cache group (full "
-                               f"attention in every layer); this one has "
-                               f"{len(target_attn_groups)}")
-        for group in target_attn_groups[0]:
+        for group in one_kv_cache_group(target_attn_groups, "tidar"):
             if group.kernel_block_size is not None:
                 # the mapped block tables live in one persistent buffer per group: the
                 # branches' builds would overwrite the verify's before it runs
@@ -93,12 +88,8 @@ class TiDARSpeculator(DraftModelSpeculator):
                 raise RuntimeError(split_kernel_block_message(
                     group.kv_cache_spec.block_size, group.kernel_block_size,
                     group.backend.get_name()))
-        self.model_state = model_state
-        self.kv_cache_config = kv_cache_config
-        self.block_tables = block_tables
-        self.target_input_buffers = target_input_buffers
-        self.target_attn_groups = target_attn_groups
-        self.attn_groups: list = []  # no draft layers: nothing for the runner to map
+        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
+                         target_attn_groups)
         original = model_state.prepare_attn
 
         def prepare_attn(input_batch, cudagraph_mode, tables, *args, **kwargs):
@@ -112,12 +103,6 @@ class TiDARSpeculator(DraftModelSpeculator):
             return metadata
 
         model_state.prepare_attn = prepare_attn
-
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        """Nothing of its own to capture (the step runs eagerly)."""
-
-    def capture(self) -> None:
-        """Nothing to capture."""
 
     # ------------------------------------------------------------ each step
 
@@ -136,8 +121,7 @@ class TiDARSpeculator(DraftModelSpeculator):
         # prompt + output tokens: a prefill chunk short of the prompt samples nothing
         num_tokens = np.maximum(input_batch.prefill_len_np[:num_reqs],
                                 computed + scheduled - drafts)
-        page = self.block_tables.block_sizes[0]
-        slots = self.block_tables.num_blocks.np[0, input_batch.idx_mapping_np[:num_reqs]] * page
+        slots = self._num_slots(input_batch)
         plans = plan_branches(scheduled.tolist(), drafts.tolist(), computed.tolist(),
                               num_tokens.tolist(), [None] * num_reqs, slots.tolist(),
                               self.num_speculative_steps, self.logits_shift,
@@ -148,35 +132,16 @@ class TiDARSpeculator(DraftModelSpeculator):
 
     def _build_branches(self, plans: list[BranchPlan], tables: torch.Tensor,
                         query_start: np.ndarray) -> _Branches:
-        """The branch tokens, branch index by branch index, each index's non-causal
-        metadata built now on the target's builders (``proposer.non_causal_metadata``)."""
-        pos, steps, offsets = [], [], {}
-        total = 0
+        """The branches (``tidar.build_branches``), each index's metadata built now on the
+        target's builders (``proposer.non_causal_metadata``)."""
         page = self.block_tables.block_sizes[0]
-        for a in range(max(p.num_drafts for p in plans) + 1):
-            group = [p for p in plans if p.num_drafts >= a]
-            rows = torch.tensor([p.row for p in group], dtype=torch.int64, device=self.device)
-            lengths = np.array([p.num_masks for p in group], dtype=np.int32)
-            blocks = non_causal_metadata(self.target_attn_groups[0], tables[rows], page,
-                                         [p.anchor + a + 1 for p in group], lengths,
-                                         self.method, self.device)
-            for p, start in zip(group, blocks.query_start[:-1]):
-                offsets[(p.row, a)] = total + int(start)
-            steps.append((slice(total, total + blocks.num_tokens), blocks))
-            pos.append(blocks.positions)
-            total += blocks.num_tokens
-        restore = [np.arange(query_start[p.row + 1] - p.num_drafts, query_start[p.row + 1])
-                   for p in plans]
-        restore = np.concatenate(restore).astype(np.int64)
-        return _Branches(
-            plans=plans,
-            input_ids=torch.full((total,), self.mask_token_id, dtype=torch.long,
-                                 device=self.device),
-            positions=torch.cat(pos),
-            steps=steps[::-1],
-            offsets=offsets,
-            restore_index=torch.from_numpy(restore).to(self.device) if len(restore) else None,
-        )
+
+        def blocks(rows: list[int], starts: list[int], lengths: np.ndarray):
+            rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            return non_causal_metadata(self.target_attn_groups[0], tables[rows], page,
+                                       starts, lengths, self.method, self.device)
+
+        return build_branches(plans, blocks, query_start, self.mask_token_id, self.device)
 
     def _forward(self, original, input_ids, positions, intermediate_tensors, inputs_embeds,
                  **kwargs) -> torch.Tensor:
@@ -204,41 +169,25 @@ class TiDARSpeculator(DraftModelSpeculator):
         self._ran = (branches, hidden[num_verify:])
         return hidden[:num_verify]
 
-    @torch.inference_mode()
-    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
-                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
-                mm_inputs=None, is_profile: bool = False,
-                num_speculative_tokens: int | None = None) -> torch.Tensor:
-        """Draft tokens ``[num_reqs, num_speculative_tokens]`` for the runner's batch (its
-        order): the argmax of the branch each request's acceptance selected; drafts past
-        that branch (or with none) repeat the request's last token, which the verify may
-        reject like any draft."""
-        num_reqs = input_batch.num_reqs
-        drafts = self.draft_tokens[:num_reqs]  # [num_reqs, K]
+    def _fill_drafts(self, drafts: torch.Tensor, input_batch, anchors: torch.Tensor,
+                     num_sampled: list[int], k: int) -> None:
+        """The argmax of the branch each request's acceptance selected (as many drafts as
+        ``next_draft_count`` gives); past that branch (or with none) its row keeps the
+        anchor."""
         ran, self._ran = self._ran, None
-        if dummy_run:  # warm-up / profile: no requests, nothing to draft
-            drafts.zero_()
-            return drafts
         if self._planned is not None:
             self._planned = None
             raise RuntimeError("method 'tidar' planned branches that no forward ran (the "
                                "runner replayed a CUDA graph?): set cudagraph_mode NONE or "
                                "add --enforce-eager")
-        idx = input_batch.idx_mapping[:num_reqs]  # [num_reqs] request-state rows
-        drafts.copy_(last_sampled.view(-1)[idx][:, None].expand(num_reqs, drafts.shape[1]))
         if ran is None:
-            return drafts
+            return
         branches, hidden = ran
-        emitted = num_sampled[:num_reqs].tolist()
-        page = self.block_tables.block_sizes[0]
-        slots = (self.block_tables.num_blocks.np[0, input_batch.idx_mapping_np[:num_reqs]]
-                 * page).tolist()
+        slots = self._num_slots(input_batch).tolist()
         skip = 0 if self.logits_shift else 1
         rows, counts, index = [], [], []
         for plan in branches.plans:
-            n = emitted[plan.row]
+            n = num_sampled[plan.row]
             if n == 0:
                 continue
             # n - 1 drafts accepted: that branch pre-drafted this outcome; the committed
@@ -252,13 +201,12 @@ class TiDARSpeculator(DraftModelSpeculator):
                 counts.append(count)
                 index.extend(range(start, start + count))
         if not index:
-            return drafts
+            return
         tokens = draft_argmax(self.model, hidden,
                               torch.tensor(index, dtype=torch.int64, device=self.device))
         if tokens is None:  # a tensor-parallel rank without the gathered logits
-            return drafts
+            return
         at = 0
         for row, count in zip(rows, counts):
             drafts[row, :count] = torch.tensor(tokens[at:at + count], dtype=drafts.dtype)
             at += count
-        return drafts

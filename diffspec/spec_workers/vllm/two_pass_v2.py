@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from diffspec.spec_workers.vllm.proposer import (
     DRAFT_LOGITS_ROWS,
@@ -18,89 +17,42 @@ from diffspec.spec_workers.vllm.proposer import (
     draft_argmax,
     non_causal_metadata,
 )
+from diffspec.spec_workers.vllm.speculator import SelfSpeculator
 from diffspec.spec_workers.vllm.two_pass import chunks, plan_v2_blocks
 
 __all__ = ["TwoPassSpeculator"]
 
 
-class TwoPassSpeculator(DraftModelSpeculator):
+class TwoPassSpeculator(SelfSpeculator):
     """The diffusion view of the served model as the V2 runner's speculator: after each
     verify (vLLM's forward, sampler and rejection sampler), one non-causal forward of the
     blocks ``[anchor, <mask> x n]`` over the runner's own paged KV cache drafts the next
     step's tokens (point masses: vLLM's rejection sampler verifies them losslessly)."""
 
     def __init__(self, vllm_config, device: torch.device, req_states, method: str) -> None:
-        super().__init__(vllm_config, device)
-        self.method = method
-        self.req_states = req_states
-        self.mask_token_id = int(vllm_config.model_config.hf_config.mask_token_id)
+        # num_forwards counts the diffusion view's forwards
+        super().__init__(vllm_config, device, req_states, method)
         self.max_forward_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens,
                                       self.num_speculative_steps + 1)
-        self.num_forwards = 0  # diffusion-view forwards run (tests read it)
-
-    # ------------------------------------------------------------ the runner's set-up calls
-
-    def load_draft_model(self, target_model, target_attn_layer_names):  # the served model
-        return target_model
 
     def load_model(self, target_model) -> None:
-        """Called by the runner with the target model: the drafter is its diffusion view
-        (no layers of its own, so no KV cache of its own)."""
+        """The target model, whose diffusion view drafts (its block lengths vary per
+        request: eager)."""
         if not hasattr(target_model, "diffusion_hidden_states"):
             raise TypeError(f"method {self.method!r} needs a model with a diffusion view; "
                             f"{type(target_model).__name__} has none (check config.json "
                             f"architectures)")
-        self.model = target_model
-        self.draft_attn_layer_names: set[str] = set()
-
-    def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
-                 target_attn_groups) -> None:
-        """The runner's KV cache config, block tables and attention groups (the target's
-        own: the draft pass attends through the target's layers and cache)."""
-        if len(target_attn_groups) != 1:
-            raise RuntimeError(f"method {self.method!r} supports models with one KV cache "
-                               f"group (full attention in every layer); this one has "
-                               f"{len(target_attn_groups)}")
-        self.model_state = model_state
-        self.kv_cache_config = kv_cache_config
-        self.block_tables = block_tables
-        self.target_input_buffers = target_input_buffers
-        self.target_attn_groups = target_attn_groups
-        self.attn_groups: list = []  # no draft layers: nothing for the runner to map
-
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        """The draft pass runs eagerly (its block lengths vary per request)."""
-
-    def capture(self) -> None:
-        """Nothing to capture (eager draft pass)."""
+        super().load_model(target_model)
 
     # ------------------------------------------------------------ each step
 
-    @torch.inference_mode()
-    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
-                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
-                mm_inputs=None, is_profile: bool = False,
-                num_speculative_tokens: int | None = None) -> torch.Tensor:
-        """Draft tokens ``[num_reqs, num_speculative_tokens]`` for the runner's batch (its
-        order): a request's drafts past its block (or with no block) repeat its anchor,
-        which the verify may reject like any draft."""
-        num_reqs = input_batch.num_reqs
-        drafts = self.draft_tokens[:num_reqs]  # [num_reqs, K]
-        if dummy_run:  # warm-up / profile: no requests, nothing to draft
-            drafts.zero_()
-            return drafts
-        k = self.num_speculative_steps if num_speculative_tokens is None \
-            else num_speculative_tokens
-        idx = input_batch.idx_mapping[:num_reqs]  # [num_reqs] request-state rows
-        idx_np = input_batch.idx_mapping_np[:num_reqs]
-        anchors = last_sampled.view(-1)[idx]  # [num_reqs]
-        drafts.copy_(anchors[:, None].expand(num_reqs, drafts.shape[1]))
+    def _fill_drafts(self, drafts: torch.Tensor, input_batch, anchors: torch.Tensor,
+                     num_sampled: list[int], k: int) -> None:
+        """The drafts of each request's block ``[anchor, <mask> x n]``; past its block (or
+        with no block) its row keeps the anchor."""
+        idx = input_batch.idx_mapping[:input_batch.num_reqs]  # [num_reqs] request-state rows
         positions = self.req_states.num_computed_tokens.gpu[idx].tolist()  # anchor positions
-        page = self.block_tables.block_sizes[0]
-        num_slots = (self.block_tables.num_blocks.np[0, idx_np] * page).tolist()
-        plan = plan_v2_blocks(num_sampled[:num_reqs].tolist(), positions, num_slots, k,
+        plan = plan_v2_blocks(num_sampled, positions, self._num_slots(input_batch).tolist(), k,
                               self.max_model_len)
         for chunk in chunks(plan, self.max_forward_tokens):
             rows = [b.row for b in chunk]
@@ -113,7 +65,6 @@ class TwoPassSpeculator(DraftModelSpeculator):
                 n = block.num_drafts
                 drafts[block.row, :n] = torch.tensor(tokens[at:at + n], dtype=drafts.dtype)
                 at += n
-        return drafts
 
     def _draft(self, req_rows: torch.Tensor, anchors: torch.Tensor, starts: list[int],
                lengths: np.ndarray) -> list[int] | None:
