@@ -115,15 +115,17 @@ def build_libcuda_stub(python: str, cache_dir: str | Path | None = None) -> Path
     return folder
 
 
-# Triton's interpreter keeps bfloat16 values as uint16 bit patterns, and its ``tl.dot``
-# multiplies those patterns (triton-lang/triton#11584; the maintainers: bf16 is not
-# supported in the interpreter), so every bf16 attention kernel returns garbage there. This
-# widens a bf16 operand of ``tl.dot`` to float32 exactly (a bf16 is the upper half of a
-# float32) before the matmul, which accumulates in the accumulator's dtype as a GPU's MMA
-# does. Only the interpreter's emulation of ``tl.dot`` changes; every kernel runs as
-# written. Both harnesses' ``sitecustomize`` run it (inert without TRITON_INTERPRET=1).
-INTERPRETER_BF16_DOT = '''
-def _widen_interpreted_bf16_dot():
+# Triton's interpreter keeps bfloat16 values as uint16 bit patterns and computes on those
+# patterns: ``tl.dot`` multiplies them (triton-lang/triton#11584; the maintainers: bf16 is
+# not supported in the interpreter), and so does every float op on two bf16 operands (SGLang's
+# decode kernel multiplies bf16 q and k elementwise), so bf16 kernels return garbage there.
+# This runs each such op in float32 on the exactly widened values (a bf16 is the upper half
+# of a float32) and rounds an arithmetic result back to bf16 (to nearest even), as a GPU
+# does; ``tl.dot`` keeps its float32 accumulator, as a GPU's MMA does. Only the
+# interpreter's emulation of bf16 arithmetic changes; every kernel runs as written. Both
+# harnesses' ``sitecustomize`` run it (inert without TRITON_INTERPRET=1).
+INTERPRETER_BF16 = '''
+def _emulate_interpreted_bf16():
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -135,24 +137,54 @@ def _widen_interpreted_bf16_dot():
     except ImportError:
         return
     builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "diffspec_bf16", False):
+    if getattr(builder, "diffspec_bf16", False):
         return
-    dot = builder.create_dot
+    Handle = interpreter.TensorHandle
+
+    def is_bf16(handle):
+        return handle.dtype.scalar == tl.bfloat16
 
     def widen(handle):
-        if handle.dtype.scalar != tl.bfloat16:
+        if not is_bf16(handle):
             return handle
         bits = np.ascontiguousarray(handle.data).astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return Handle(bits.view(np.float32), tl.float32)
+
+    def narrow(handle):
+        if handle.dtype.scalar != tl.float32:
+            return handle  # a comparison's booleans
+        bits = np.ascontiguousarray(handle.data, dtype=np.float32).view(np.uint32)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        return Handle(rounded.astype(np.uint16), tl.bfloat16)
+
+    dot, binary, unary, fma = (builder.create_dot, builder.binary_op, builder.unary_op,
+                               builder.create_fma)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
-    create_dot.diffspec_bf16 = True
-    builder.create_dot = create_dot
+    def binary_op(self, lhs, rhs, op):
+        if is_bf16(lhs) and is_bf16(rhs) and op not in (np.bitwise_and, np.bitwise_or,
+                                                          np.bitwise_xor):
+            return narrow(binary(self, widen(lhs), widen(rhs), op))
+        return binary(self, lhs, rhs, op)
+
+    def unary_op(self, arg, op):
+        if is_bf16(arg):
+            return narrow(unary(self, widen(arg), op))
+        return unary(self, arg, op)
+
+    def create_fma(self, x, y, z):
+        if is_bf16(z):
+            return narrow(fma(self, widen(x), widen(y), widen(z)))
+        return fma(self, x, y, z)
+
+    builder.create_dot, builder.binary_op, builder.unary_op, builder.create_fma = (
+        create_dot, binary_op, unary_op, create_fma)
+    builder.diffspec_bf16 = True
 
 
-_widen_interpreted_bf16_dot()
+_emulate_interpreted_bf16()
 '''
 
 _SITECUSTOMIZE = '''"""diffspec test harness: supply sgl_kernel CPU ops missing from SGLang's CUDA wheel."""
@@ -229,7 +261,7 @@ class _AfterSglKernel(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _AfterSglKernel())
-''' + INTERPRETER_BF16_DOT
+''' + INTERPRETER_BF16
 
 
 def sitecustomize_dir(folder: Path, text: str) -> Path:

@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.engine.sglang_cpu import INTERPRETER_BF16_DOT, sitecustomize_dir
+from tests.engine.sglang_cpu import INTERPRETER_BF16, sitecustomize_dir
 
 __all__ = ["TRITON_ATTN_FLAG", "V2_FLAG", "require_triton_interpreter", "run_vllm_generate",
            "triton_interpreter_missing", "vllm_v2_cpu_env"]
@@ -132,7 +132,7 @@ if os.environ.get("DIFFSPEC_VLLM_TRITON_ATTN") == "1":
         return _capability(device)
 
     torch.cuda.get_device_capability = get_device_capability
-''' + INTERPRETER_BF16_DOT
+''' + INTERPRETER_BF16
 
 def triton_interpreter_missing() -> str | None:
     """Why the harness cannot run in this interpreter (no Triton), or ``None``."""
