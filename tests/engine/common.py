@@ -90,6 +90,7 @@ def set_eos_inside_a_block(path: Path, lm: object, prompt: list[int], max_tokens
 
 # ------------------------------------------------------------------------------ engines
 
+
 def run_result_script(argv: list[str], env: Mapping[str, str], timeout: int,
                       prefix: str = RESULT_PREFIX, exit_zero: bool = True) -> tuple[Any, str]:
     """Run a harness script (``argv``, in its own session) that prints its result as JSON on
