@@ -13,7 +13,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,35 +69,15 @@ def train_backbone(
 ) -> dict[str, Any]:
     """Stage 1: write :func:`write_synthetic_nld_base` to ``out`` and train all its weights
     with AR CE + ``diffusion_weight`` x block-diffusion CE; saves ``model.safetensors``."""
-    import torch
-    from safetensors.torch import save_file
-
-    from diffspec.model_executors.reference.nld import load_nld
-    from diffspec.train import TrainConfig, fit
-    from diffspec.train.data import PackedRows, load_tokenizer, make_dataloader, synthetic_documents
-    from diffspec.train.nld_lora import _BaseStep, _nld_name
-    from diffspec.train.orthrus import training_record
+    from diffspec.train import TrainConfig
+    from diffspec.train.nld_lora import fit_nld_base
 
     out = write_synthetic_nld_base(out, block_size=block_size, seed=seed)
     cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, seq_len=seq_len, seed=seed,
                       log_every=50, warmup_steps=30, weight_decay=0.01)
     cfg.extra.update(method="nld-base (synthetic tokenizer)", block_size=block_size,
                      diffusion_weight=diffusion_weight, data=["synthetic"])
-    torch.manual_seed(seed)
-    nld = load_nld(out, lora=False)
-    tokenizer = load_tokenizer(out)
-
-    def docs() -> Iterator[list[int]]:
-        for doc in synthetic_documents(seed):
-            yield tokenizer(doc, add_special_tokens=False)["input_ids"]
-
-    step = _BaseStep(nld.lm, block_size, nld.mask_token_id, diffusion_weight, seed)
-    for p in nld.lm.parameters():
-        p.requires_grad_(True)
-    result = fit(step, make_dataloader(PackedRows(docs, seq_len), batch_size), cfg)
-    tensors = {_nld_name(k): v.detach().contiguous() for k, v in nld.lm.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    record = training_record(cfg, result, list(nld.lm.parameters()), None)
+    result, record = fit_nld_base(out, cfg, block_size, diffusion_weight)
     tail = result.history[-20:]
     record["final_terms_mean_last_20"] = {
         k: round(sum(h[k] for h in tail) / len(tail), 4) for k in ("ar_ce", "diffusion_ce")}

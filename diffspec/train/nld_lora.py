@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from diffspec.train.orthrus import BlockDistiller, freeze_all_but, training_reco
 
 __all__ = [
     "add_draft_lora",
+    "fit_nld_base",
     "greedy_rows",
     "lora_parameters",
     "save_linear_spec_lora",
@@ -274,11 +275,7 @@ def train_tiny_nld_base(
     ``[x_t, x_0]`` under :func:`~diffspec.core.masks.block_diffusion_training_mask`, each
     block of ``x_t`` masked with its own ratio t ~ U(0, 1), CE on the masked tokens
     (unshifted, as NLD predicts). A test-scale recipe, not NVIDIA's."""
-    from safetensors.torch import save_file
-
-    from diffspec.model_executors.reference.nld import load_nld
     from diffspec.testing.checkpoints import write_nld
-    from diffspec.train.data import synthetic_documents
 
     out = Path(out_dir)
     words = synthetic_nld_words()
@@ -287,24 +284,39 @@ def train_tiny_nld_base(
               intermediate_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, seq_len=seq_len, seed=seed,
                       log_every=log_every, warmup_steps=30, weight_decay=0.01)
-    torch.manual_seed(seed)
+    _, record = fit_nld_base(out, cfg, block_size, diffusion_weight, synthetic_nld_text)
+    record["recipe"] = f"AR CE + {diffusion_weight} x block-diffusion CE (block {block_size})"
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def fit_nld_base(out: Path, cfg: TrainConfig, block_size: int, diffusion_weight: float,
+                 text: Callable[[str], str] = str) -> tuple[TrainResult, dict[str, Any]]:
+    """Train every weight of the NLD checkpoint at ``out`` (written without a LoRA) under
+    ``cfg`` on the synthetic documents (each through ``text`` before the checkpoint's
+    tokenizer; default: as they are) with :class:`_BaseStep`'s AR CE + ``diffusion_weight`` x block-diffusion CE;
+    save ``model.safetensors`` in the NLD layout. Returns the fit's result and its
+    training record."""
+    from safetensors.torch import save_file
+
+    from diffspec.model_executors.reference.nld import load_nld
+    from diffspec.train.data import synthetic_documents
+
+    torch.manual_seed(cfg.seed)
     nld = load_nld(out, lora=False)
     tokenizer = load_tokenizer(out)
 
     def docs() -> Iterator[list[int]]:
-        for doc in synthetic_documents(seed):
-            yield tokenizer(synthetic_nld_text(doc), add_special_tokens=False)["input_ids"]
+        for doc in synthetic_documents(cfg.seed):
+            yield tokenizer(text(doc), add_special_tokens=False)["input_ids"]
 
-    step_fn = _BaseStep(nld.lm, block_size, nld.mask_token_id, diffusion_weight, seed)
+    step = _BaseStep(nld.lm, block_size, nld.mask_token_id, diffusion_weight, cfg.seed)
     for p in nld.lm.parameters():
         p.requires_grad_(True)
-    result = fit(step_fn, make_dataloader(PackedRows(docs, seq_len), batch_size), cfg)
+    result = fit(step, make_dataloader(PackedRows(docs, cfg.seq_len), cfg.batch_size), cfg)
     tensors = {_nld_name(k): v.detach().contiguous() for k, v in nld.lm.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    record = training_record(cfg, result, list(nld.lm.parameters()), None)
-    record["recipe"] = f"AR CE + {diffusion_weight} x block-diffusion CE (block {block_size})"
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    return result, training_record(cfg, result, list(nld.lm.parameters()), None)
 
 
 def _nld_name(hf_name: str) -> str:

@@ -1,21 +1,24 @@
 """What the engine tests share: requests in each engine's format, checkpoint edits made from
-the reference AR decoding, the vLLM job runner, the lossless and error assertions, and the
-embedded default model (skipped only where it genuinely cannot be had, see
-:func:`default_model`)."""
+the reference AR decoding, the runner of the harness scripts (:func:`run_result_script`) and
+the vLLM job runner on it, the lossless and error assertions, and the embedded default
+model (skipped only where it genuinely cannot be had, see :func:`default_model`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.engine.conftest import require_engine, skip_or_fail
+from tests.engine.vllm_generate import RESULT_PREFIX
 
 HERE = Path(__file__).resolve().parent
 # request keys of each engine's generate harness: prompt ids, token budget
@@ -49,6 +52,28 @@ def prefix_requests(engine: str, lm: object, prompt: list[int]) -> tuple[list[di
             [request(engine, prompt + out, 20, ignore_eos=True)])
 
 
+def repeat_requests(engine: str) -> list[dict]:
+    """Greedy prompts of 3..180 tokens, most a random segment repeated (so the context holds
+    n-gram matches from the first step: prompt lookup fires, and the model's own loops make
+    more), one without repeats; budgets none a multiple of a block."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    shapes = ((5, 3, 30), (12, 4, 41), (3, 1, 25), (40, 2, 50), (60, 3, 33))
+    requests = []
+    for length, times, max_tokens in shapes:
+        segment = rng.integers(20, 250, length).tolist()
+        requests.append(request(engine, segment * times + segment[:length // 3], max_tokens))
+    return requests
+
+
+def extra_seed_forward(lm: object, tokens: list[int], block: int) -> int:
+    """1 when vLLM's Fast-dLLM takes one forward more than the reference decoder: a shifted
+    request whose last token is the seed of a block after the first (emitted by that block's
+    first step)."""
+    return int(lm.logits_shift and len(tokens) > 1 and (len(tokens) - 1) % block == 0)
+
+
 def set_eos_inside_a_block(path: Path, lm: object, prompt: list[int], max_tokens: int,
                            first: int = 12, where: Callable[[int], bool] = lambda k: True) -> int:
     """Make a token that the AR model ``lm`` emits mid-generation (first seen at index ``k >=
@@ -66,30 +91,46 @@ def set_eos_inside_a_block(path: Path, lm: object, prompt: list[int], max_tokens
 # ------------------------------------------------------------------------------ engines
 
 
+def run_result_script(argv: list[str], env: Mapping[str, str], timeout: int,
+                      prefix: str = RESULT_PREFIX, exit_zero: bool = True) -> tuple[Any, str]:
+    """Run a harness script (``argv``, in its own session) that prints its result as JSON on
+    one line starting with ``prefix``; return that result and the script's log (stdout +
+    stderr). An assertion with the engine's ERROR lines and the output's tails when there is
+    not exactly one result line, or when the script exits non-zero (``exit_zero``; False
+    where an engine may die at shutdown after its result); a failure when it runs past
+    ``timeout`` (a request that never ends), its process group killed."""
+    proc = subprocess.Popen(argv, text=True, env=dict(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"no result within {timeout} s (a request that never ends?): "
+                    f"{stderr[-3000:]}")
+    lines = [l for l in stdout.splitlines() if l.startswith(prefix)]
+    engine_errors = [l for l in stdout.splitlines() if " ERROR " in l][-60:]
+    assert len(lines) == 1 and (proc.returncode == 0 or not exit_zero), (
+        "\n".join(engine_errors) + stdout[-3000:] + stderr[-6000:])
+    return json.loads(lines[0][len(prefix):]), stdout + stderr
+
+
 def run_vllm_job(model: Path, job: dict, tmp: Path, timeout: int = 1200,
                  env: dict[str, str] | None = None) -> dict:
     """Run ``vllm_generate.py`` on ``job`` (its docstring: runs, batches, config errors) in
     a subprocess with a 1 GiB KV cache and the diffspec cache (measured latency profiles)
     in ``tmp / "cache"``; return its result plus ``"log"`` (stdout + stderr) and
     ``"cache"``. An assertion with vLLM's ERROR lines and stderr's tail when it fails."""
-    from tests.engine.vllm_generate import RESULT_PREFIX
-
     requests = tmp / "requests.json"
     requests.write_text("[]")
     job_file = tmp / "job.json"
     job_file.write_text(json.dumps(job))
     cache = tmp / "cache"
-    proc = subprocess.run(
+    result, log = run_result_script(
         [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(requests), str(job_file)],
-        capture_output=True, text=True, timeout=timeout, check=False,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "DIFFSPEC_CACHE_DIR": str(cache),
-             **(env or {})},
-    )
-    engine_errors = [l for l in proc.stdout.splitlines() if " ERROR " in l][-60:]
-    assert proc.returncode == 0, "\n".join(engine_errors) + proc.stderr[-3000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    return {**json.loads(line[len(RESULT_PREFIX):]), "log": proc.stdout + proc.stderr,
-            "cache": str(cache)}
+        {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "DIFFSPEC_CACHE_DIR": str(cache),
+         **(env or {})}, timeout)
+    return {**result, "log": log, "cache": str(cache)}
 
 
 def verify_steps(batch: dict) -> list[int]:
@@ -116,6 +157,31 @@ def assert_clear_error(config_errors: dict, case: str, match: str) -> None:
     message = config_errors[case]
     assert message is not None, f"{case}: the engine accepted the configuration"
     assert re.search(match, message, re.DOTALL), message
+
+
+def assert_fix_first(message: str | None, case: str, fix: str) -> None:
+    """The engine refused configuration ``case`` with ``message`` (None: it accepted it),
+    whose first words after its ``"what: "`` head are ``fix``: what to do comes first."""
+    assert message is not None, f"{case}: the engine accepted the configuration"
+    assert message.split(": ", 1)[1].startswith(fix), message
+
+
+def assert_samples_follow_the_model(lm: object, prompt: list[int],
+                                    samples: dict[str, list[tuple[int, ...]]],
+                                    temperature: float, num_samples: int, top_p: float = 1.0,
+                                    min_cells: int = 0) -> None:
+    """Each run's sampled sequences (``samples``: run name -> sequences) pass a chi-square
+    goodness-of-fit test (p > 1e-3, over at least ``min_cells`` cells) against the exact
+    sequence probabilities of the AR model ``lm`` after ``prompt`` at ``temperature`` and
+    ``top_p``."""
+    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
+
+    next_probs = lm_next_probs(lm, prompt, temperature, top_p=top_p)
+    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
+    for name, seqs in samples.items():
+        result = chi_square_test(seqs, probs, num_samples)
+        assert len(result.observed) >= min_cells, f"{name}: {result}"
+        assert result.pvalue > 1e-3, f"{name}: {result}"
 
 
 def assert_sglang_logits_chunked(meter: dict, request_rows: int) -> None:

@@ -2,7 +2,7 @@
 requests as clients send them, against one running server (:class:`Served`, the suites'
 module-scoped ``served`` fixture), each answered 200 with output equal to its oracle or a
 4xx whose first words say what to do; after each, the server still serves. Each suite
-imports these functions, so pytest collects them there with that suite's fixture."""
+subclasses :class:`ServerCases`, so pytest collects them there with that suite's fixture."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 from tests.engine.server_clients import abort_stream, post, stream
 
-__all__ = ["CHAT", "MAX_TOKENS", "PROMPTS", "Served", "ar_oracle", "fast_dllm_oracle",
-           "refusion_oracle"]
+__all__ = ["CHAT", "MAX_TOKENS", "PROMPTS", "Served", "ServerCases", "ar_oracle",
+           "fast_dllm_oracle", "refusion_oracle"]
 
 PROMPTS = ("losal putol lubam zeka genis robem", "pagi ronil reken fofen", "zeka lubam",
            "robem puren pagi ronil losal")
@@ -145,146 +145,141 @@ def _message(body: Any) -> str:
     return body.get("message", "") if isinstance(body, dict) else str(body)
 
 
-def test_completion_with_no_sampling_fields(served: Served) -> None:
-    """``{"model", "prompt"}`` and nothing else (max_tokens: the API's default 16)."""
-    status, body = served.call("/v1/completions", {"prompt": PROMPTS[0],
-                                                   "return_token_ids": True})
-    assert status == 200, body
-    choice = body["choices"][0]
-    assert 0 < len(choice["token_ids"]) <= 16
-    if not served.lossless:  # served greedily, whatever generation_config.json says
-        assert choice["token_ids"] == served.oracle(_prompt_tokens(body), 16)
-    served.alive()
+class ServerCases:
+    """The cases, as methods of a class each suite subclasses (``class TestServer``), so
+    pytest collects them there with that suite's module-scoped ``served`` fixture."""
 
-
-def test_chat_with_no_sampling_fields(served: Served) -> None:
-    status, body = served.call("/v1/chat/completions", {"messages": CHAT,
-                                                        "max_tokens": MAX_TOKENS,
-                                                        "return_token_ids": True})
-    assert status == 200, body
-    tokens = _choice_tokens(body)
-    assert 0 < len(tokens) <= MAX_TOKENS
-    if not served.lossless:
-        assert tokens == served.oracle(_prompt_tokens(body), MAX_TOKENS)
-    served.alive()
-
-
-def test_greedy_completion_equals_oracle(served: Served) -> None:
-    status, body = served.call("/v1/completions", {"prompt": PROMPTS[1],
-                                                   "max_tokens": MAX_TOKENS,
-                                                   "return_token_ids": True, **served.greedy})
-    assert status == 200, body
-    choice = body["choices"][0]
-    assert choice["token_ids"] == served.oracle(_prompt_tokens(body), MAX_TOKENS)
-
-
-def test_streaming_equals_oracle(served: Served) -> None:
-    request = {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "return_token_ids": True,
-               **served.greedy}
-    status, events = stream(served.url + "/v1/completions", {"model": served.model, **request})
-    assert status == 200, events
-    streamed = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
-    text = "".join(c["text"] for e in events for c in e["choices"])
-    status, body = served.call("/v1/completions", request)
-    assert status == 200, body
-    assert streamed == _choice_tokens(body)
-    assert text == body["choices"][0]["text"]
-    assert streamed == served.oracle(_prompt_tokens(body), MAX_TOKENS)
-
-
-def test_openai_sdk_defaults(served: Served) -> None:
-    """The ``openai`` package's calls with nothing but model, prompt / messages and
-    max_tokens: whatever the SDK sends by default is served."""
-    import openai  # a dependency of vLLM (and of SGLang): present wherever the engines are
-    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0,
-                           timeout=300)
-    completion = client.completions.create(model=served.model, prompt=PROMPTS[3],
-                                           max_tokens=MAX_TOKENS)
-    chat = client.chat.completions.create(model=served.model, messages=CHAT,
-                                          max_tokens=MAX_TOKENS)
-    assert completion.choices[0].finish_reason in ("length", "stop")
-    assert chat.choices[0].finish_reason in ("length", "stop")
-    if not served.lossless:  # greedy: the same text as the same request sent by hand
-        _, body = served.call("/v1/completions", {"prompt": PROMPTS[3], "max_tokens": MAX_TOKENS})
-        assert completion.choices[0].text == body["choices"][0]["text"]
-        _, body = served.call("/v1/chat/completions", {"messages": CHAT,
-                                                       "max_tokens": MAX_TOKENS})
-        assert chat.choices[0].message.content == body["choices"][0]["message"]["content"]
-    served.alive()
-
-
-def test_two_turn_chat_equals_oracle(served: Served) -> None:
-    messages = list(CHAT)
-    for turn in ("reken fofen pagi", "zeka zeka robem"):
-        status, body = served.call("/v1/chat/completions", {
-            "messages": messages, "max_tokens": MAX_TOKENS, "return_token_ids": True,
-            **served.greedy})
+    def test_completion_with_no_sampling_fields(self, served: Served) -> None:
+        """``{"model", "prompt"}`` and nothing else (max_tokens: the API's default 16)."""
+        status, body = served.call("/v1/completions", {"prompt": PROMPTS[0],
+                                                       "return_token_ids": True})
         assert status == 200, body
-        assert _choice_tokens(body) == served.oracle(_prompt_tokens(body), MAX_TOKENS)
-        messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": turn}]
+        choice = body["choices"][0]
+        assert 0 < len(choice["token_ids"]) <= 16
+        if not served.lossless:  # served greedily, whatever generation_config.json says
+            assert choice["token_ids"] == served.oracle(_prompt_tokens(body), 16)
+        served.alive()
 
+    def test_chat_with_no_sampling_fields(self, served: Served) -> None:
+        status, body = served.call("/v1/chat/completions", {"messages": CHAT,
+                                                            "max_tokens": MAX_TOKENS,
+                                                            "return_token_ids": True})
+        assert status == 200, body
+        tokens = _choice_tokens(body)
+        assert 0 < len(tokens) <= MAX_TOKENS
+        if not served.lossless:
+            assert tokens == served.oracle(_prompt_tokens(body), MAX_TOKENS)
+        served.alive()
 
-def test_seeded_request_twice_gives_the_same_tokens(served: Served) -> None:
-    """A seeded sampled request (lossless methods: sampled; the dLLMs serve the seed and
-    decode greedily) gives the same tokens on two identical calls, where the engine applies
-    a request's seed (:attr:`Served.seeds_apply`)."""
-    request = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "return_token_ids": True,
-               "seed": 1234}
-    if served.lossless:
-        request.update(temperature=0.8, top_p=0.95)
-    first, second = (served.call("/v1/completions", request) for _ in range(2))
-    assert first[0] == second[0] == 200, (first, second)
-    assert all(0 < len(_choice_tokens(r[1])) <= MAX_TOKENS for r in (first, second))
-    if served.seeds_apply:  # else plain AR's seeded tokens vary too (measured: SGLang CPU)
-        assert _choice_tokens(first[1]) == _choice_tokens(second[1])
-    if not served.lossless:
-        assert _choice_tokens(first[1]) == served.oracle(
-            _prompt_tokens(first[1]), MAX_TOKENS)
-
-
-def test_concurrent_clients_equal_oracle(served: Served) -> None:
-    results: dict[int, tuple[int, Any]] = {}
-
-    def client(i: int) -> None:
-        results[i] = served.call("/v1/completions", {
-            "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "return_token_ids": True,
-            **served.greedy})
-
-    threads = [threading.Thread(target=partial(client, i)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert sorted(results) == list(range(len(PROMPTS)))
-    for status, body in results.values():
+    def test_greedy_completion_equals_oracle(self, served: Served) -> None:
+        status, body = served.call("/v1/completions", {"prompt": PROMPTS[1],
+                                                       "max_tokens": MAX_TOKENS,
+                                                       "return_token_ids": True, **served.greedy})
         assert status == 200, body
         choice = body["choices"][0]
         assert choice["token_ids"] == served.oracle(_prompt_tokens(body), MAX_TOKENS)
 
-
-def test_aborted_stream_then_the_next_request_is_served(served: Served) -> None:
-    assert abort_stream(served.url + "/v1/completions", {
-        "model": served.model, "prompt": PROMPTS[1], "max_tokens": ABORTED_MAX_TOKENS,
-        **served.greedy}) >= 1
-    test_greedy_completion_equals_oracle(served)
-    served.alive()
-
-
-def test_sampling_the_method_cannot_honour_is_refused(served: Served) -> None:
-    """The dLLMs decode greedily: an explicit temperature 0.6 is refused with what to do;
-    temperature 0 is served. A lossless method samples it (200)."""
-    status, body = served.call("/v1/chat/completions", {"messages": CHAT, "temperature": 0.6,
-                                                        "max_tokens": MAX_TOKENS})
-    if served.lossless:
+    def test_streaming_equals_oracle(self, served: Served) -> None:
+        request = {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "return_token_ids": True,
+                   **served.greedy}
+        status, events = stream(served.url + "/v1/completions", {"model": served.model, **request})
+        assert status == 200, events
+        streamed = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        status, body = served.call("/v1/completions", request)
         assert status == 200, body
-    else:
-        assert status == 400, body
-        assert _message(body).startswith(served.refusal), body
-        status, body = served.call("/v1/chat/completions", {
-            "messages": CHAT, "temperature": 0, "max_tokens": MAX_TOKENS,
-            "return_token_ids": True})
-        assert status == 200, body
-        assert _choice_tokens(body) == served.oracle(_prompt_tokens(body), MAX_TOKENS)
-    served.alive()
+        assert streamed == _choice_tokens(body)
+        assert text == body["choices"][0]["text"]
+        assert streamed == served.oracle(_prompt_tokens(body), MAX_TOKENS)
 
+    def test_openai_sdk_defaults(self, served: Served) -> None:
+        """The ``openai`` package's calls with nothing but model, prompt / messages and
+        max_tokens: whatever the SDK sends by default is served."""
+        import openai  # a dependency of vLLM (and of SGLang): present wherever the engines are
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0,
+                               timeout=300)
+        completion = client.completions.create(model=served.model, prompt=PROMPTS[3],
+                                               max_tokens=MAX_TOKENS)
+        chat = client.chat.completions.create(model=served.model, messages=CHAT,
+                                              max_tokens=MAX_TOKENS)
+        assert completion.choices[0].finish_reason in ("length", "stop")
+        assert chat.choices[0].finish_reason in ("length", "stop")
+        if not served.lossless:  # greedy: the same text as the same request sent by hand
+            _, body = served.call("/v1/completions", {"prompt": PROMPTS[3],
+                                                      "max_tokens": MAX_TOKENS})
+            assert completion.choices[0].text == body["choices"][0]["text"]
+            _, body = served.call("/v1/chat/completions", {"messages": CHAT,
+                                                           "max_tokens": MAX_TOKENS})
+            assert chat.choices[0].message.content == body["choices"][0]["message"]["content"]
+        served.alive()
+
+    def test_two_turn_chat_equals_oracle(self, served: Served) -> None:
+        messages = list(CHAT)
+        for turn in ("reken fofen pagi", "zeka zeka robem"):
+            status, body = served.call("/v1/chat/completions", {
+                "messages": messages, "max_tokens": MAX_TOKENS, "return_token_ids": True,
+                **served.greedy})
+            assert status == 200, body
+            assert _choice_tokens(body) == served.oracle(_prompt_tokens(body), MAX_TOKENS)
+            messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": turn}]
+
+    def test_seeded_request_twice_gives_the_same_tokens(self, served: Served) -> None:
+        """A seeded sampled request (lossless methods: sampled; the dLLMs serve the seed and
+        decode greedily) gives the same tokens on two identical calls, where the engine applies
+        a request's seed (:attr:`Served.seeds_apply`)."""
+        request = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "return_token_ids": True,
+                   "seed": 1234}
+        if served.lossless:
+            request.update(temperature=0.8, top_p=0.95)
+        first, second = (served.call("/v1/completions", request) for _ in range(2))
+        assert first[0] == second[0] == 200, (first, second)
+        assert all(0 < len(_choice_tokens(r[1])) <= MAX_TOKENS for r in (first, second))
+        if served.seeds_apply:  # else plain AR's seeded tokens vary too (measured: SGLang CPU)
+            assert _choice_tokens(first[1]) == _choice_tokens(second[1])
+        if not served.lossless:
+            assert _choice_tokens(first[1]) == served.oracle(
+                _prompt_tokens(first[1]), MAX_TOKENS)
+
+    def test_concurrent_clients_equal_oracle(self, served: Served) -> None:
+        results: dict[int, tuple[int, Any]] = {}
+
+        def client(i: int) -> None:
+            results[i] = served.call("/v1/completions", {
+                "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "return_token_ids": True,
+                **served.greedy})
+
+        threads = [threading.Thread(target=partial(client, i)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert sorted(results) == list(range(len(PROMPTS)))
+        for status, body in results.values():
+            assert status == 200, body
+            choice = body["choices"][0]
+            assert choice["token_ids"] == served.oracle(_prompt_tokens(body), MAX_TOKENS)
+
+    def test_aborted_stream_then_the_next_request_is_served(self, served: Served) -> None:
+        assert abort_stream(served.url + "/v1/completions", {
+            "model": served.model, "prompt": PROMPTS[1], "max_tokens": ABORTED_MAX_TOKENS,
+            **served.greedy}) >= 1
+        self.test_greedy_completion_equals_oracle(served)
+        served.alive()
+
+    def test_sampling_the_method_cannot_honour_is_refused(self, served: Served) -> None:
+        """The dLLMs decode greedily: an explicit temperature 0.6 is refused with what to do;
+        temperature 0 is served. A lossless method samples it (200)."""
+        status, body = served.call("/v1/chat/completions", {"messages": CHAT, "temperature": 0.6,
+                                                            "max_tokens": MAX_TOKENS})
+        if served.lossless:
+            assert status == 200, body
+        else:
+            assert status == 400, body
+            assert _message(body).startswith(served.refusal), body
+            status, body = served.call("/v1/chat/completions", {
+                "messages": CHAT, "temperature": 0, "max_tokens": MAX_TOKENS,
+                "return_token_ids": True})
+            assert status == 200, body
+            assert _choice_tokens(body) == served.oracle(_prompt_tokens(body), MAX_TOKENS)
+        served.alive()

@@ -310,20 +310,17 @@ def run_generate_job(job: dict, tmp: Path, timeout: int = 1200,
                      env: dict[str, str] | None = None) -> dict:
     """Run ``sglang_generate.py`` on ``job`` under the SGLang interpreter with the CPU
     harness's environment (plus ``env``) and return its result (an assertion with the
-    output's tail when it fails)."""
+    output's tail when it fails: :func:`tests.engine.common.run_result_script`)."""
     import json
 
+    from tests.engine.common import run_result_script
     from tests.engine.conftest import require_sglang
     from tests.engine.sglang_generate import RESULT_PREFIX
 
     python = require_sglang()
     job_file = tmp / "job.json"
     job_file.write_text(json.dumps(job))
-    proc = subprocess.run([python, str(Path(__file__).resolve().parent / "sglang_generate.py"),
-                           str(job_file)], capture_output=True, text=True, timeout=timeout,
-                          check=False, env={**sglang_cpu_env(python), **(env or {})},
-                          start_new_session=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
-
+    result, _ = run_result_script(
+        [python, str(Path(__file__).resolve().parent / "sglang_generate.py"), str(job_file)],
+        {**sglang_cpu_env(python), **(env or {})}, timeout, RESULT_PREFIX)
+    return result

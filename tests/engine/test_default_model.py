@@ -7,14 +7,14 @@ with drafts accepted (the heads are trained: acceptance length above 1)."""
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.engine.common import default_model as prepare_default_model
-from tests.engine.vllm_generate import RESULT_PREFIX
+from tests.engine.common import run_result_script
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = [
@@ -51,12 +51,9 @@ def test_default_orthrus_equals_vllm_ar(default_model, tmp_path: Path) -> None:
     ]}
     (tmp_path / "requests.json").write_text(json.dumps(requests))
     (tmp_path / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_generate.py"), str(orthrus),
-                           str(tmp_path / "requests.json"), str(tmp_path / "job.json")],
-                          capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    result = json.loads(line[len(RESULT_PREFIX):])
+    result, _ = run_result_script(
+        [sys.executable, str(HERE / "vllm_generate.py"), str(orthrus),
+         str(tmp_path / "requests.json"), str(tmp_path / "job.json")], os.environ, 900)
     ar = result["runs"]["ar"]["default"]["outputs"]
     spec = result["runs"]["orthrus"]["default"]["outputs"]
     assert spec == ar

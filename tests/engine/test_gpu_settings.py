@@ -13,12 +13,12 @@ Cheap: no engine starts, no model loads."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from diffspec.testing.checkpoints import tiny_checkpoint
+from tests.engine.common import assert_fix_first, run_result_script
 from tests.engine.conftest import require_engine
 
 pytestmark = pytest.mark.engine
@@ -214,12 +214,10 @@ def _resolve_sglang(python: str, tmp: Path, cases: dict, **env: str) -> dict:
                              "page_size"]}
            for name, (model, args) in cases.items()}
     (tmp / "job.json").write_text(json.dumps(job))
-    proc = subprocess.run([python, str(HERE / "sglang_server_args.py"), str(tmp / "job.json")],
-                          capture_output=True, text=True, timeout=600, check=False,
-                          env={**sglang_cpu_env(python), **env})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    result, _ = run_result_script(
+        [python, str(HERE / "sglang_server_args.py"), str(tmp / "job.json")],
+        {**sglang_cpu_env(python), **env}, 600, prefix="RESULT ")
+    return result
 
 
 def test_sglang_turns_graphs_off_with_one_line(sglang) -> None:
@@ -253,9 +251,7 @@ def test_sglang_turns_graphs_off_with_one_line(sglang) -> None:
                                "in one server) with --speculative-algorithm ORTHRUS: "),
 ])
 def test_sglang_refuses_at_start(sglang, case: str, first: str) -> None:
-    error = sglang[case]["error"]
-    assert error is not None, f"{case}: the server arguments resolved"
-    assert error.split(": ", 1)[1].startswith(first), error
+    assert_fix_first(sglang[case]["error"], case, first)
 
 
 def test_sglang_refusion_on_torch_native_resolves(sglang) -> None:
@@ -327,10 +323,8 @@ def sglang_unsupported(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_sglang_unsupported_release_says_what_to_install(sglang_unsupported, case) -> None:
     """SGLang logs and swallows a plugin's exception; a launch that names one of diffspec's
     algorithms still gets the version message (not "unknown speculative algorithm")."""
-    error = sglang_unsupported["refused"][case]["error"]
-    assert error is not None, f"{case}: resolved on an unsupported SGLang"
-    assert error.split(": ", 1)[1].startswith(
-        "install sglang 0.5.23: diffspec does not support sglang 0.5.99"), error
+    assert_fix_first(sglang_unsupported["refused"][case]["error"], case,
+                     "install sglang 0.5.23: diffspec does not support sglang 0.5.99")
 
 
 def test_sglang_override_loads_the_whole_plugin(sglang_unsupported) -> None:

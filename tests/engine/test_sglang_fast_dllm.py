@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_NLD_DIR
+from tests.engine.common import assert_fix_first
 from tests.engine.conftest import require_sglang
 from tests.engine.sglang_cpu import run_generate_job
 
@@ -286,9 +287,7 @@ ERRORS = {
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_clear_errors(engine, case: str) -> None:
     """What to do comes first in the message."""
-    message = engine["config_errors"][case]
-    assert message is not None, case
-    assert message.split(": ", 1)[1].startswith(ERRORS[case]), message
+    assert_fix_first(engine["config_errors"][case], case, ERRORS[case])
 
 
 def test_sampling_request_is_refused_alone(engine, ckpts) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from diffspec.assets import SYNTH_REFUSION_DIR as SYNTH
+from tests.engine.common import assert_fix_first
 from tests.engine.conftest import require_sglang
 from tests.engine.sglang_cpu import run_generate_job
 
@@ -261,6 +262,4 @@ ERRORS = {
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_clear_errors(engine, case: str) -> None:
     """What to do comes first in the message."""
-    message = engine["config_errors"][case]
-    assert message is not None, case
-    assert message.split(": ", 1)[1].startswith(ERRORS[case]), message
+    assert_fix_first(engine["config_errors"][case], case, ERRORS[case])

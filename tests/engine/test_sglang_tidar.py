@@ -40,6 +40,7 @@ from diffspec.profiling import CACHE_ENV
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
+    assert_samples_follow_the_model,
     assert_sglang_logits_chunked,
     prefix_requests,
     set_eos_inside_a_block,
@@ -365,7 +366,6 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     rejection sampling both pass a chi-square goodness-of-fit test against the exact
     sequence probabilities; the worker's drafts were both accepted and rejected."""
     from diffspec.model_executors.reference.tidar import load_quadratic
-    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
 
     runs = {name: engine["runs"][f"synth_{name}"]["sampled"] for name in ("ar", "spec")}
     samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
@@ -375,13 +375,9 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     assert 0 < accepted < steps * (SYNTH_WIDTH - 1)  # drafts accepted and rejected
     assert len(set(samples["spec"])) > 3  # really sampled
 
-    next_probs = lm_next_probs(load_quadratic(ckpts["synth"]).lm, _sampling_prompt(),
-                               TEMPERATURE, top_p=TOP_P)
-    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
-    for name, seqs in samples.items():
-        result = chi_square_test(seqs, probs, NUM_SAMPLES)
-        assert len(result.observed) >= 10, f"{name}: {result}"
-        assert result.pvalue > 1e-3, f"{name}: {result}"
+    assert_samples_follow_the_model(load_quadratic(ckpts["synth"]).lm, _sampling_prompt(),
+                                    samples, TEMPERATURE, NUM_SAMPLES, top_p=TOP_P,
+                                    min_cells=10)
 
 
 # ------------------------------------------------------------------------------ errors

@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from diffspec.assets import ASSETS_DIR
 from tests.engine.common import assert_equals_ar
-from tests.engine.conftest import require_sglang
-from tests.engine.sglang_generate import RESULT_PREFIX
+from tests.engine.sglang_cpu import run_generate_job
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 MODELS = {"orthrus": (ASSETS_DIR / "synth-orthrus", "ORTHRUS"),
           "nld": (ASSETS_DIR / "synth-nld", "LINEAR_SELF_SPEC")}
 SYNC = {"disable_overlap_schedule": True}  # as the speculative runs
@@ -59,9 +55,6 @@ def _cpu_bind(ranks: int) -> str:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Per family, a TP=1 AR run and a TP=2 self-speculative run, in one subprocess."""
-    from tests.engine.sglang_cpu import sglang_cpu_env
-
-    python = require_sglang()
     batch = {"greedy": _requests()}
     runs = []
     for family, (path, algorithm) in MODELS.items():
@@ -73,16 +66,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "tp_size": 2, "speculative_algorithm": algorithm, "decode_log_interval": 1,
             # (adaptive false: no prompt lookup either, the sharded drafter every step)
             "json_model_override_args": json.dumps({"diffspec": {"adaptive": False}})}})
-    job = tmp_path_factory.mktemp("sglang_tp") / "job.json"
-    job.write_text(json.dumps({"runs": runs}))
-    env = sglang_cpu_env(python, {**os.environ, "SGLANG_CPU_OMP_THREADS_BIND": _cpu_bind(2),
-                                  "SGLANG_NCCL_SO_PATH": NO_NCCL})
-    proc = subprocess.run([python, str(HERE / "sglang_generate.py"), str(job)],
-                          capture_output=True, text=True, timeout=1200, check=False, env=env,
-                          start_new_session=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])["runs"]
+    return run_generate_job({"runs": runs}, tmp_path_factory.mktemp("sglang_tp"),
+                            env={"SGLANG_CPU_OMP_THREADS_BIND": _cpu_bind(2),
+                                 "SGLANG_NCCL_SO_PATH": NO_NCCL})["runs"]
 
 
 @pytest.mark.parametrize("family", list(MODELS))

@@ -52,8 +52,10 @@ from diffspec.profiling import CACHE_ENV
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
+    assert_samples_follow_the_model,
     assert_sglang_logits_chunked,
     prefix_requests,
+    repeat_requests,
     set_eos_inside_a_block,
     sglang_tokens_per_verify_step,
 )
@@ -104,19 +106,6 @@ def _synth_requests() -> list[dict]:
     tokenizer = build_tokenizer()
     prompts = [tokenizer(p).input_ids for p in sample_prompts(4, seed=1234)]
     return [{"input_ids": p, "max_new_tokens": m} for p, m in zip(prompts, (64, 45, 90, 57))]
-
-
-def _repeat_requests() -> list[dict]:
-    """Greedy prompts of 3..180 tokens, most a random segment repeated (the model's own
-    loops then make n-gram matches: prompt lookup fires), one without repeats."""
-    rng = np.random.default_rng(11)
-    shapes = ((5, 3, 30), (12, 4, 41), (3, 1, 25), (40, 2, 50), (60, 3, 33))
-    requests = []
-    for length, times, max_tokens in shapes:
-        segment = rng.integers(20, 250, length).tolist()
-        requests.append({"input_ids": segment * times + segment[:length // 3],
-                         "max_new_tokens": max_tokens})
-    return requests
 
 
 def _near_context_end_requests() -> list[dict]:
@@ -197,8 +186,8 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                "options": _option_requests(ckpts["orthrus"]), "refused": _refused_requests()}
     orthrus, nld, llama = str(ckpts["orthrus"]), str(ckpts["nld"]), str(ckpts["llama_orthrus"])
     # a repeating prompt served alone: its lookup steps need no draft forward
-    lookup_batches = {"repeats": _repeat_requests(),
-                      "alone": [{**_repeat_requests()[0], "ignore_eos": True}]}
+    lookup_batches = {"repeats": repeat_requests("sglang"),
+                      "alone": [{**repeat_requests("sglang")[0], "ignore_eos": True}]}
     tmp = tmp_path_factory.mktemp("sglang_self_spec")
     free = tmp / "profile_free.json"  # extra query tokens cost nothing: draft the block
     free.write_text(json.dumps({"points": {"1": 0.01, "4096": 0.01}}))
@@ -464,10 +453,10 @@ def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> Non
     references: list = []
     accepted = _accepted_drafts_per_step(
         model, lambda m: LookupDrafter(BlockDrafter(m)), ckpts["orthrus"],
-        _repeat_requests(), runs["repeats"], references)
+        repeat_requests("sglang"), runs["repeats"], references)
     assert max(accepted) > 0  # drafts are accepted, not only rejected
     (out,), (meta,) = runs["alone"]["outputs"], runs["alone"]["meta"]
-    request = _repeat_requests()[0]
+    request = repeat_requests("sglang")[0]
     alone = speculative_generate(  # no EOS stop (ignore_eos)
         model.lm, LookupDrafter(BlockDrafter(model)),
         [Request(request["input_ids"] + out[:1], request["max_new_tokens"] - 1)], WIDTH - 1)[0]
@@ -518,7 +507,6 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     worker's rejection sampling both pass a chi-square goodness-of-fit test against the
     exact sequence probabilities."""
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
 
     runs = {name: engine["runs"][f"orthrus_{name}"]["sampled"] for name in ("ar", "spec")}
     samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
@@ -527,13 +515,9 @@ def test_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     steps = sum(m["spec_verify_ct"] for m in runs["spec"]["meta"])
     assert 0 < sum(hist) < steps * (SAMPLED_TOKENS - 1)  # drafts accepted and rejected
 
-    prompt = _sampled_requests()[0]["input_ids"]
-    next_probs = lm_next_probs(load_orthrus(ckpts["orthrus"]).lm, prompt, TEMPERATURE,
-                               top_p=TOP_P)
-    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
-    for name, seqs in samples.items():
-        result = chi_square_test(seqs, probs, NUM_SAMPLES)
-        assert result.pvalue > 1e-3, f"{name}: {result}"
+    assert_samples_follow_the_model(load_orthrus(ckpts["orthrus"]).lm,
+                                    _sampled_requests()[0]["input_ids"], samples, TEMPERATURE,
+                                    NUM_SAMPLES, top_p=TOP_P)
 
 
 def test_request_options_equal_sglang_ar(engine) -> None:

@@ -31,16 +31,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.engine.common import extra_seed_forward, run_result_script
+from tests.engine.vllm_generate import RESULT_PREFIX
+
 ROOT = Path(__file__).resolve().parents[2]
-RESULT_PREFIX = "DIFFSPEC_RESULT "
 # (prompt length, max_tokens as (blocks, slots): blocks * block + slots, threshold): mixed
 # lengths, a max_tokens that ends inside a block, one that ends on a later block's seed
 # (a shifted family's), per-request thresholds (1.0: one slot per step; 0.5)
@@ -82,12 +82,6 @@ def _reference(lm, request: dict, stops: tuple[int, ...], block: int, sub: int):
     return out
 
 
-def _seed_extra(lm, tokens: list[int], block: int) -> int:
-    """1 when vLLM takes one forward more than the reference: a shifted request whose last
-    token is the seed of a block after the first (emitted by that block's first step)."""
-    return int(lm.logits_shift and len(tokens) > 1 and (len(tokens) - 1) % block == 0)
-
-
 def _env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
@@ -105,19 +99,9 @@ def _run(job: dict, tmp_path: Path, env: dict[str, str], timeout: int) -> object
     request that hangs) fails, its engine processes (its own session) killed."""
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps(job))
-    proc = subprocess.Popen([sys.executable, __file__, str(job_file)], text=True, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"no result within {timeout} s (a request that never ends?): "
-                    f"{stderr[-3000:]}")
-    lines = [x for x in stdout.splitlines() if x.startswith(RESULT_PREFIX)]
-    assert lines, stdout[-3000:] + stderr[-5000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    result, _ = run_result_script([sys.executable, __file__, str(job_file)], env, timeout,
+                                  exit_zero=False)
+    return result
 
 
 def _run_v2(job: dict, tmp_path: Path, timeout: int = 1800) -> dict:
@@ -165,7 +149,7 @@ def check_batch_matches_reference(tmp_path: Path, family: str,
     expected = [_reference(lm, r, s, block, sub) for r, s in zip(requests, stops)]
     assert got["outputs"] == [e.token_ids for e in expected]
     assert got["outputs"][-1][-1] == stop and len(got["outputs"][-1]) <= block + 3
-    assert got["forwards"] == [e.num_forwards + _seed_extra(lm, e.token_ids, block)
+    assert got["forwards"] == [e.num_forwards + extra_seed_forward(lm, e.token_ids, block)
                                for e in expected]
     return got
 
@@ -194,7 +178,7 @@ def test_fast_dllm_chunked_prefill_and_cut_canvas(tmp_path: Path) -> None:
                    "max_num_batched_tokens": budget}, tmp_path)
     a, b = (_reference(lm, r, (), block, sub) for r in requests)
     assert got["outputs"] == [a.token_ids, b.token_ids]
-    seeds = [_seed_extra(lm, e.token_ids, block) for e in (a, b)]
+    seeds = [extra_seed_forward(lm, e.token_ids, block) for e in (a, b)]
     forwards_a = a.num_forwards + 1 + seeds[0]  # one extra prefill chunk
     cuts = forwards_a - 3
     assert cuts > 0

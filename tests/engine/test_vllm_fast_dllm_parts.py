@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine.common import largest_new_vocab_tensor
+from tests.engine.common import extra_seed_forward, largest_new_vocab_tensor
 from tests.engine.conftest import require_engine
 
 require_engine("vllm")  # the whole module: skipped, or failed where CI requires vLLM
@@ -294,12 +294,6 @@ def _vllm_data_path(lm: DiffusionLM, request: Request, block: int, sub: int,
             start += block
 
 
-def _extra_seed_forward(lm: DiffusionLM, tokens: list[int], block: int) -> int:
-    """1 when vLLM takes one forward more than the reference: a shifted request whose last
-    token is the seed of a block after the first (emitted by that block's first step)."""
-    return int(lm.logits_shift and len(tokens) > 1 and (len(tokens) - 1) % block == 0)
-
-
 def _requests(lm: DiffusionLM, lengths_and_max: tuple[tuple[int, int], ...],
               stops: tuple[int, ...]) -> list[Request]:
     vocab = int(lm.info.vocab_size)
@@ -331,7 +325,7 @@ def test_data_path_matches_reference_decoder(models: dict[str, DiffusionLM], fam
         [ref] = fast_dllm_generate(lm, [request], config)
         tokens, forwards = _vllm_data_path(lm, request, block, sub, threshold)
         assert tokens == ref.token_ids
-        assert forwards == ref.num_forwards + _extra_seed_forward(lm, tokens, block)
+        assert forwards == ref.num_forwards + extra_seed_forward(lm, tokens, block)
 
 
 @pytest.mark.parametrize("family", ["llada", "fast_dllm_v2"])
@@ -349,7 +343,7 @@ def test_data_path_stops_on_a_token_inside_a_block(models: dict[str, DiffusionLM
     [ref] = fast_dllm_generate(lm, [stopped], config)
     got, forwards = _vllm_data_path(lm, stopped, block, sub, 0.9)
     assert got == ref.token_ids and got[-1] == stop and len(got) <= block + 3
-    assert forwards == ref.num_forwards + _extra_seed_forward(lm, got, block)
+    assert forwards == ref.num_forwards + extra_seed_forward(lm, got, block)
 
 
 # ---------------------------------------------------------------------------- the sampler

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -32,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from diffspec.assets import SYNTH_REFUSION_DIR as SYNTH
+from tests.engine.vllm_generate import RESULT_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULT_PREFIX = "DIFFSPEC_RESULT "
 CANVAS = 64
 SETTINGS = {"slot_size": 8, "slot_threshold": 0.0, "num_blocks": 2}
 PROMPT_LENGTHS = (3, 20, 45, 70, 9)
@@ -112,6 +111,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def run_engine(job: dict, tmp: Path) -> dict:
     """Run ``job`` (``"batch"``, ``"prefix"``, ``"refused"``, optional
     ``"attention_backend"``) in this file's subprocess under the harness; its result."""
+    from tests.engine.common import run_result_script
     from tests.engine.vllm_v2_cpu import require_triton_interpreter, vllm_v2_cpu_env
 
     require_triton_interpreter()
@@ -120,11 +120,9 @@ def run_engine(job: dict, tmp: Path) -> dict:
     env = vllm_v2_cpu_env({**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                           triton_attn=job.get("attention_backend") == "TRITON_ATTN")
-    proc = subprocess.run([sys.executable, __file__, str(job_file)], check=False,
-                          capture_output=True, text=True, env=env, timeout=1800)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX)]
-    assert lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    result, _ = run_result_script([sys.executable, __file__, str(job_file)], env, 1800,
+                                  exit_zero=False)
+    return result
 
 
 @pytest.mark.engine

@@ -29,21 +29,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.server_cases import (  # noqa: F401 - collected here, with this `served`
+from tests.engine.server_cases import (
     Served,
+    ServerCases,
     ar_oracle,
     fast_dllm_oracle,
     refusion_oracle,
-    test_aborted_stream_then_the_next_request_is_served,
-    test_chat_with_no_sampling_fields,
-    test_completion_with_no_sampling_fields,
-    test_concurrent_clients_equal_oracle,
-    test_greedy_completion_equals_oracle,
-    test_openai_sdk_defaults,
-    test_sampling_the_method_cannot_honour_is_refused,
-    test_seeded_request_twice_gives_the_same_tokens,
-    test_streaming_equals_oracle,
-    test_two_turn_chat_equals_oracle,
 )
 from tests.engine.server_clients import QWEN3_SAMPLING
 
@@ -119,6 +110,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield Served(request.param, str(model), server.url, server, spec["greedy"],
                      spec["oracle"](model), spec["lossless"],
                      "leave temperature out of the request")
+
+
+
+class TestServer(ServerCases):
+    """The shared cases (:mod:`tests.engine.server_cases`) against this module's server."""
 
 
 @pytest.mark.parametrize("served", ["refusion"], indirect=True)

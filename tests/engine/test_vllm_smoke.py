@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.engine.common import run_result_script
 from tests.engine.conftest import require_engine
-from tests.engine.vllm_generate import RESULT_PREFIX
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,18 +24,11 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory):
     def run(model: Path, requests: list[dict]) -> dict:
         req_file = tmp_path_factory.mktemp("vllm") / "requests.json"
         req_file.write_text(json.dumps(requests))
-        proc = subprocess.run(
+        # vLLM's own process layout (engine core and worker spawned), as users run it
+        result, _ = run_result_script(
             [sys.executable, str(HERE / "vllm_generate.py"), str(model), str(req_file)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-            # vLLM's own process layout (engine core and worker spawned), as users run it
-            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        (line,) = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-        return json.loads(line[len(RESULT_PREFIX) :])
+            {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, 600)
+        return result
 
     return run
 

@@ -38,6 +38,7 @@ from diffspec.assets import ASSETS_DIR
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
+    assert_samples_follow_the_model,
     prefix_requests,
     run_vllm_job,
     set_eos_inside_a_block,
@@ -274,20 +275,15 @@ def test_one_forward_per_step(engine, ckpts) -> None:
 
 
 def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
-    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
-
     runs = {name: engine["runs"][f"synth_{name}"]["sampled"] for name in ("ar", "spec")}
     samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
     accepted = [a for steps in runs["spec"]["spec_steps"] for a in steps or []]
     assert 0 < sum(accepted) < len(accepted) * (SAMPLED_TOKENS - 1)  # both branches ran
 
-    prompt = _sampled_requests()[0]["prompt_token_ids"]
-    next_probs = lm_next_probs(_ar_lm(ckpts["synth"]), prompt, TEMPERATURE, top_p=TOP_P)
-    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
-    for name, seqs in samples.items():
-        result = chi_square_test(seqs, probs, NUM_SEEDS)
-        assert len(result.observed) >= 10, f"{name}: {result}"  # a test with some power
-        assert result.pvalue > 1e-3, f"{name}: {result}"
+    assert_samples_follow_the_model(_ar_lm(ckpts["synth"]),
+                                    _sampled_requests()[0]["prompt_token_ids"], samples,
+                                    TEMPERATURE, NUM_SEEDS, top_p=TOP_P,
+                                    min_cells=10)  # a test with some power
 
 
 # ------------------------------------------------------------------------------ errors, metrics

@@ -42,7 +42,9 @@ from diffspec.serving import spec_decode_counters
 from tests.engine.common import (
     assert_clear_error,
     assert_equals_ar,
+    assert_samples_follow_the_model,
     prefix_requests,
+    repeat_requests,
     run_vllm_job,
     set_eos_inside_a_block,
 )
@@ -123,20 +125,6 @@ def _refused_requests() -> list[dict]:
             {**base[2], "logit_bias": {5: 2.0}}, base[3]]
 
 
-def _repeat_requests() -> list[dict]:
-    """Greedy prompts of 3..180 tokens, most a random segment repeated (so the context
-    holds n-gram matches from the first step: prompt lookup fires), one without repeats;
-    ``max_tokens`` none a multiple of the block."""
-    rng = np.random.default_rng(11)
-    shapes = ((5, 3, 30), (12, 4, 41), (3, 1, 25), (40, 2, 50), (60, 3, 33))
-    requests = []
-    for length, times, max_tokens in shapes:
-        segment = rng.integers(20, 250, length).tolist()
-        requests.append({"prompt_token_ids": segment * times + segment[:length // 3],
-                         "max_tokens": max_tokens})
-    return requests
-
-
 def _synth_seeded() -> list[dict]:
     """One seeded sampled request of the synthetic language, served alone (as
     :func:`_seeded_requests`; a one-token prompt: see :func:`_sampled_requests`)."""
@@ -208,7 +196,7 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
                        "seeded_again": _seeded_requests()}
     nld_batches = {"greedy": _greedy_requests()[:6]}
     # near-greedy on the first repeating prompt (the random model loops: lookup fires)
-    seeded_repeats = [{**_repeat_requests()[0], "temperature": TEMPERATURE, "top_p": TOP_P,
+    seeded_repeats = [{**repeat_requests("vllm")[0], "temperature": TEMPERATURE, "top_p": TOP_P,
                        "seed": 500, "ignore_eos": True}]
     hybrid = {**LLM_KWARGS, **SPEC_KWARGS, "lookup_stats": True, "speculative_config": {
         "method": "orthrus", "num_speculative_tokens": NUM_DRAFTS, "adaptive": False,
@@ -216,10 +204,10 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     job = {
         "runs": [
             {"name": "orthrus_ar", "llm": LLM_KWARGS,
-             "batches": {**orthrus_batches, "repeats": _repeat_requests()}},
+             "batches": {**orthrus_batches, "repeats": repeat_requests("vllm")}},
             # prompt lookup at a fixed count: the reference decoder's steps
             {"name": "orthrus_hybrid", "llm": hybrid,
-             "batches": {"repeats": _repeat_requests(), "seeded": seeded_repeats,
+             "batches": {"repeats": repeat_requests("vllm"), "seeded": seeded_repeats,
                          "seeded_again": seeded_repeats}},
             {"name": "orthrus_spec", "llm": spec("orthrus"), "batches": orthrus_batches},
             # adaptive where drafting never pays: every step plain (sampled as AR samples)
@@ -344,7 +332,8 @@ def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> Non
     model = load_orthrus(ckpts["orthrus"])
     stop = inspect_checkpoint(ckpts["orthrus"]).eos_token_ids
     lookup_steps = 0
-    for request, out, steps in zip(_repeat_requests(), hybrid["outputs"], hybrid["spec_steps"]):
+    repeats = repeat_requests("vllm")
+    for request, out, steps in zip(repeats, hybrid["outputs"], hybrid["spec_steps"]):
         ref = speculative_generate(
             model.lm, LookupDrafter(BlockDrafter(model)),
             [Request(request["prompt_token_ids"] + out[:1], request["max_tokens"] - 1,
@@ -375,20 +364,15 @@ def test_prompt_lookup_seeded_is_reproducible(engine) -> None:
 
 def test_seeded_sampling_matches_the_ar_distribution(engine, ckpts) -> None:
     from diffspec.model_executors.reference.orthrus import load_orthrus
-    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
 
     runs = {name: engine["runs"][f"orthrus_{name}"]["sampled"] for name in ("ar", "spec")}
     samples = {name: [tuple(o) for o in run["outputs"]] for name, run in runs.items()}
     accepted = [a for steps in runs["spec"]["spec_steps"] for a in steps or []]
     assert 0 < sum(accepted) < len(accepted) * (SAMPLED_TOKENS - 1)  # both branches ran
 
-    prompt = _sampled_requests()[0]["prompt_token_ids"]
-    next_probs = lm_next_probs(load_orthrus(ckpts["orthrus"]).lm, prompt, TEMPERATURE,
-                               top_p=TOP_P)
-    probs = sequence_probabilities(next_probs, set().union(*samples.values()))
-    for name, seqs in samples.items():
-        result = chi_square_test(seqs, probs, NUM_SEEDS)
-        assert result.pvalue > 1e-3, f"{name}: {result}"
+    assert_samples_follow_the_model(load_orthrus(ckpts["orthrus"]).lm,
+                                    _sampled_requests()[0]["prompt_token_ids"], samples,
+                                    TEMPERATURE, NUM_SEEDS, top_p=TOP_P)
 
 
 def test_request_options_equal_vllm_ar(engine) -> None:

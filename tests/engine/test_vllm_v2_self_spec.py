@@ -38,6 +38,7 @@ import pytest
 from diffspec.assets import SYNTH_NLD_DIR, SYNTH_ORTHRUS_DIR, SYNTH_TIDAR_DIR
 from tests.engine.common import (
     assert_clear_error,
+    assert_samples_follow_the_model,
     load_self_spec_reference,
     v2_steps_compared,
     verify_steps,
@@ -207,18 +208,14 @@ def test_seeded_sampling_is_reproducible(engine) -> None:
 
 
 def test_seeded_sampling_matches_the_ar_distribution(engine) -> None:
-    from diffspec.testing.stats import chi_square_test, lm_next_probs, sequence_probabilities
-
     run = engine["runs"]["orthrus"]["sampled"]
     samples = [tuple(o) for o in run["outputs"]]
     assert all(verify_steps(run))
     accepted = [a for steps in run["spec_steps"] for a in steps]
     assert 0 < sum(accepted) < len(accepted) * (SAMPLED_TOKENS - 1)  # accepts and rejects
-    next_probs = lm_next_probs(load_self_spec_reference("orthrus", MODELS["orthrus"]).lm, SAMPLED_PROMPT, TEMPERATURE)
-    probs = sequence_probabilities(next_probs, set(samples))
     assert len(set(samples)) > 2
-    result = chi_square_test(samples, probs, NUM_SEEDS)
-    assert result.pvalue > 1e-3, result
+    assert_samples_follow_the_model(load_self_spec_reference("orthrus", MODELS["orthrus"]).lm,
+                                    SAMPLED_PROMPT, {"spec": samples}, TEMPERATURE, NUM_SEEDS)
 
 
 @pytest.mark.parametrize(("case", "match"), [

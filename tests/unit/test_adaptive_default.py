@@ -22,6 +22,7 @@ from diffspec.profiling import (
     read_cached_profile,
     time_forwards,
 )
+from tests.unit.clock import Clock
 
 TWO_PASS = StepCost("two_pass")
 # compute-bound: every token costs the same (a forward of t tokens: t ms)
@@ -249,20 +250,12 @@ def test_fit_refuses_idle_gaps_and_tracks_a_change() -> None:
     assert fit.price(0.05) == pytest.approx(0.10, rel=0.05)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_fitted_overhead_makes_drafting_pay() -> None:
     """On a compute-bound profile a two-pass step of k drafts costs two forwards of k + 1
     tokens: a plain AR step wins. Measured steps that each take 20 ms more than the
     profile says (the engine's per-step work, in an AR step and a speculative step alike)
     make the second forward relatively cheap: then drafting wins."""
-    clock = _Clock()
+    clock = Clock()
     policy = AdaptiveDrafts(4, LINEAR_MS, TWO_PASS, track_step_times=True, clock=clock)
     policy.estimate.successes = [0.95 * t for t in policy.estimate.trials]
     assert policy.choose(["a"], [4]) == [0]  # no steps measured yet: the profile alone
@@ -282,7 +275,7 @@ def test_a_profile_slower_than_serving_keeps_its_choices() -> None:
     price) once fitted a negative overhead: small steps priced down more than large ones,
     the policy stopped drafting after one step and, drafting nothing, never learned
     otherwise. Live steps only rescale the profile: the choice stays the profile's."""
-    clock = _Clock()
+    clock = Clock()
     profile = LatencyProfile({1: 0.05, 2: 0.052, 4: 0.056, 8: 0.064})  # memory-bound
     policy = AdaptiveDrafts(7, profile, TWO_PASS, track_step_times=True, clock=clock)
     policy.estimate.successes = [0.9 * t for t in policy.estimate.trials]
@@ -297,7 +290,7 @@ def test_a_profile_slower_than_serving_keeps_its_choices() -> None:
 
 
 def test_steps_of_a_changing_batch_are_not_learned() -> None:
-    clock = _Clock()
+    clock = Clock()
     policy = AdaptiveDrafts(4, LINEAR_MS, TWO_PASS, track_step_times=True, clock=clock)
     for batch in (["a"], ["a", "b"], ["b"], ["a"]):  # a join, a leave, another request
         policy.step_started(batch)
@@ -355,7 +348,7 @@ def test_measured_rates_stop_drafting_that_the_fit_keeps() -> None:
     steps' 400. The measured tokens per second stop it: of the last 40 steps, only the
     guard's exploration steps draft."""
     def run(guard: bool) -> list[int]:
-        clock = _Clock()
+        clock = Clock()
         policy = AdaptiveDrafts(7, ROOFLINE_MS, TWO_PASS, track_step_times=True, clock=clock)
         if not guard:
             policy.guard = None
@@ -381,7 +374,7 @@ def test_the_rate_guard_turns_down_the_draft_pass_not_the_lookup_drafts() -> Non
     its lookup drafts (they cost no draft pass) in every step without a draft pass; in the
     guard's exploration steps, which pay the draft pass, it drafts from whichever source
     promises more (the pass is paid anyway)."""
-    clock = _Clock()
+    clock = Clock()
     policy = AdaptiveDrafts(7, ROOFLINE_MS, TWO_PASS, track_step_times=True, clock=clock)
     batch, emitted, history = ["a", "b", "c", "d"], None, []
     for _ in range(240):

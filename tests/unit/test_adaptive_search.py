@@ -20,6 +20,7 @@ from diffspec.core.adaptive import (
     expected_tokens,
     seeded_draft_count,
 )
+from tests.unit.clock import Clock
 
 TWO_PASS = StepCost("two_pass")
 # a CPU-like profile: a draft pass and a verify of a few tokens each cost about a step
@@ -135,7 +136,7 @@ def test_lookup_steps_do_not_lift_the_guards_plain_rate() -> None:
     (5 tokens in 12 ms) would make plain look faster than drafting and the guard would
     stop the drafter; counted without their lookup tokens they do not, and the drafter
     keeps drafting on the plain text."""
-    clock = _Clock()
+    clock = Clock(100.0)
     flat = LatencyProfile({1: 0.010, 64: 0.011})
     policy = AdaptiveDrafts(7, flat, TWO_PASS, track_step_times=True, clock=clock)
     emitted, drafter_steps = None, []
@@ -157,14 +158,6 @@ def test_lookup_steps_do_not_lift_the_guards_plain_rate() -> None:
     plain = policy.guard.rate(1, False)
     assert plain is not None and plain < 110  # about 100 tokens/s: no lookup tokens in it
     assert sum(drafter_steps) >= 0.8 * len(drafter_steps)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_sglang_prices_its_padded_steps() -> None:
@@ -195,7 +188,7 @@ def test_a_seeded_requests_drafts_follow_its_own_history_only() -> None:
     other requests in the batch, and the server's estimates moved by them. Unseeded, the
     same request's counts move with them."""
     def run(others: int, seeded: bool, rate: float, seed: int) -> list[tuple[int, bool]]:
-        clock = _Clock()
+        clock = Clock(100.0)
         policy = AdaptiveDrafts(7, MS_PROFILE, TWO_PASS, track_step_times=True, clock=clock,
                                 draft_prior=[0.9, 0.6, 0.4])
         choices, rng = [], random.Random(seed)

@@ -17,18 +17,11 @@ from pathlib import Path
 import pytest
 
 from diffspec.progress import Progress, format_duration, interval_s
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.clock import Clock
 
 
 def _progress(total=None, unit="step", **kw):
-    clock, out = Clock(), io.StringIO()
+    clock, out = Clock(100.0), io.StringIO()
     return Progress("[x] work", total, unit, interval=30, file=out, clock=clock, **kw), clock, out
 
 
@@ -39,11 +32,11 @@ def test_format_duration() -> None:
 
 def test_lines_have_the_rate_and_eta_and_come_at_an_interval() -> None:
     p, clock, out = _progress(total=100)
-    clock.t += 10
+    clock.now += 10
     assert p.update(5) == "[x] work: step 5/100 (5.0%) | 0.5 step/s | 10s elapsed | ETA 3m10s"
-    clock.t += 10
+    clock.now += 10
     assert p.update(5) is None  # within the interval: quiet
-    clock.t += 20
+    clock.now += 20
     assert p.update(10, extra="1234 tok/s") == (
         "[x] work: step 20/100 (20.0%) | 0.5 step/s, 1234 tok/s | 40s elapsed | ETA 2m40s")
     assert p.update(0, force=True, eta_s=60).endswith("| ETA 1m00s")  # an ETA of its own
@@ -54,16 +47,16 @@ def test_lines_have_the_rate_and_eta_and_come_at_an_interval() -> None:
 
 def test_a_resumed_run_counts_only_this_sessions_rate() -> None:
     p, clock, _ = _progress(total=100, done=50)
-    clock.t += 10
+    clock.now += 10
     assert p.update(10) == "[x] work: step 60/100 (60.0%) | 1 step/s | 10s elapsed | ETA 40s"
 
 
 def test_bytes_and_uncounted_steps() -> None:
     p, clock, _ = _progress(total=90e6, unit="B")
-    clock.t += 4
+    clock.now += 4
     assert p.update(30e6) == "[x] work: 30.0 MB/90.0 MB (33.3%) | 7.5 MB/s | 4s elapsed | ETA 8s"
     q, clock, _ = _progress(unit="")
-    clock.t += 75
+    clock.now += 75
     assert q.line() == "[x] work | 1m15s elapsed"
     assert q.close() == "[x] work: done in 1m15s"
 
