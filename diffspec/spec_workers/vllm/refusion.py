@@ -11,7 +11,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -23,12 +23,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-from diffspec.core.slots import (
-    committed_slot_lengths,
-    first_stop_in_slots,
-    select_slots,
-    verify_slot_drafts,
-)
+from diffspec.core.refusion import SlotForwards, SlotRule, SlotRun, refusion_decode, slot_output
 from diffspec.spec_workers.vllm.fast_dllm import (
     FINISHED_KEPT,
     DiffusionModelState,
@@ -110,23 +105,14 @@ def _row_stats(logits_of: Callable[[Tensor], Tensor], source: Tensor, index: Ten
 
 
 @dataclass
-class _Request:
-    """One request in flight (host side), kept by its vLLM slot."""
+class _Request(SlotRun):
+    """One request in flight (host side), kept by its vLLM slot; its ``prompt_len`` and
+    ``batch`` are set when its decoding step starts."""
 
     max_tokens: int
     stops: tuple[int, ...]
     phase: int = PREFILL
-    # set when its decoding step starts
-    batch: int = -1
-    prompt_len: int = 0  # cache entries before the generation (the prompt, causal)
-    committed: int = 0  # cache entries of the generation holding committed tokens
-    masked: list[int] = field(default_factory=list)  # masked slots of the serial block
-    slot_tokens: dict[int, list[int]] = field(default_factory=dict)
-    stopped: bool = False
-
-    @property
-    def kv_len(self) -> int:
-        return self.prompt_len + self.committed
+    batch: int = -1  # its row in the decoding step's input batch
 
 
 class ReFusionModelState(DiffusionModelState):
@@ -151,6 +137,8 @@ class ReFusionModelState(DiffusionModelState):
         self.slot_threshold = float(settings["slot_threshold"])
         self.token_threshold = float(settings["token_threshold"])
         self.mask_token_id = int(settings["mask_token_id"])
+        self.rule = SlotRule(self.slot_size, self.num_blocks, self.slot_threshold,
+                             self.token_threshold, self.mask_token_id)
         self.canvas = int(vllm_config.diffusion_config.canvas_length)
         # vLLM hashes a request's generated blocks into the prefix cache (0.33 whenever
         # drafts are scheduled, async scheduling always): their K/V must then be what a
@@ -359,7 +347,7 @@ class ReFusionSampler(DiffusionSampler):
         if decoding:
             self._decode([r for _, r in decoding], self._first_plans(logits, decoding, cu),
                          input_batch)
-            outputs = [_tokens(req) for _, req in decoding]
+            outputs = [slot_output(req, req.stops, req.max_tokens) for _, req in decoding]
             if state.reencode:
                 self._reencode([r for _, r in decoding], outputs, input_batch)
             for (i, req), tokens in zip(decoding, outputs):
@@ -383,7 +371,9 @@ class ReFusionSampler(DiffusionSampler):
     def _decode(self, reqs: list[_Request], firsts: list[_RowStats], input_batch: Any) -> None:
         """Every request's rounds to the end; one engine forward per round holds the
         sequences of every request that has a forward to run."""
-        decoders = [self._rounds(r, f) for r, f in zip(reqs, firsts)]
+        st = self.state
+        decoders = [refusion_decode(r, st.rule, _Forwards(r, st.slot_size, f), r.max_tokens,
+                                    r.stops) for r, f in zip(reqs, firsts)]
         wants: dict[int, list[_Seq]] = {}
 
         def advance(k: int, value: list[Tensor] | None) -> None:
@@ -418,106 +408,6 @@ class ReFusionSampler(DiffusionSampler):
             rid = input_batch.req_ids[r.batch]
             self.state.forwards.count(rid)
 
-    # -------------------------------------------------------------- one request's rounds
-
-    def _rounds(self, req: _Request, first: _RowStats) -> _Decoder:
-        """The request's serial blocks, round after round (the reference's loop);
-        ``first``: the canvas forward's, the first round's plan."""
-        S, blocks = self.state.slot_size, self.state.num_blocks
-        per_block = _plan_rows(req.max_tokens, S, blocks) // S
-        plan: _RowStats | None = first
-        for serial in range(blocks):
-            req.masked = list(range(serial * per_block, (serial + 1) * per_block))
-            while req.masked:
-                yield from self._round(req, plan)
-                plan = None
-            if req.stopped:
-                break
-
-    def _round(self, req: _Request, plan: _RowStats | None) -> _Decoder:
-        """Plan, global verify, parallel completion: commits at least one slot."""
-        st, S, b = self.state, self.state.slot_size, req.batch
-        mask = st.mask_token_id
-
-        # plan: the masked slots (original order, true positions) over the committed KV
-        masked = torch.tensor(req.masked)  # [m]
-        positions = req.prompt_len + masked[:, None] * S + torch.arange(S)  # [m, S]
-        if plan is None:  # (the first plan is the canvas forward: masks from the prompt on)
-            [plan] = yield [_Seq(b, torch.full((positions.numel(),), mask), positions.view(-1),
-                                 req.kv_len)]
-        n = positions.numel()
-        scores = plan.top_prob[:n].view(len(masked), S)[:, 0]  # score_slots' plan scores
-        chosen = select_slots(scores, st.slot_threshold).nonzero().flatten()
-        slots, positions = masked[chosen], positions[chosen]  # [k], [k, S]
-        drafts = plan.argmax[:n].view(len(masked), S)[chosen]  # [k, S]
-
-        # global verify: the drafts one after another, causally, writing their KV in place
-        [out] = yield [_Seq(b, drafts.view(-1), positions.view(-1), req.kv_len)]
-        accepted = self._accept(drafts, out.next_prob.view(len(slots), S), 0)
-        stop_at = first_stop_in_slots(drafts, accepted, req.stops)
-        keep, stopped = committed_slot_lengths(accepted, stop_at, S)
-        if keep:
-            lead = len(keep)
-            self._commit(req, slots[:lead], drafts[:lead], keep, stopped)
-            return
-
-        # parallel completion: one row per chosen slot, each over the committed KV only
-        tokens, rows = drafts.clone(), len(slots)
-        keep, stopped, start = [S] * rows, False, 0
-        while int(accepted.min()) < S:
-            open_ = torch.arange(S)[None] >= accepted[:, None]  # [rows, S]
-            outs = yield self._rows(req, torch.where(open_, mask, tokens), positions, start)
-            proposed = torch.stack([o.argmax for o in outs])  # [rows, S - start]
-            tokens[:, start:] = torch.where(open_[:, start:], proposed, tokens[:, start:])
-            outs = yield self._rows(req, tokens, positions, start)
-            accepted = self._accept(tokens, torch.stack([o.next_prob for o in outs]), start,
-                                    accepted)
-            stop_at = first_stop_in_slots(tokens, accepted, req.stops)
-            if bool((stop_at >= 0).any()):  # rows after the first stop are dropped
-                stopped, rows = True, int((stop_at >= 0).nonzero()[0]) + 1
-                tokens, positions, accepted = tokens[:rows], positions[:rows], accepted[:rows]
-                keep = [S] * (rows - 1) + [int(stop_at[rows - 1]) + 1]
-                accepted[-1] = S
-                slots = slots[:rows]
-            start = int(accepted.min())
-        self._commit(req, slots, tokens, keep, stopped)
-
-    def _rows(self, req: _Request, tokens: Tensor, positions: Tensor, start: int
-              ) -> list[_Seq]:
-        """The completion forward's sequences. One row: its window ``[start:]`` over the
-        committed KV and its own first ``start`` entries. Several rows: each row whole, in
-        its own attention call over the committed KV (they share the entries after it),
-        and rows ``r >= 1`` copied to their commit-order entries (row ``r`` after ``r``
-        full slots: only the last row may be cut, by a stop). Either way the logits of
-        the window ``[start:]`` are read."""
-        b, L, S = req.batch, req.kv_len, self.state.slot_size
-        if len(tokens) == 1:
-            return [_Seq(b, tokens[0, start:], positions[0, start:], L + start)]
-        return [_Seq(b, tokens[r], positions[r], L, phase=r, final=L + r * S if r else None,
-                     logits_from=start) for r in range(len(tokens))]
-
-    def _accept(self, tokens: Tensor, next_probs: Tensor, start: int,
-                accepted: Tensor | None = None) -> Tensor:  # [rows]
-        """Token-threshold acceptance of ``tokens`` [rows, S] from the causal pass over the
-        window ``[start:]``, as the reference's ``_verify``: ``next_probs`` [rows, S - start],
-        window row ``j``'s softmax probability of token ``start + j + 1``."""
-        probs = torch.ones(tokens.shape, dtype=torch.float32)
-        probs[:, start + 1:] = next_probs[:, :-1]
-        return verify_slot_drafts(tokens, probs, self.state.token_threshold, accepted)
-
-    @staticmethod
-    def _commit(req: _Request, slots: Tensor, tokens: Tensor, keep: list[int],
-                stopped: bool) -> None:
-        """Committed slots' KV is in place, in this order: move the length."""
-        for slot, row, k in zip(slots.tolist(), tokens.tolist(), keep):
-            req.slot_tokens[slot] = row[:k]
-            req.masked.remove(slot)
-            req.committed += k
-        if stopped:  # nothing after the stop slot will be generated
-            req.stopped = True
-            last = int(slots[-1])
-            req.masked = [s for s in req.masked if s < last]
-
     # ------------------------------------------------------------------ engine plumbing
 
     def _write_canvases(self, slots: list[int]) -> None:
@@ -539,14 +429,47 @@ def _plan_rows(max_tokens: int, slot_size: int, num_blocks: int) -> int:
     return _gen_len(max_tokens, slot_size) // slot_size // num_blocks * slot_size
 
 
-def _tokens(req: _Request) -> list[int]:
-    """The slots in original order, cut after the first stop and at ``max_tokens``."""
-    tokens: list[int] = []
-    slot = 0
-    while slot in req.slot_tokens:  # only slots after a stop are never generated
-        tokens += req.slot_tokens[slot]
-        slot += 1
-    for i, t in enumerate(tokens):
-        if t in req.stops:
-            return tokens[: i + 1][: req.max_tokens]
-    return tokens[: req.max_tokens]
+class _Forwards(SlotForwards):
+    """One request's forwards as sequences of :meth:`ReFusionSampler._decode`'s engine
+    forwards: each yields its :class:`_Seq` list and is sent their :class:`_RowStats`.
+    ``first``: the canvas forward's row stats, the first round's plan."""
+
+    def __init__(self, req: _Request, slot_size: int, first: _RowStats) -> None:
+        self.req, self.slot_size = req, slot_size
+        self.first: _RowStats | None = first
+
+    def plan(self, input_ids: Tensor, positions: Tensor) -> _Decoder:
+        m, S = positions.shape
+        plan, self.first = self.first, None
+        if plan is None:  # (the first plan is the canvas forward: masks from the prompt on)
+            [plan] = yield [_Seq(self.req.batch, input_ids.view(-1), positions.view(-1),
+                                 self.req.kv_len)]
+        n = m * S
+        return plan.top_prob[:n].view(m, S)[:, 0], plan.argmax[:n].view(m, S)
+
+    def verify(self, input_ids: Tensor, positions: Tensor) -> _Decoder:
+        k, S = positions.shape
+        [out] = yield [_Seq(self.req.batch, input_ids.view(-1), positions.view(-1),
+                            self.req.kv_len)]
+        return out.next_prob.view(k, S)[:, :-1]
+
+    def draft(self, input_ids: Tensor, positions: Tensor, start: int) -> _Decoder:
+        outs = yield self._rows(input_ids, positions, start)
+        return torch.stack([o.argmax for o in outs])  # [rows, S - start]
+
+    def check(self, input_ids: Tensor, positions: Tensor, start: int) -> _Decoder:
+        outs = yield self._rows(input_ids, positions, start)
+        return torch.stack([o.next_prob for o in outs])[:, :-1]
+
+    def _rows(self, tokens: Tensor, positions: Tensor, start: int) -> list[_Seq]:
+        """The completion forward's sequences. One row: its window ``[start:]`` over the
+        committed KV and its own first ``start`` entries. Several rows: each row whole, in
+        its own attention call over the committed KV (they share the entries after it),
+        and rows ``r >= 1`` copied to their commit-order entries (row ``r`` after ``r``
+        full slots: only the last row may be cut, by a stop). Either way the logits of
+        the window ``[start:]`` are read."""
+        b, L, S = self.req.batch, self.req.kv_len, self.slot_size
+        if len(tokens) == 1:
+            return [_Seq(b, tokens[0, start:], positions[0, start:], L + start)]
+        return [_Seq(b, tokens[r], positions[r], L, phase=r, final=L + r * S if r else None,
+                     logits_from=start) for r in range(len(tokens))]
