@@ -6,7 +6,7 @@ Design notes: docs/design/core.md (section ``diffspec/core/refusion.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,15 +21,8 @@ from diffspec.core.slots import (
     verify_slot_drafts,
 )
 
-__all__ = [
-    "SlotForwards",
-    "SlotRule",
-    "SlotRun",
-    "next_token_probs",
-    "plan_from_logits",
-    "refusion_decode",
-    "slot_output",
-]
+__all__ = ["LogitsForwards", "SlotForwards", "SlotRule", "SlotRun", "refusion_decode",
+           "slot_output"]
 
 # What an engine's forward generators yield (its own forward requests) and are sent back.
 _Forward = Generator[Any, Any, Any]
@@ -43,6 +36,13 @@ class SlotRule(NamedTuple):
     slot_threshold: float  # plan: slots whose first-token probability is over it
     token_threshold: float  # verify: drafts whose causal probability is over it
     mask_token_id: int
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any], mask_token_id: int) -> SlotRule:
+        """From resolved settings (``slot_size``, ``num_blocks`` and the two thresholds)."""
+        return cls(int(settings["slot_size"]), int(settings["num_blocks"]),
+                   float(settings["slot_threshold"]), float(settings["token_threshold"]),
+                   int(mask_token_id))
 
 
 @dataclass(kw_only=True)
@@ -73,13 +73,13 @@ class SlotForwards(ABC):
     def plan(self, input_ids: Tensor, positions: Tensor) -> _Forward:
         """The masked slots (``input_ids`` all masks), their K/V not kept; returns the plan
         scores ``[m]`` (:func:`~diffspec.core.slots.score_slots`) and the argmax
-        ``[m, slot_size]`` (:func:`plan_from_logits`)."""
+        ``[m, slot_size]``."""
 
     @abstractmethod
     def verify(self, input_ids: Tensor, positions: Tensor) -> _Forward:
         """The chosen drafts, one slot after another as one causal sequence, writing their
-        K/V after the committed entries; returns :func:`next_token_probs` per slot
-        ``[k, slot_size - 1]``."""
+        K/V after the committed entries; returns per slot the causal probability of each
+        draft after its first ``[k, slot_size - 1]`` (of token ``j + 1`` at row ``j``)."""
 
     @abstractmethod
     def draft(self, input_ids: Tensor, positions: Tensor, start: int) -> _Forward:
@@ -89,8 +89,8 @@ class SlotForwards(ABC):
 
     @abstractmethod
     def check(self, input_ids: Tensor, positions: Tensor, start: int) -> _Forward:
-        """Parallel completion's verify pass, laid out as :meth:`draft`; returns the
-        window's :func:`next_token_probs` ``[rows, slot_size - start - 1]``."""
+        """Parallel completion's verify pass, laid out as :meth:`draft`; returns the causal
+        probability of each window token after the first ``[rows, slot_size - start - 1]``."""
 
     def open_rows(self, rows: int) -> _Forward:
         """Parallel completion starts with ``rows`` rows, after a verify that committed
@@ -112,13 +112,39 @@ class SlotForwards(ABC):
         records them."""
 
 
-def plan_from_logits(logits: Tensor) -> tuple[Tensor, Tensor]:  # [m], [m, S]
-    """The plan scores and argmax of the plan forward's logits ``[m, S, vocab]``."""
-    scores, _ = score_slots(logits[:, 0])
-    return scores, logits.argmax(dim=-1)
+class LogitsForwards(SlotForwards):
+    """:class:`SlotForwards` over one engine forward that returns fp32 logits (the
+    reference's, SGLang's): :meth:`forward` runs every row causally over the committed KV
+    and the row's own first ``start`` entries, writing its K/V after them."""
+
+    @abstractmethod
+    def forward(self, input_ids: Tensor, positions: Tensor, start: int) -> _Forward:
+        """``input_ids`` at ``positions`` (``[rows, n]``); returns the logits
+        ``[rows, n, vocab]`` (fp32)."""
+
+    def plan(self, input_ids: Tensor, positions: Tensor) -> _Forward:
+        m, S = positions.shape
+        logits = yield from self.forward(input_ids.view(1, -1), positions.view(1, -1), 0)
+        logits = logits.view(m, S, -1)
+        scores, _ = score_slots(logits[:, 0])
+        return scores, logits.argmax(dim=-1)
+
+    def verify(self, input_ids: Tensor, positions: Tensor) -> _Forward:
+        k, S = positions.shape
+        logits = yield from self.forward(input_ids.view(1, -1), positions.view(1, -1), 0)
+        return _next_token_probs(logits.view(k, S, -1), input_ids)
+
+    def draft(self, input_ids: Tensor, positions: Tensor, start: int) -> _Forward:
+        logits = yield from self.forward(input_ids[:, start:], positions[:, start:], start)
+        return logits.argmax(-1)
+
+    def check(self, input_ids: Tensor, positions: Tensor, start: int) -> _Forward:
+        window = input_ids[:, start:]
+        logits = yield from self.forward(window, positions[:, start:], start)
+        return _next_token_probs(logits, window)
 
 
-def next_token_probs(logits: Tensor, input_ids: Tensor) -> Tensor:  # [rows, n - 1]
+def _next_token_probs(logits: Tensor, input_ids: Tensor) -> Tensor:  # [rows, n - 1]
     """Each row's softmax probability of its next input token: of ``input_ids[:, j + 1]``
     under ``logits[:, j]`` (``logits`` [rows, n, vocab] fp32, ``input_ids`` [rows, n])."""
     return torch.softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]

@@ -12,15 +12,7 @@ import torch
 from torch import Tensor
 
 from diffspec.core.kv import rollback_kv
-from diffspec.core.refusion import (
-    SlotForwards,
-    SlotRule,
-    SlotRun,
-    next_token_probs,
-    plan_from_logits,
-    refusion_decode,
-    slot_output,
-)
+from diffspec.core.refusion import LogitsForwards, SlotRule, SlotRun, refusion_decode, slot_output
 from diffspec.methods import get_method
 from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
@@ -139,25 +131,21 @@ def _generate_one(model, request: Request, cfg: ReFusionConfig, mask_id: int) ->
     return _finish(run, request)
 
 
-class _Forwards(SlotForwards):
+class _Forwards(LogitsForwards):
     """The forwards of :func:`refusion_generate` on its ``DynamicCache``: each yields
-    ``(input_ids, position_ids)`` [rows, n] and is sent their fp32 logits; the cache is
-    rolled back to the committed entries (plus a completion's final window head)."""
+    ``(input_ids, position_ids)`` [rows, n] and is sent their fp32 logits, after rolling
+    the cache back to the committed entries and each row's first ``start``."""
 
     def __init__(self, run: _Run, slot_size: int) -> None:
         self.run, self.slot_size = run, slot_size
 
-    def plan(self, input_ids: Tensor, positions: Tensor):
-        m, S = positions.shape
-        logits = yield input_ids.view(1, -1), positions.view(1, -1)
-        rollback_kv(self.run.cache, self.run.kv_len)
-        return plan_from_logits(logits.view(m, S, -1))
+    def forward(self, input_ids: Tensor, positions: Tensor, start: int):
+        rollback_kv(self.run.cache, self.run.kv_len + start)
+        return (yield input_ids, positions)
 
     def verify(self, input_ids: Tensor, positions: Tensor):
-        k, S = positions.shape
-        self.run.output.slots_per_plan.append(k)  # the slots the plan chose
-        logits = yield input_ids.view(1, -1), positions.view(1, -1)
-        return next_token_probs(logits.view(k, S, -1), input_ids)
+        self.run.output.slots_per_plan.append(len(input_ids))  # the slots the plan chose
+        return (yield from super().verify(input_ids, positions))
 
     def open_rows(self, rows: int):
         """Each row over a copy of the committed KV (the batch dimension)."""
@@ -165,18 +153,6 @@ class _Forwards(SlotForwards):
         if rows > 1:
             self.run.cache.batch_repeat_interleave(rows)
         yield from ()
-
-    def draft(self, input_ids: Tensor, positions: Tensor, start: int):
-        rollback_kv(self.run.cache, self.run.kv_len + start)
-        logits = yield input_ids[:, start:], positions[:, start:]
-        rollback_kv(self.run.cache, self.run.kv_len + start)
-        return logits.argmax(-1)
-
-    def check(self, input_ids: Tensor, positions: Tensor, start: int):
-        rollback_kv(self.run.cache, self.run.kv_len + start)
-        window = input_ids[:, start:]
-        logits = yield window, positions[:, start:]
-        return next_token_probs(logits, window)
 
     def keep_rows(self, rows: int) -> None:
         self.run.cache.batch_select_indices(torch.arange(rows, device=self.run.device))

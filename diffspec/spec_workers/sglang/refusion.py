@@ -15,15 +15,7 @@ from sglang.srt.dllm.algorithm.base import DllmAlgorithm
 from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from diffspec.core.refusion import (
-    SlotForwards,
-    SlotRule,
-    SlotRun,
-    next_token_probs,
-    plan_from_logits,
-    refusion_decode,
-    slot_output,
-)
+from diffspec.core.refusion import LogitsForwards, SlotRule, SlotRun, refusion_decode, slot_output
 from diffspec.spec_workers.sglang.fast_dllm import batch_requests, request_stop_ids
 from diffspec.spec_workers.sglang.requests import refusion_request_error
 
@@ -73,13 +65,9 @@ class ReFusion(DllmAlgorithm):
     def __init__(self, config: DllmConfig) -> None:
         super().__init__(config)
         cfg = config.algorithm_config
-        self.slot_size = int(cfg["slot_size"])
-        self.slot_threshold = float(cfg["slot_threshold"])
-        self.token_threshold = float(cfg["token_threshold"])
-        self.num_blocks = int(cfg["num_blocks"])
+        self.rule = SlotRule.of(cfg, self.mask_id)
+        self.slot_size = self.rule.slot_size
         self.vocab_size = int(cfg["vocab_size"])
-        self.rule = SlotRule(self.slot_size, self.num_blocks, self.slot_threshold,
-                             self.token_threshold, self.mask_id)
         self._last_output = None  # the logits output of the latest forward (to the scheduler)
 
     @classmethod
@@ -207,7 +195,7 @@ class ReFusion(DllmAlgorithm):
                 for p, part in zip(parts, logits.split(sizes))]
 
 
-class _Forwards(SlotForwards):
+class _Forwards(LogitsForwards):
     """One request's forwards as rows of :meth:`ReFusion._drive`'s engine forwards: each
     yields its :class:`_Rows` (None: waiting for scratch rows of the request pool) and is
     sent their fp32 logits. Every forward writes its K/V behind the committed entries;
@@ -215,38 +203,19 @@ class _Forwards(SlotForwards):
 
     def __init__(self, algo: ReFusion, runner, block: _Block) -> None:
         self.algo, self.runner, self.b = algo, runner, block
-        self.pools: list[int] = []
+        self.pools = [block.pool]  # the req_to_token row of each row (scratch ones: completion)
 
-    def plan(self, input_ids: torch.Tensor, positions: torch.Tensor) -> _Decoder:
-        m, S = positions.shape
-        logits = yield self.b.rows([self.b.pool], 0, input_ids.view(1, -1), positions.view(1, -1))
-        return plan_from_logits(logits.view(m, S, -1))
-
-    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor) -> _Decoder:
-        k, S = positions.shape
-        logits = yield self.b.rows([self.b.pool], 0, input_ids.view(1, -1), positions.view(1, -1))
-        return next_token_probs(logits.view(k, S, -1), input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int) -> _Decoder:
+        return (yield self.b.rows(self.pools[: len(input_ids)], start, input_ids, positions))
 
     def open_rows(self, rows: int) -> _Decoder:
         while (pools := self.algo._row_pools(self.runner, self.b, rows)) is None:
             yield None  # other requests' completions hold the free pool rows
         self.pools = pools
 
-    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int) -> _Decoder:
-        logits = yield self._rows(input_ids, positions, start)
-        return logits.argmax(-1)
-
-    def check(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int) -> _Decoder:
-        logits = yield self._rows(input_ids, positions, start)
-        return next_token_probs(logits, input_ids[:, start:])
-
     def close_rows(self) -> None:
         self.runner.req_to_token_pool.free_rows(self.pools[1:])
-
-    def _rows(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int) -> _Rows:
-        """Each row's window ``[start:]`` over the committed KV and its own first entries."""
-        return self.b.rows(self.pools[: len(input_ids)], start, input_ids[:, start:],
-                           positions[:, start:])
+        self.pools = self.pools[:1]
 
 
 Algorithm = ReFusion

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
+from contextlib import nullcontext
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -24,14 +23,15 @@ from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappin
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
 from diffspec.core.refusion import SlotForwards, SlotRule, SlotRun, refusion_decode, slot_output
-from diffspec.spec_workers.vllm.fast_dllm import (
+from diffspec.spec_workers.vllm.diffusion_state import (
     FINISHED_KEPT,
+    CanvasSampler,
     DiffusionModelState,
-    DiffusionSampler,
     request_stops,
 )
 from diffspec.spec_workers.vllm.forward import decoder_forward
 from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS
+from diffspec.spec_workers.vllm.split_attention import SplitAttention, swap_attention
 
 __all__ = ["ReFusionModelState", "ReFusionSampler", "logit_rows"]
 
@@ -132,13 +132,9 @@ class ReFusionModelState(DiffusionModelState):
                 "load diffspec's vLLM plugin in every vLLM process (it is the "
                 "vllm.general_plugins entry point 'diffspec'): ReFusion's settings were not "
                 "resolved by its config hook (diffspec.plugin.vllm.refusion)")
-        self.slot_size = int(settings["slot_size"])
-        self.num_blocks = int(settings["num_blocks"])
-        self.slot_threshold = float(settings["slot_threshold"])
-        self.token_threshold = float(settings["token_threshold"])
-        self.mask_token_id = int(settings["mask_token_id"])
-        self.rule = SlotRule(self.slot_size, self.num_blocks, self.slot_threshold,
-                             self.token_threshold, self.mask_token_id)
+        self.rule = SlotRule.of(settings, settings["mask_token_id"])
+        self.slot_size, self.num_blocks = self.rule.slot_size, self.rule.num_blocks
+        self.mask_token_id = self.rule.mask_token_id
         self.canvas = int(vllm_config.diffusion_config.canvas_length)
         # vLLM hashes a request's generated blocks into the prefix cache (0.33 whenever
         # drafts are scheduled, async scheduling always): their K/V must then be what a
@@ -231,69 +227,35 @@ class ReFusionModelState(DiffusionModelState):
             return decoder_forward(model.model, input_ids, positions)
 
 
-@contextmanager
-def _phased_attention(model: nn.Module, phases: list | None, final: tuple | None
-                      ) -> Iterator[None]:
+def _phased_attention(model: nn.Module, phases: list | None, final: tuple | None):
     """Swap every layer's ``Attention`` for a :class:`_PhasedAttention` (``phases`` None:
     one attention call per layer, the forward context's)."""
     if phases is None:
-        yield
-        return
-    inner = model.model
-    holders = [layer.self_attn for layer in islice(inner.layers, inner.start_layer,
-                                                   inner.end_layer)]
-    originals = [h.attn for h in holders]
-    try:
-        for holder, attn in zip(holders, originals):
-            holder.attn = _PhasedAttention(attn, phases, final)
-        yield
-    finally:
-        for holder, attn in zip(holders, originals):
-            holder.attn = attn
+        return nullcontext()
+    return swap_attention(model, lambda attn: _PhasedAttention(attn, phases, final))
 
 
-class _PhasedAttention(nn.Module):
+class _PhasedAttention(SplitAttention):
     """One layer's attention as one call per phase (the parallel-completion rows of a
     request share its cache entries after the committed ones: each row writes its K/V
     there and attends, row 0 last, so row 0's K/V stay in place), then the K/V of the other
     rows are written to their commit-order entries (``final``)."""
 
     def __init__(self, attn: nn.Module, phases: list, final: tuple | None) -> None:
-        super().__init__()
-        object.__setattr__(self, "attn", attn)  # not a submodule: the layer still owns it
+        super().__init__(attn)
         self.phases = phases
         self.final = final
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> Tensor:
-        # query: [T, heads * head_dim]; key, value: [T, kv_heads * head_dim]
-        from vllm.forward_context import get_forward_context
-        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
-
-        attn, name = self.attn, self.attn.layer_name
-        out = torch.empty((query.shape[0], attn.num_heads * attn.head_size_v),
-                          dtype=query.dtype, device=query.device)
-        context = get_forward_context()
-        saved = context.attn_metadata[name], context.slot_mapping[name]
-        try:
-            for index, metadata, mapping in self.phases:
-                context.attn_metadata[name], context.slot_mapping[name] = (metadata[name],
-                                                                           mapping[name])
-                out[index] = attn(query[index], key[index], value[index])
-            if self.final is not None:
-                index, slots = self.final
-                context.slot_mapping[name] = slots
-                unified_kv_cache_update(key[index].view(-1, attn.num_kv_heads, attn.head_size),
-                                        value[index].view(-1, attn.num_kv_heads,
-                                                          attn.head_size_v), name)
-        finally:
-            context.attn_metadata[name], context.slot_mapping[name] = saved
-        return out
+    def calls(self, slot_mapping: Tensor) -> tuple[list, tuple | None]:
+        name = self.attn.layer_name
+        return [(index, metadata[name], mapping[name])
+                for index, metadata, mapping in self.phases], self.final
 
 
 # ------------------------------------------------------------------------------ sampler
 
 
-class ReFusionSampler(DiffusionSampler):
+class ReFusionSampler(CanvasSampler):
     """Replaces vLLM's sampler for ReFusion: after a request's prefill its canvas (draft
     tokens) is all masks; on its canvas step the request's whole generation is decoded
     (with the other decoding requests of the step, several per forward) and emitted."""
@@ -312,21 +274,11 @@ class ReFusionSampler(DiffusionSampler):
                  draft_logits: Tensor | None = None) -> SamplerOutput:
         # logits: [num_logits, vocab]; a canvas step has its scheduled rows, a prefill none
         state, S = self.state, self.state.slot_size
-        num_reqs = input_batch.num_reqs
-        slots = input_batch.idx_mapping_np[:num_reqs].tolist()
-        cu = input_batch.cu_num_logits_np[: num_reqs + 1]
-        query = np.diff(input_batch.query_start_loc_np[: num_reqs + 1])
-        emit = np.zeros(num_reqs, dtype=np.int32)
-        rejected = np.zeros(num_reqs, dtype=np.int32)
-        sampled = torch.zeros(num_reqs, state.canvas, dtype=torch.long)
+        num_reqs, slots, cu, _, query, emit, rejected, sampled = self._begin_step(input_batch)
         decoding: list[tuple[int, _Request]] = []
-        for i, s in enumerate(slots):
-            req = state.states.get(s)
-            rows = int(cu[i + 1] - cu[i])
-            if req is None:  # a dummy (profiling) request
-                continue
+        for i, req, rows, prefilled in self._step_requests(input_batch, slots, cu):
             if req.phase == PREFILL:
-                if rows == 0 and self._prefill_done(input_batch, i):
+                if prefilled:
                     req.phase = DECODE
                 continue
             rejected[i] = int(query[i])  # unless it decodes below
@@ -371,9 +323,7 @@ class ReFusionSampler(DiffusionSampler):
     def _decode(self, reqs: list[_Request], firsts: list[_RowStats], input_batch: Any) -> None:
         """Every request's rounds to the end; one engine forward per round holds the
         sequences of every request that has a forward to run."""
-        st = self.state
-        decoders = [refusion_decode(r, st.rule, _Forwards(r, st.slot_size, f), r.max_tokens,
-                                    r.stops) for r, f in zip(reqs, firsts)]
+        decoders = [self._rounds(r, f) for r, f in zip(reqs, firsts)]
         wants: dict[int, list[_Seq]] = {}
 
         def advance(k: int, value: list[Tensor] | None) -> None:
@@ -395,6 +345,13 @@ class ReFusionSampler(DiffusionSampler):
                 self.state.forwards.count(rid)
                 advance(k, [next(outs) for _ in wants[k]])
         self.state.decode_steps.append(([req_ids[r.batch] for r in reqs], forwards))
+
+    def _rounds(self, req: _Request, first: _RowStats) -> _Decoder:
+        """The request's serial blocks, round after round (the reference's rounds);
+        ``first``: the canvas forward's, the first round's plan."""
+        st = self.state
+        return refusion_decode(req, st.rule, _Forwards(req, st.slot_size, first),
+                               req.max_tokens, req.stops)
 
     def _reencode(self, reqs: list[_Request], outputs: list[list[int]],
                   input_batch: Any) -> None:
