@@ -31,12 +31,12 @@ from diffspec.assets import SYNTH_DLLM_DIR, SYNTH_REFUSION_DIR
 from diffspec.plugin.engine_sources import Target, problems
 from diffspec.plugin.versions import SUPPORTED_ENGINE_VERSIONS
 from diffspec.plugin.vllm.dllm import DiffusionConfigError, fast_dllm_request_error
-from diffspec.spec_workers.vllm.fast_dllm import (
+from diffspec.spec_workers.vllm.diffusion_state import (
     FINISHED_KEPT,
-    FastDLLMModelState,
     ForwardCounts,
     ignored_sampling,
 )
+from diffspec.spec_workers.vllm.fast_dllm import FastDLLMModelState
 
 pytestmark = pytest.mark.engine
 

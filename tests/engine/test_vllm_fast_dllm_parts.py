@@ -43,6 +43,7 @@ from diffspec.plugin.vllm import dllm as hook
 from diffspec.plugin.vllm.dllm import DEFAULT_BLOCK, diffusion_block_size
 from diffspec.spec_workers.reference.decoder import Request
 from diffspec.spec_workers.reference.fast_dllm import FastDLLMConfig, fast_dllm_generate
+from diffspec.spec_workers.vllm.diffusion_state import request_stops
 from diffspec.spec_workers.vllm.fast_dllm import (
     COMPLETE,
     DENOISE,
@@ -54,7 +55,6 @@ from diffspec.spec_workers.vllm.fast_dllm import (
     block_outcome,
     complete_block,
     denoise_step,
-    request_stops,
     seed_token,
 )
 

@@ -16,11 +16,11 @@ import math
 import pytest
 import torch
 
+from diffspec.core import refusion as refusion_rounds
 from diffspec.core.checkpoint import CheckpointError
 from diffspec.core.sampling import SamplingParams
 from diffspec.core.slots import reorder_for_kv_reuse, score_slots
 from diffspec.model_executors.reference.refusion import load_refusion
-from diffspec.spec_workers.reference import refusion as refusion_module
 from diffspec.spec_workers.reference.decoder import Request
 from diffspec.spec_workers.reference.refusion import ReFusionConfig, refusion_generate
 from diffspec.testing.checkpoints import tiny_checkpoint, write_orthrus, write_qwen3, write_refusion
@@ -146,7 +146,7 @@ def plan_scores(monkeypatch):
         seen.append(scores.tolist())
         return scores, tokens
 
-    monkeypatch.setattr(refusion_module, "score_slots", spy)
+    monkeypatch.setattr(refusion_rounds, "score_slots", spy)
     return seen
 
 

@@ -12,13 +12,7 @@ import torch
 from torch import Tensor
 
 from diffspec.core.kv import rollback_kv
-from diffspec.core.slots import (
-    committed_slot_lengths,
-    first_stop_in_slots,
-    score_slots,
-    select_slots,
-    verify_slot_drafts,
-)
+from diffspec.core.refusion import LogitsForwards, SlotRule, SlotRun, refusion_decode, slot_output
 from diffspec.methods import get_method
 from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
@@ -77,17 +71,12 @@ class ReFusionOutput(RequestOutput):
     cache_position_ids: list[int] = field(default_factory=list)  # [cache_len] in cache order
 
 
-@dataclass
-class _Run:
+@dataclass(kw_only=True)
+class _Run(SlotRun):
     """One request in flight: the cache holds every committed token, in commit order."""
 
     cache: object  # DynamicCache, batch 1 between rounds
     position_ids: list[int]  # [cache_len] true position of each cache entry
-    slot_tokens: dict[int, list[int]]  # committed slot -> its tokens (cut after a stop)
-    masked: list[int]  # still-masked slots of the current block, in original order
-    first_position: int  # position of slot 0's first token (= prompt length)
-    device: torch.device
-    stopped: bool
     output: ReFusionOutput
 
 
@@ -112,7 +101,7 @@ def _generate_one(model, request: Request, cfg: ReFusionConfig, mask_id: int) ->
         raise ValueError("the ReFusion reference decoder is greedy only (temperature 0)")
     if request.stop_strings:
         raise ValueError("the ReFusion reference decoder supports stop_token_ids, not stop_strings")
-    gen_len, block_len = cfg.layout(request.max_tokens)
+    gen_len, _ = cfg.layout(request.max_tokens)
     prompt = request.prompt_token_ids
     request.check_fits(model.config.max_position_embeddings, model.config.vocab_size)
     if len(prompt) + gen_len > model.config.max_position_embeddings:
@@ -126,94 +115,68 @@ def _generate_one(model, request: Request, cfg: ReFusionConfig, mask_id: int) ->
     prompt_ids = torch.tensor([prompt], device=device)  # [1, prompt_len]
     _forward(model, cache, prompt_ids, torch.arange(len(prompt), device=device)[None])  # prefill
     output = ReFusionOutput(slot_rounds=[-1] * (gen_len // cfg.slot_size))
-    run = _Run(cache, list(range(len(prompt))), {}, [], len(prompt), device, False, output)
-
-    slots_per_block = block_len // cfg.slot_size
-    for block in range(cfg.num_blocks):
-        run.masked = list(range(block * slots_per_block, (block + 1) * slots_per_block))
-        while run.masked:
-            _round(model, run, cfg, mask_id, request.stop_token_ids)
-        if run.stopped:
+    run = _Run(cache=cache, position_ids=list(range(len(prompt))), output=output,
+               prompt_len=len(prompt), device=device)
+    rule = SlotRule(cfg.slot_size, cfg.num_blocks, cfg.slot_threshold, cfg.token_threshold,
+                    mask_id)
+    decoding = refusion_decode(run, rule, _Forwards(run, cfg.slot_size), request.max_tokens,
+                               request.stop_token_ids)
+    logits = None
+    while True:  # every forward the rounds ask for, one after another
+        try:
+            input_ids, position_ids = decoding.send(logits)
+        except StopIteration:
             break
+        logits = _forward(model, cache, input_ids, position_ids, output)
     return _finish(run, request)
 
 
-def _round(model, run: _Run, cfg: ReFusionConfig, mask_id: int, stop_ids: tuple[int, ...]) -> None:
-    """One plan-and-infill round: commits at least one slot (or a slot cut at a stop)."""
-    S, out, prefix_len = cfg.slot_size, run.output, len(run.position_ids)
+class _Forwards(LogitsForwards):
+    """The forwards of :func:`refusion_generate` on its ``DynamicCache``: each yields
+    ``(input_ids, position_ids)`` [rows, n] and is sent their fp32 logits, after rolling
+    the cache back to the committed entries and each row's first ``start``."""
 
-    # plan: one forward over the still-masked slots of the block, on top of the cache
-    masked = torch.tensor(run.masked, device=run.device)  # [m]
-    positions = _slot_positions(run, masked, S)  # [m, S]
-    logits = _forward(model, run.cache, torch.full_like(positions, mask_id).view(1, -1),
-                      positions.view(1, -1), out).view(len(masked), S, -1)  # [m, S, vocab]
-    rollback_kv(run.cache, prefix_len)
-    scores, _ = score_slots(logits[:, 0])  # [m]
-    chosen = select_slots(scores, cfg.slot_threshold).nonzero().flatten()  # ascending
-    slots, positions = masked[chosen], positions[chosen]  # [k], [k, S]
-    drafts = logits[chosen].argmax(dim=-1)  # [k, S]
-    out.slots_per_plan.append(len(slots))
+    def __init__(self, run: _Run, slot_size: int) -> None:
+        self.run, self.slot_size = run, slot_size
 
-    # global verify: the chosen drafts one after the other, causally, writing their KV
-    logits = _forward(model, run.cache, drafts.view(1, -1), positions.view(1, -1), out)
-    accepted = _verify(drafts, logits.view(len(slots), S, -1), 0, cfg.token_threshold, out)
-    stop_at = first_stop_in_slots(drafts, accepted, stop_ids)  # [k], -1 = none
-    keep, stopped = committed_slot_lengths(accepted, stop_at, S)  # leading complete slots
-    if keep:
-        lead = len(keep)
-        rollback_kv(run.cache, prefix_len + sum(keep))  # this pass's KV, in commit order
-        _commit(run, slots[:lead], drafts[:lead], keep, stopped=stopped)
-        return
-    rollback_kv(run.cache, prefix_len)
+    def forward(self, input_ids: Tensor, positions: Tensor, start: int):
+        rollback_kv(self.run.cache, self.run.kv_len + start)
+        return (yield input_ids, positions)
 
-    # parallel completion: one batch row per chosen slot, each over the prefix KV only
-    tokens, rows, stopped = drafts.clone(), len(slots), False
-    keep = [S] * rows
-    if rows > 1:
-        run.cache.batch_repeat_interleave(rows)
-    start = 0  # window start: positions before it are final, and in every row's cache
-    while int(accepted.min()) < S:
-        open_ = torch.arange(S, device=run.device)[None] >= accepted[:, None]  # [rows, S] to fill
-        window = slice(start, S)
-        draft_in = torch.where(open_, mask_id, tokens)[:, window]
-        proposed = _forward(model, run.cache, draft_in, positions[:, window], out).argmax(-1)
-        rollback_kv(run.cache, prefix_len + start)
-        tokens[:, window] = torch.where(open_[:, window], proposed, tokens[:, window])
-        logits = _forward(model, run.cache, tokens[:, window], positions[:, window], out)
-        accepted = _verify(tokens, logits, start, cfg.token_threshold, out, accepted)
-        stop_at = first_stop_in_slots(tokens, accepted, stop_ids)
-        if bool((stop_at >= 0).any()):  # rows after the first stop are dropped
-            stopped, rows = True, int((stop_at >= 0).nonzero()[0]) + 1
-            tokens, positions, accepted = tokens[:rows], positions[:rows], accepted[:rows]
-            keep = [S] * (rows - 1) + [int(stop_at[rows - 1]) + 1]
-            accepted[-1] = S
-            run.cache.batch_select_indices(torch.arange(rows, device=run.device))
-            slots = slots[:rows]
-        start = int(accepted.min())  # first open position of the slowest row (S: all done)
-        rollback_kv(run.cache, prefix_len + start)
-    _merge_rows(run.cache, prefix_len, keep)
-    _commit(run, slots, tokens, keep, stopped)
+    def verify(self, input_ids: Tensor, positions: Tensor):
+        self.run.output.slots_per_plan.append(len(input_ids))  # the slots the plan chose
+        return (yield from super().verify(input_ids, positions))
 
+    def open_rows(self, rows: int):
+        """Each row over a copy of the committed KV (the batch dimension)."""
+        rollback_kv(self.run.cache, self.run.kv_len)
+        if rows > 1:
+            self.run.cache.batch_repeat_interleave(rows)
+        yield from ()
 
-def _verify(
-    tokens: Tensor,  # [rows, S] drafts, the window [start:] fed to the verify pass
-    logits: Tensor,  # [rows, S - start, vocab] verify logits of the window
-    start: int,
-    threshold: float,
-    out: ReFusionOutput,
-    accepted: Tensor | None = None,  # [rows] accepted before this pass; None = 0
-) -> Tensor:  # [rows]
-    """Accept by the token threshold; count the drafts it judged and passed."""
-    # [rows, S]; entries at positions <= accepted are ignored by the rule
-    probs = torch.ones(tokens.shape, dtype=logits.dtype, device=tokens.device)
-    window = tokens[:, start + 1 :]
-    probs[:, start + 1 :] = torch.softmax(logits[:, :-1], -1).gather(-1, window[..., None])[..., 0]
-    before = torch.zeros_like(tokens[:, 0]) if accepted is None else accepted
-    new = verify_slot_drafts(tokens, probs, threshold, before)
-    judged = (tokens.shape[1] - 1 - before).clamp(min=0)  # drafts after the forced token
-    out.num_draft_tokens += int(judged.sum())
-    out.num_accepted_tokens += int((new - before - 1).clamp(min=0).sum())
-    return new
+    def keep_rows(self, rows: int) -> None:
+        self.run.cache.batch_select_indices(torch.arange(rows, device=self.run.device))
+
+    def verified(self, before: Tensor | None, accepted: Tensor) -> None:
+        """Count the drafts the token threshold judged and passed."""
+        out, S = self.run.output, self.slot_size
+        before = torch.zeros_like(accepted) if before is None else before
+        judged = (S - 1 - before).clamp(min=0)  # drafts after the forced token
+        out.num_draft_tokens += int(judged.sum())
+        out.num_accepted_tokens += int((accepted - before - 1).clamp(min=0).sum())
+
+    def commit(self, slots: Tensor, keep: list[int], parallel: bool) -> None:
+        """Keep the committed KV (the rows' laid one after another), trace the round."""
+        run, S = self.run, self.slot_size
+        if parallel:
+            _merge_rows(run.cache, run.kv_len, keep)
+        else:
+            rollback_kv(run.cache, run.kv_len + sum(keep))
+        round_ = len(run.output.slots_per_plan) - 1
+        for slot, k in zip(slots.tolist(), keep):
+            run.output.slot_rounds[slot] = round_
+            run.position_ids += [run.prompt_len + slot * S + j for j in range(k)]
+        run.output.accept_lengths.append(sum(keep))
 
 
 # ------------------------------------------------------------------------- bookkeeping
@@ -232,12 +195,6 @@ def _forward(
     return out.logits.float()
 
 
-def _slot_positions(run: _Run, slots: Tensor, slot_size: int) -> Tensor:  # [len(slots), S]
-    """True position ids of the given slots' tokens."""
-    offsets = torch.arange(slot_size, device=slots.device)
-    return run.first_position + slots[:, None] * slot_size + offsets[None]
-
-
 def _merge_rows(cache, prefix_len: int, keep: list[int]) -> None:
     """Lay each batch row's new KV (its first ``keep[r]`` entries after the prefix) one
     after another behind the shared prefix, back to batch 1: the commit order."""
@@ -249,35 +206,10 @@ def _merge_rows(cache, prefix_len: int, keep: list[int]) -> None:
             setattr(layer, name, torch.cat(parts, dim=2))
 
 
-def _commit(run: _Run, slots: Tensor, tokens: Tensor, keep: list[int], stopped: bool) -> None:
-    """Record committed slots (their KV is already in the cache, in this order)."""
-    S = tokens.shape[1]
-    round_ = len(run.output.slots_per_plan) - 1
-    for slot, row, k in zip(slots.tolist(), tokens.tolist(), keep):
-        run.slot_tokens[slot] = row[:k]
-        run.output.slot_rounds[slot] = round_
-        run.position_ids += [run.first_position + slot * S + j for j in range(k)]
-        run.masked.remove(slot)
-    run.output.accept_lengths.append(sum(keep))
-    if stopped:  # nothing after the stop slot will be generated
-        run.stopped = True
-        last = int(slots[-1])
-        run.masked = [s for s in run.masked if s < last]
-
-
 def _finish(run: _Run, request: Request) -> ReFusionOutput:
     """Read the slots back in original order, cut after the first stop and at max_tokens."""
     out = run.output
-    tokens: list[int] = []
-    for slot in range(len(out.slot_rounds)):
-        if slot not in run.slot_tokens:
-            break  # only slots after a stop are never generated
-        tokens += run.slot_tokens[slot]
-    for i, t in enumerate(tokens):
-        if t in request.stop_token_ids:
-            tokens = tokens[: i + 1]
-            break
-    out.token_ids = tokens[: request.max_tokens]
+    out.token_ids = slot_output(run, request.stop_token_ids, request.max_tokens)
     stopped = bool(out.token_ids) and out.token_ids[-1] in request.stop_token_ids
     out.finish_reason = "stop" if stopped else "length"
     out.cache_position_ids = list(run.position_ids)

@@ -6,9 +6,8 @@ Design notes: docs/design/sglang.md (section ``diffspec/spec_workers/sglang/refu
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,13 +15,7 @@ from sglang.srt.dllm.algorithm.base import DllmAlgorithm
 from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from diffspec.core.slots import (
-    committed_slot_lengths,
-    first_stop_in_slots,
-    score_slots,
-    select_slots,
-    verify_slot_drafts,
-)
+from diffspec.core.refusion import LogitsForwards, SlotRule, SlotRun, refusion_decode, slot_output
 from diffspec.spec_workers.sglang.fast_dllm import batch_requests, request_stop_ids
 from diffspec.spec_workers.sglang.requests import refusion_request_error
 
@@ -46,25 +39,20 @@ class _Rows:
 _Decoder = Generator["_Rows | None", "torch.Tensor | None", None]
 
 
-@dataclass
-class _Block:
-    """One request's serial block: committed slots are in the KV slots ``locs[:committed]``."""
+@dataclass(kw_only=True)
+class _Block(SlotRun):
+    """One request's SGLang block (its ``prompt_len`` KV entries are the prompt, causally
+    encoded): committed slots are in the KV slots ``locs[:committed]``."""
 
     req: Any  # the scheduler's Req
     pool: int  # the request's req_to_token row
-    prompt_len: int  # KV entries before the block (the prompt, causally encoded)
-    first_position: int  # position of slot 0's first token
     locs: torch.Tensor  # [block_size] the block's KV slots (req_to_token[pool, prompt_len:])
     stops: tuple[int, ...]
-    masked: list[int] = field(default_factory=list)  # still-masked slots, original order
-    slot_tokens: dict[int, list[int]] = field(default_factory=dict)
-    committed: int = 0  # KV entries of the block holding committed tokens
-    stopped: bool = False  # a stop token was committed: no later serial block
 
     def rows(self, pools: list[int], start: int, input_ids: torch.Tensor,
              positions: torch.Tensor) -> _Rows:
         """Rows over the committed KV plus ``start`` entries of each row's own slot."""
-        return _Rows(pools, self.prompt_len + self.committed + start, input_ids, positions)
+        return _Rows(pools, self.kv_len + start, input_ids, positions)
 
 
 class ReFusion(DllmAlgorithm):
@@ -77,10 +65,8 @@ class ReFusion(DllmAlgorithm):
     def __init__(self, config: DllmConfig) -> None:
         super().__init__(config)
         cfg = config.algorithm_config
-        self.slot_size = int(cfg["slot_size"])
-        self.slot_threshold = float(cfg["slot_threshold"])
-        self.token_threshold = float(cfg["token_threshold"])
-        self.num_blocks = int(cfg["num_blocks"])
+        self.rule = SlotRule.of(cfg, self.mask_id)
+        self.slot_size = self.rule.slot_size
         self.vocab_size = int(cfg["vocab_size"])
         self._last_output = None  # the logits output of the latest forward (to the scheduler)
 
@@ -104,15 +90,19 @@ class ReFusion(DllmAlgorithm):
             first = int(forward_batch.positions[row * self.block_size])
             assert first == prompt_len, "ReFusion's block starts right after the prompt KV"
             locs = req_to_token[pool, prompt_len : prompt_len + self.block_size].clone()
-            blocks.append(_Block(req, pool, prompt_len, first, locs,
-                                 tuple(sorted(request_stop_ids(req)))))
-        decoders = [self._decode(model_runner, b) for b in blocks]
+            blocks.append(_Block(req=req, pool=pool, locs=locs, prompt_len=prompt_len,
+                                 device=locs.device, stops=tuple(sorted(request_stop_ids(req)))))
+        decoders = [refusion_decode(b, self.rule, _Forwards(self, model_runner, b),
+                                    b.req.sampling_params.max_new_tokens, b.stops)
+                    for b in blocks]
         try:
             self._drive(model_runner, forward_batch, decoders)
         finally:  # a decoder stopped mid-completion gives its scratch rows back
             for decoder in decoders:
                 decoder.close()
-        return self._last_output, [self._finish(b) for b in blocks], None, None, False
+        outputs = [torch.tensor(slot_output(b, b.stops, b.req.sampling_params.max_new_tokens),
+                                dtype=torch.long) for b in blocks]
+        return self._last_output, outputs, None, None, False
 
     def _drive(self, runner, template: ForwardBatch, decoders: list[_Decoder]) -> None:
         """Step every request's decoder until all are done: one engine forward per step
@@ -139,108 +129,6 @@ class ReFusion(DllmAlgorithm):
                 logits = self._forward(runner, template, [wants[i] for i in ready])
                 for i, out in zip(ready, logits):
                     advance(i, out)
-
-    # ------------------------------------------------------------------ one request
-
-    def _decode(self, runner, b: _Block) -> _Decoder:
-        """The request's serial blocks, round after round (the reference's loop)."""
-        num_slots = math.ceil(b.req.sampling_params.max_new_tokens / self.slot_size)
-        per_block = num_slots // self.num_blocks  # validate_request: it splits
-        for serial in range(self.num_blocks):  # over the KV of the serial blocks before
-            b.masked = list(range(serial * per_block, (serial + 1) * per_block))
-            while b.masked:
-                yield from self._round(runner, b)
-            if b.stopped:
-                break
-
-    def _round(self, runner, b: _Block) -> _Decoder:
-        """Plan, global verify, parallel completion: commits at least one slot."""
-        S, device = self.slot_size, b.locs.device
-
-        # plan: the still-masked slots (original order, true positions) over the committed KV
-        masked = torch.tensor(b.masked, device=device)  # [m]
-        positions = b.first_position + masked[:, None] * S + torch.arange(S, device=device)
-        logits = yield b.rows([b.pool], 0, torch.full_like(positions, self.mask_id).view(1, -1),
-                              positions.view(1, -1))
-        logits = logits.view(len(masked), S, -1)  # [m, S, V]
-        scores, _ = score_slots(logits[:, 0])
-        chosen = select_slots(scores, self.slot_threshold).nonzero().flatten()
-        slots, positions = masked[chosen], positions[chosen]  # [k], [k, S]
-        drafts = logits[chosen].argmax(dim=-1)  # [k, S]
-
-        # global verify: the drafts one after another, causally, writing their KV in place
-        logits = yield b.rows([b.pool], 0, drafts.view(1, -1), positions.view(1, -1))
-        accepted = self._accept(drafts, logits.view(len(slots), S, -1), 0)
-        stop_at = first_stop_in_slots(drafts, accepted, b.stops)  # [k]
-        keep, stopped = committed_slot_lengths(accepted, stop_at, S)
-        if keep:
-            lead = len(keep)
-            self._commit(b, slots[:lead], drafts[:lead], keep, stopped)
-            return
-
-        # parallel completion: one row per chosen slot, each over the committed KV only
-        tokens, rows = drafts.clone(), len(slots)
-        keep, stopped = [S] * rows, False
-        while (pools := self._row_pools(runner, b, rows)) is None:
-            yield None  # other requests' completions hold the free pool rows
-        try:
-            start = 0
-            while int(accepted.min()) < S:
-                open_ = torch.arange(S, device=device)[None] >= accepted[:, None]  # [rows, S]
-                draft_in = torch.where(open_, self.mask_id, tokens)[:, start:]
-                proposed = (yield b.rows(pools[:rows], start, draft_in,
-                                         positions[:, start:])).argmax(-1)
-                tokens[:, start:] = torch.where(open_[:, start:], proposed, tokens[:, start:])
-                logits = yield b.rows(pools[:rows], start, tokens[:, start:],
-                                      positions[:, start:])
-                accepted = self._accept(tokens, logits, start, accepted)
-                stop_at = first_stop_in_slots(tokens, accepted, b.stops)
-                if bool((stop_at >= 0).any()):  # rows after the first stop are dropped
-                    stopped, rows = True, int((stop_at >= 0).nonzero()[0]) + 1
-                    tokens, positions, accepted = tokens[:rows], positions[:rows], accepted[:rows]
-                    keep = [S] * (rows - 1) + [int(stop_at[rows - 1]) + 1]
-                    accepted[-1] = S
-                    slots = slots[:rows]
-                start = int(accepted.min())
-        finally:
-            runner.req_to_token_pool.free_rows(pools[1:])
-        self._commit(b, slots, tokens, keep, stopped)
-
-    def _accept(self, tokens: torch.Tensor, logits: torch.Tensor, start: int,
-                accepted: torch.Tensor | None = None) -> torch.Tensor:  # [rows]
-        """Token-threshold acceptance of ``tokens`` [rows, S] from the causal logits of
-        the window ``[start:]`` ([rows, S - start, V]), as the reference's ``_verify``."""
-        probs = torch.ones(tokens.shape, dtype=logits.dtype, device=tokens.device)
-        window = tokens[:, start + 1 :]
-        probs[:, start + 1 :] = torch.softmax(logits[:, :-1], -1).gather(
-            -1, window[..., None])[..., 0]
-        return verify_slot_drafts(tokens, probs, self.token_threshold, accepted)
-
-    def _commit(self, b: _Block, slots: torch.Tensor, tokens: torch.Tensor, keep: list[int],
-                stopped: bool) -> None:
-        """Committed slots' KV is already in place, in this order: move the length."""
-        for slot, row, k in zip(slots.tolist(), tokens.tolist(), keep):
-            b.slot_tokens[slot] = row[:k]
-            b.masked.remove(slot)
-            b.committed += k
-        if stopped:  # nothing after the stop slot will be generated
-            b.stopped = True
-            last = int(slots[-1])
-            b.masked = [s for s in b.masked if s < last]
-
-    def _finish(self, b: _Block) -> torch.Tensor:
-        """The slots in original order, cut after the first stop and at max_new_tokens."""
-        tokens: list[int] = []
-        slot = 0
-        while slot in b.slot_tokens:  # only slots after a stop are never generated
-            tokens += b.slot_tokens[slot]
-            slot += 1
-        for i, t in enumerate(tokens):
-            if t in b.stops:
-                tokens = tokens[: i + 1]
-                break
-        tokens = tokens[: b.req.sampling_params.max_new_tokens]
-        return torch.tensor(tokens, dtype=torch.long)
 
     # ------------------------------------------------------------------ engine plumbing
 
@@ -305,6 +193,29 @@ class ReFusion(DllmAlgorithm):
         sizes = [p.input_ids.numel() for p in parts]
         return [part.view(*p.input_ids.shape, -1)
                 for p, part in zip(parts, logits.split(sizes))]
+
+
+class _Forwards(LogitsForwards):
+    """One request's forwards as rows of :meth:`ReFusion._drive`'s engine forwards: each
+    yields its :class:`_Rows` (None: waiting for scratch rows of the request pool) and is
+    sent their fp32 logits. Every forward writes its K/V behind the committed entries;
+    the completion's rows hold their own slots' entries there, in commit order."""
+
+    def __init__(self, algo: ReFusion, runner, block: _Block) -> None:
+        self.algo, self.runner, self.b = algo, runner, block
+        self.pools = [block.pool]  # the req_to_token row of each row (scratch ones: completion)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, start: int) -> _Decoder:
+        return (yield self.b.rows(self.pools[: len(input_ids)], start, input_ids, positions))
+
+    def open_rows(self, rows: int) -> _Decoder:
+        while (pools := self.algo._row_pools(self.runner, self.b, rows)) is None:
+            yield None  # other requests' completions hold the free pool rows
+        self.pools = pools
+
+    def close_rows(self) -> None:
+        self.runner.req_to_token_pool.free_rows(self.pools[1:])
+        self.pools = self.pools[:1]
 
 
 Algorithm = ReFusion

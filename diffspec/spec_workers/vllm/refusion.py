@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from itertools import islice
+from collections.abc import Callable, Generator
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,20 +22,16 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.attn_utils import build_attn_metadata, build_slot_mappings_by_layer
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-from diffspec.core.slots import (
-    committed_slot_lengths,
-    first_stop_in_slots,
-    select_slots,
-    verify_slot_drafts,
-)
-from diffspec.spec_workers.vllm.fast_dllm import (
+from diffspec.core.refusion import SlotForwards, SlotRule, SlotRun, refusion_decode, slot_output
+from diffspec.spec_workers.vllm.diffusion_state import (
     FINISHED_KEPT,
+    CanvasSampler,
     DiffusionModelState,
-    DiffusionSampler,
     request_stops,
 )
 from diffspec.spec_workers.vllm.forward import decoder_forward
 from diffspec.spec_workers.vllm.proposer import DRAFT_LOGITS_ROWS
+from diffspec.spec_workers.vllm.split_attention import SplitAttention, swap_attention
 
 __all__ = ["ReFusionModelState", "ReFusionSampler", "logit_rows"]
 
@@ -110,23 +105,14 @@ def _row_stats(logits_of: Callable[[Tensor], Tensor], source: Tensor, index: Ten
 
 
 @dataclass
-class _Request:
-    """One request in flight (host side), kept by its vLLM slot."""
+class _Request(SlotRun):
+    """One request in flight (host side), kept by its vLLM slot; its ``prompt_len`` and
+    ``batch`` are set when its decoding step starts."""
 
     max_tokens: int
     stops: tuple[int, ...]
     phase: int = PREFILL
-    # set when its decoding step starts
-    batch: int = -1
-    prompt_len: int = 0  # cache entries before the generation (the prompt, causal)
-    committed: int = 0  # cache entries of the generation holding committed tokens
-    masked: list[int] = field(default_factory=list)  # masked slots of the serial block
-    slot_tokens: dict[int, list[int]] = field(default_factory=dict)
-    stopped: bool = False
-
-    @property
-    def kv_len(self) -> int:
-        return self.prompt_len + self.committed
+    batch: int = -1  # its row in the decoding step's input batch
 
 
 class ReFusionModelState(DiffusionModelState):
@@ -146,11 +132,9 @@ class ReFusionModelState(DiffusionModelState):
                 "load diffspec's vLLM plugin in every vLLM process (it is the "
                 "vllm.general_plugins entry point 'diffspec'): ReFusion's settings were not "
                 "resolved by its config hook (diffspec.plugin.vllm.refusion)")
-        self.slot_size = int(settings["slot_size"])
-        self.num_blocks = int(settings["num_blocks"])
-        self.slot_threshold = float(settings["slot_threshold"])
-        self.token_threshold = float(settings["token_threshold"])
-        self.mask_token_id = int(settings["mask_token_id"])
+        self.rule = SlotRule.of(settings, settings["mask_token_id"])
+        self.slot_size, self.num_blocks = self.rule.slot_size, self.rule.num_blocks
+        self.mask_token_id = self.rule.mask_token_id
         self.canvas = int(vllm_config.diffusion_config.canvas_length)
         # vLLM hashes a request's generated blocks into the prefix cache (0.33 whenever
         # drafts are scheduled, async scheduling always): their K/V must then be what a
@@ -243,69 +227,35 @@ class ReFusionModelState(DiffusionModelState):
             return decoder_forward(model.model, input_ids, positions)
 
 
-@contextmanager
-def _phased_attention(model: nn.Module, phases: list | None, final: tuple | None
-                      ) -> Iterator[None]:
+def _phased_attention(model: nn.Module, phases: list | None, final: tuple | None):
     """Swap every layer's ``Attention`` for a :class:`_PhasedAttention` (``phases`` None:
     one attention call per layer, the forward context's)."""
     if phases is None:
-        yield
-        return
-    inner = model.model
-    holders = [layer.self_attn for layer in islice(inner.layers, inner.start_layer,
-                                                   inner.end_layer)]
-    originals = [h.attn for h in holders]
-    try:
-        for holder, attn in zip(holders, originals):
-            holder.attn = _PhasedAttention(attn, phases, final)
-        yield
-    finally:
-        for holder, attn in zip(holders, originals):
-            holder.attn = attn
+        return nullcontext()
+    return swap_attention(model, lambda attn: _PhasedAttention(attn, phases, final))
 
 
-class _PhasedAttention(nn.Module):
+class _PhasedAttention(SplitAttention):
     """One layer's attention as one call per phase (the parallel-completion rows of a
     request share its cache entries after the committed ones: each row writes its K/V
     there and attends, row 0 last, so row 0's K/V stay in place), then the K/V of the other
     rows are written to their commit-order entries (``final``)."""
 
     def __init__(self, attn: nn.Module, phases: list, final: tuple | None) -> None:
-        super().__init__()
-        object.__setattr__(self, "attn", attn)  # not a submodule: the layer still owns it
+        super().__init__(attn)
         self.phases = phases
         self.final = final
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> Tensor:
-        # query: [T, heads * head_dim]; key, value: [T, kv_heads * head_dim]
-        from vllm.forward_context import get_forward_context
-        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
-
-        attn, name = self.attn, self.attn.layer_name
-        out = torch.empty((query.shape[0], attn.num_heads * attn.head_size_v),
-                          dtype=query.dtype, device=query.device)
-        context = get_forward_context()
-        saved = context.attn_metadata[name], context.slot_mapping[name]
-        try:
-            for index, metadata, mapping in self.phases:
-                context.attn_metadata[name], context.slot_mapping[name] = (metadata[name],
-                                                                           mapping[name])
-                out[index] = attn(query[index], key[index], value[index])
-            if self.final is not None:
-                index, slots = self.final
-                context.slot_mapping[name] = slots
-                unified_kv_cache_update(key[index].view(-1, attn.num_kv_heads, attn.head_size),
-                                        value[index].view(-1, attn.num_kv_heads,
-                                                          attn.head_size_v), name)
-        finally:
-            context.attn_metadata[name], context.slot_mapping[name] = saved
-        return out
+    def calls(self, slot_mapping: Tensor) -> tuple[list, tuple | None]:
+        name = self.attn.layer_name
+        return [(index, metadata[name], mapping[name])
+                for index, metadata, mapping in self.phases], self.final
 
 
 # ------------------------------------------------------------------------------ sampler
 
 
-class ReFusionSampler(DiffusionSampler):
+class ReFusionSampler(CanvasSampler):
     """Replaces vLLM's sampler for ReFusion: after a request's prefill its canvas (draft
     tokens) is all masks; on its canvas step the request's whole generation is decoded
     (with the other decoding requests of the step, several per forward) and emitted."""
@@ -324,21 +274,11 @@ class ReFusionSampler(DiffusionSampler):
                  draft_logits: Tensor | None = None) -> SamplerOutput:
         # logits: [num_logits, vocab]; a canvas step has its scheduled rows, a prefill none
         state, S = self.state, self.state.slot_size
-        num_reqs = input_batch.num_reqs
-        slots = input_batch.idx_mapping_np[:num_reqs].tolist()
-        cu = input_batch.cu_num_logits_np[: num_reqs + 1]
-        query = np.diff(input_batch.query_start_loc_np[: num_reqs + 1])
-        emit = np.zeros(num_reqs, dtype=np.int32)
-        rejected = np.zeros(num_reqs, dtype=np.int32)
-        sampled = torch.zeros(num_reqs, state.canvas, dtype=torch.long)
+        num_reqs, slots, cu, _, query, emit, rejected, sampled = self._begin_step(input_batch)
         decoding: list[tuple[int, _Request]] = []
-        for i, s in enumerate(slots):
-            req = state.states.get(s)
-            rows = int(cu[i + 1] - cu[i])
-            if req is None:  # a dummy (profiling) request
-                continue
+        for i, req, rows, prefilled in self._step_requests(input_batch, slots, cu):
             if req.phase == PREFILL:
-                if rows == 0 and self._prefill_done(input_batch, i):
+                if prefilled:
                     req.phase = DECODE
                 continue
             rejected[i] = int(query[i])  # unless it decodes below
@@ -359,7 +299,7 @@ class ReFusionSampler(DiffusionSampler):
         if decoding:
             self._decode([r for _, r in decoding], self._first_plans(logits, decoding, cu),
                          input_batch)
-            outputs = [_tokens(req) for _, req in decoding]
+            outputs = [slot_output(req, req.stops, req.max_tokens) for _, req in decoding]
             if state.reencode:
                 self._reencode([r for _, r in decoding], outputs, input_batch)
             for (i, req), tokens in zip(decoding, outputs):
@@ -406,6 +346,13 @@ class ReFusionSampler(DiffusionSampler):
                 advance(k, [next(outs) for _ in wants[k]])
         self.state.decode_steps.append(([req_ids[r.batch] for r in reqs], forwards))
 
+    def _rounds(self, req: _Request, first: _RowStats) -> _Decoder:
+        """The request's serial blocks, round after round (the reference's rounds);
+        ``first``: the canvas forward's, the first round's plan."""
+        st = self.state
+        return refusion_decode(req, st.rule, _Forwards(req, st.slot_size, first),
+                               req.max_tokens, req.stops)
+
     def _reencode(self, reqs: list[_Request], outputs: list[list[int]],
                   input_batch: Any) -> None:
         """One causal forward over every request's output in position order after its
@@ -417,106 +364,6 @@ class ReFusionSampler(DiffusionSampler):
         for r in reqs:
             rid = input_batch.req_ids[r.batch]
             self.state.forwards.count(rid)
-
-    # -------------------------------------------------------------- one request's rounds
-
-    def _rounds(self, req: _Request, first: _RowStats) -> _Decoder:
-        """The request's serial blocks, round after round (the reference's loop);
-        ``first``: the canvas forward's, the first round's plan."""
-        S, blocks = self.state.slot_size, self.state.num_blocks
-        per_block = _plan_rows(req.max_tokens, S, blocks) // S
-        plan: _RowStats | None = first
-        for serial in range(blocks):
-            req.masked = list(range(serial * per_block, (serial + 1) * per_block))
-            while req.masked:
-                yield from self._round(req, plan)
-                plan = None
-            if req.stopped:
-                break
-
-    def _round(self, req: _Request, plan: _RowStats | None) -> _Decoder:
-        """Plan, global verify, parallel completion: commits at least one slot."""
-        st, S, b = self.state, self.state.slot_size, req.batch
-        mask = st.mask_token_id
-
-        # plan: the masked slots (original order, true positions) over the committed KV
-        masked = torch.tensor(req.masked)  # [m]
-        positions = req.prompt_len + masked[:, None] * S + torch.arange(S)  # [m, S]
-        if plan is None:  # (the first plan is the canvas forward: masks from the prompt on)
-            [plan] = yield [_Seq(b, torch.full((positions.numel(),), mask), positions.view(-1),
-                                 req.kv_len)]
-        n = positions.numel()
-        scores = plan.top_prob[:n].view(len(masked), S)[:, 0]  # score_slots' plan scores
-        chosen = select_slots(scores, st.slot_threshold).nonzero().flatten()
-        slots, positions = masked[chosen], positions[chosen]  # [k], [k, S]
-        drafts = plan.argmax[:n].view(len(masked), S)[chosen]  # [k, S]
-
-        # global verify: the drafts one after another, causally, writing their KV in place
-        [out] = yield [_Seq(b, drafts.view(-1), positions.view(-1), req.kv_len)]
-        accepted = self._accept(drafts, out.next_prob.view(len(slots), S), 0)
-        stop_at = first_stop_in_slots(drafts, accepted, req.stops)
-        keep, stopped = committed_slot_lengths(accepted, stop_at, S)
-        if keep:
-            lead = len(keep)
-            self._commit(req, slots[:lead], drafts[:lead], keep, stopped)
-            return
-
-        # parallel completion: one row per chosen slot, each over the committed KV only
-        tokens, rows = drafts.clone(), len(slots)
-        keep, stopped, start = [S] * rows, False, 0
-        while int(accepted.min()) < S:
-            open_ = torch.arange(S)[None] >= accepted[:, None]  # [rows, S]
-            outs = yield self._rows(req, torch.where(open_, mask, tokens), positions, start)
-            proposed = torch.stack([o.argmax for o in outs])  # [rows, S - start]
-            tokens[:, start:] = torch.where(open_[:, start:], proposed, tokens[:, start:])
-            outs = yield self._rows(req, tokens, positions, start)
-            accepted = self._accept(tokens, torch.stack([o.next_prob for o in outs]), start,
-                                    accepted)
-            stop_at = first_stop_in_slots(tokens, accepted, req.stops)
-            if bool((stop_at >= 0).any()):  # rows after the first stop are dropped
-                stopped, rows = True, int((stop_at >= 0).nonzero()[0]) + 1
-                tokens, positions, accepted = tokens[:rows], positions[:rows], accepted[:rows]
-                keep = [S] * (rows - 1) + [int(stop_at[rows - 1]) + 1]
-                accepted[-1] = S
-                slots = slots[:rows]
-            start = int(accepted.min())
-        self._commit(req, slots, tokens, keep, stopped)
-
-    def _rows(self, req: _Request, tokens: Tensor, positions: Tensor, start: int
-              ) -> list[_Seq]:
-        """The completion forward's sequences. One row: its window ``[start:]`` over the
-        committed KV and its own first ``start`` entries. Several rows: each row whole, in
-        its own attention call over the committed KV (they share the entries after it),
-        and rows ``r >= 1`` copied to their commit-order entries (row ``r`` after ``r``
-        full slots: only the last row may be cut, by a stop). Either way the logits of
-        the window ``[start:]`` are read."""
-        b, L, S = req.batch, req.kv_len, self.state.slot_size
-        if len(tokens) == 1:
-            return [_Seq(b, tokens[0, start:], positions[0, start:], L + start)]
-        return [_Seq(b, tokens[r], positions[r], L, phase=r, final=L + r * S if r else None,
-                     logits_from=start) for r in range(len(tokens))]
-
-    def _accept(self, tokens: Tensor, next_probs: Tensor, start: int,
-                accepted: Tensor | None = None) -> Tensor:  # [rows]
-        """Token-threshold acceptance of ``tokens`` [rows, S] from the causal pass over the
-        window ``[start:]``, as the reference's ``_verify``: ``next_probs`` [rows, S - start],
-        window row ``j``'s softmax probability of token ``start + j + 1``."""
-        probs = torch.ones(tokens.shape, dtype=torch.float32)
-        probs[:, start + 1:] = next_probs[:, :-1]
-        return verify_slot_drafts(tokens, probs, self.state.token_threshold, accepted)
-
-    @staticmethod
-    def _commit(req: _Request, slots: Tensor, tokens: Tensor, keep: list[int],
-                stopped: bool) -> None:
-        """Committed slots' KV is in place, in this order: move the length."""
-        for slot, row, k in zip(slots.tolist(), tokens.tolist(), keep):
-            req.slot_tokens[slot] = row[:k]
-            req.masked.remove(slot)
-            req.committed += k
-        if stopped:  # nothing after the stop slot will be generated
-            req.stopped = True
-            last = int(slots[-1])
-            req.masked = [s for s in req.masked if s < last]
 
     # ------------------------------------------------------------------ engine plumbing
 
@@ -539,14 +386,47 @@ def _plan_rows(max_tokens: int, slot_size: int, num_blocks: int) -> int:
     return _gen_len(max_tokens, slot_size) // slot_size // num_blocks * slot_size
 
 
-def _tokens(req: _Request) -> list[int]:
-    """The slots in original order, cut after the first stop and at ``max_tokens``."""
-    tokens: list[int] = []
-    slot = 0
-    while slot in req.slot_tokens:  # only slots after a stop are never generated
-        tokens += req.slot_tokens[slot]
-        slot += 1
-    for i, t in enumerate(tokens):
-        if t in req.stops:
-            return tokens[: i + 1][: req.max_tokens]
-    return tokens[: req.max_tokens]
+class _Forwards(SlotForwards):
+    """One request's forwards as sequences of :meth:`ReFusionSampler._decode`'s engine
+    forwards: each yields its :class:`_Seq` list and is sent their :class:`_RowStats`.
+    ``first``: the canvas forward's row stats, the first round's plan."""
+
+    def __init__(self, req: _Request, slot_size: int, first: _RowStats) -> None:
+        self.req, self.slot_size = req, slot_size
+        self.first: _RowStats | None = first
+
+    def plan(self, input_ids: Tensor, positions: Tensor) -> _Decoder:
+        m, S = positions.shape
+        plan, self.first = self.first, None
+        if plan is None:  # (the first plan is the canvas forward: masks from the prompt on)
+            [plan] = yield [_Seq(self.req.batch, input_ids.view(-1), positions.view(-1),
+                                 self.req.kv_len)]
+        n = m * S
+        return plan.top_prob[:n].view(m, S)[:, 0], plan.argmax[:n].view(m, S)
+
+    def verify(self, input_ids: Tensor, positions: Tensor) -> _Decoder:
+        k, S = positions.shape
+        [out] = yield [_Seq(self.req.batch, input_ids.view(-1), positions.view(-1),
+                            self.req.kv_len)]
+        return out.next_prob.view(k, S)[:, :-1]
+
+    def draft(self, input_ids: Tensor, positions: Tensor, start: int) -> _Decoder:
+        outs = yield self._rows(input_ids, positions, start)
+        return torch.stack([o.argmax for o in outs])  # [rows, S - start]
+
+    def check(self, input_ids: Tensor, positions: Tensor, start: int) -> _Decoder:
+        outs = yield self._rows(input_ids, positions, start)
+        return torch.stack([o.next_prob for o in outs])[:, :-1]
+
+    def _rows(self, tokens: Tensor, positions: Tensor, start: int) -> list[_Seq]:
+        """The completion forward's sequences. One row: its window ``[start:]`` over the
+        committed KV and its own first ``start`` entries. Several rows: each row whole, in
+        its own attention call over the committed KV (they share the entries after it),
+        and rows ``r >= 1`` copied to their commit-order entries (row ``r`` after ``r``
+        full slots: only the last row may be cut, by a stop). Either way the logits of
+        the window ``[start:]`` are read."""
+        b, L, S = self.req.batch, self.req.kv_len, self.slot_size
+        if len(tokens) == 1:
+            return [_Seq(b, tokens[0, start:], positions[0, start:], L + start)]
+        return [_Seq(b, tokens[r], positions[r], L, phase=r, final=L + r * S if r else None,
+                     logits_from=start) for r in range(len(tokens))]

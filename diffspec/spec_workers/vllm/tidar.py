@@ -7,7 +7,6 @@ Design notes: docs/design/vllm.md (section ``diffspec/spec_workers/vllm/tidar.py
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import islice
 
@@ -28,6 +27,7 @@ from diffspec.spec_workers.vllm.proposer import (
     on_device,
     seeded_requests,
 )
+from diffspec.spec_workers.vllm.split_attention import SplitAttention, swap_attention
 
 __all__ = ["BranchPlan", "TiDARProposer", "build_branches", "check_branch_budget",
            "check_decoder_layers", "next_draft_count", "plan_branches"]
@@ -373,60 +373,23 @@ def _num_left(runner) -> list[int | None]:
     return out
 
 
-@contextmanager
 def _quadratic_attention(model: nn.Module, num_verify: int, branches: _Branches):
     """Swap every layer's ``Attention`` for a :class:`_QuadraticAttention` around it."""
-    inner = model.model
-    attns = [layer.self_attn for layer in islice(inner.layers, inner.start_layer,
-                                                 inner.end_layer)]
-    originals = [a.attn for a in attns]
-    try:
-        for holder, attn in zip(attns, originals):
-            holder.attn = _QuadraticAttention(attn, num_verify, branches)
-        yield
-    finally:
-        for holder, attn in zip(attns, originals):
-            holder.attn = attn
+    return swap_attention(model, lambda attn: _QuadraticAttention(attn, num_verify, branches))
 
 
-class _QuadraticAttention(nn.Module):
+class _QuadraticAttention(SplitAttention):
     """One layer's attention over the verify tokens then the branches (module docstring)."""
 
     def __init__(self, attn: nn.Module, num_verify: int, branches: _Branches) -> None:
-        super().__init__()
-        object.__setattr__(self, "attn", attn)  # not a submodule: the layer still owns it
+        super().__init__(attn)
         self.num_verify = num_verify
         self.branches = branches
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [T + B, heads * head_dim]
-        key: torch.Tensor,  # [T + B, kv_heads * head_dim]
-        value: torch.Tensor,  # [T + B, kv_heads * head_dim]
-        **kwargs,
-    ) -> torch.Tensor:  # [T + B, heads * head_dim]
-        from vllm.forward_context import get_forward_context
-        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
-
-        attn, t = self.attn, self.num_verify
-        out = torch.empty((query.shape[0], attn.num_heads * attn.head_size_v),
-                          dtype=query.dtype, device=query.device)
-        out[:t] = attn(query[:t], key[:t], value[:t])  # the runner's causal verify
-        context = get_forward_context()
-        name = attn.layer_name
-        metadata, slots = context.attn_metadata[name], context.slot_mapping[name]
-        try:
-            for part, blocks in self.branches.steps:  # a = n .. 0
-                context.attn_metadata[name] = blocks.attn_metadata[name]
-                context.slot_mapping[name] = blocks.slot_mapping
-                b = slice(t + part.start, t + part.stop)
-                out[b] = attn(query[b], key[b], value[b])
-            index = self.branches.restore_index
-            if index is not None:  # the branches overwrote d_1 .. d_n: write them back
-                context.slot_mapping[name] = slots[index]
-                unified_kv_cache_update(key[index].view(-1, attn.num_kv_heads, attn.head_size),
-                                        value[index].view(-1, attn.num_kv_heads,
-                                                          attn.head_size_v), name)
-        finally:
-            context.attn_metadata[name], context.slot_mapping[name] = metadata, slots
-        return out
+    def calls(self, slot_mapping: torch.Tensor) -> tuple[list, tuple | None]:
+        name, t = self.attn.layer_name, self.num_verify
+        calls = [(slice(0, t), None, None)]  # the runner's causal verify
+        calls += [(slice(t + part.start, t + part.stop), blocks.attn_metadata[name],
+                   blocks.slot_mapping) for part, blocks in self.branches.steps]  # a = n .. 0
+        index = self.branches.restore_index  # the branches overwrote d_1 .. d_n: write back
+        return calls, None if index is None else (index, slot_mapping[index])
