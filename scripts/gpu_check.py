@@ -13,7 +13,7 @@ recorded with its error and the command exits 1. Checks:
   rules on the device, in fp32 and bf16, against the same inputs on CPU: identical
   decisions.
 * ``tidar_split_attention``: vLLM TiDAR's attention schedule as diffspec's code runs it
-  (``TiDARProposer._build_branches`` and ``_QuadraticAttention.forward``: causal verify, then
+  (``tidar.build_branches`` and ``_QuadraticAttention.forward``: causal verify, then
   the branches from the last to the first, each non-causal over the request's paged cache
   with its K/V written over the slots of its own positions, then the verify K/V written
   back), the backend's metadata and kernel stood in by a paged SDPA, against one dense
@@ -199,7 +199,7 @@ def _vllm_stand_ins(layer: _PagedSDPA):
 
 def check_tidar_split_attention(device: torch.device, quick: bool) -> dict:
     """vLLM TiDAR's attention schedule, run by diffspec's own code: the branch layout and
-    order of ``TiDARProposer._build_branches`` and ``_QuadraticAttention.forward``
+    order of ``tidar.build_branches`` and ``_QuadraticAttention.forward``
     (diffspec/spec_workers/vllm/tidar.py: the runner's causal verify, the branches
     ``a = n .. 0`` with their metadata and slot mappings swapped in, the verify K/V of
     ``d_1 .. d_n`` written back), over one paged cache shared by several requests in one
@@ -207,7 +207,6 @@ def check_tidar_split_attention(device: torch.device, quick: bool) -> dict:
     the backend's metadata (``non_causal_blocks``, built here from the block tables) and its
     kernel (:class:`_PagedSDPA`); a GPU engine run checks those."""
     from types import SimpleNamespace
-    from unittest import mock
 
     import numpy as np
 
@@ -255,10 +254,9 @@ def check_tidar_split_attention(device: torch.device, quick: bool) -> dict:
             return proposer.NonCausalBlocks({_PagedSDPA.layer_name: meta}, mapping,
                                             positions.to(device), bounds)
 
-        drafter = SimpleNamespace(mask_token_id=0, method="tidar")
-        runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=query_start), device=device)
-        with mock.patch.object(tidar, "non_causal_blocks", blocks):
-            branches = tidar.TiDARProposer._build_branches(drafter, runner, plans, num_verify)
+        branches = tidar.build_branches(
+            plans, lambda rows, starts, lengths: blocks(None, rows, starts, lengths, "tidar"),
+            query_start, 0, device)
         total = num_verify + len(branches.positions)
         q, kk, vv = (torch.randn(total, heads * dim, generator=gen).to(dtype).to(device)
                      for _ in range(3))
@@ -303,7 +301,7 @@ def check_tidar_split_attention(device: torch.device, quick: bool) -> dict:
             free = torch.cat([torch.arange(p * page, (p + 1) * page) for p in untouched.tolist()])
             assert torch.equal(k_cache[free.to(device)], before[0][free.to(device)])
         figures[name] = {"requests": requests, "max_abs_error": worst, "tolerance": tol,
-                         "ran": "diffspec's TiDARProposer._build_branches and "
+                         "ran": "diffspec's tidar.build_branches and "
                                 "_QuadraticAttention.forward; stood in: backend metadata "
                                 "and kernel (paged SDPA)"}
     return figures

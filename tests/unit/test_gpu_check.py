@@ -102,16 +102,16 @@ def test_split_attention_check_runs_diffspecs_schedule(gpu_check, monkeypatch,
 
     from diffspec.spec_workers.vllm import tidar
 
-    build = tidar.TiDARProposer._build_branches
+    build = tidar.build_branches
 
-    def wrong(self, runner, plans, num_verify):
-        branches = build(self, runner, plans, num_verify)
+    def wrong(*args, **kwargs):
+        branches = build(*args, **kwargs)
         if mutation == "branches_first_to_last":
             return dataclasses.replace(branches, steps=branches.steps[::-1])
         return dataclasses.replace(branches, restore_index=None)
 
     gpu_check.check_tidar_split_attention(torch.device("cpu"), True)  # the real code passes
-    monkeypatch.setattr(tidar.TiDARProposer, "_build_branches", wrong)
+    monkeypatch.setattr(tidar, "build_branches", wrong)
     with pytest.raises(AssertionError, match=caught):
         gpu_check.check_tidar_split_attention(torch.device("cpu"), True)
 
