@@ -29,7 +29,8 @@ from typing import Any
 
 from diffspec.core.adaptive import LatencyProfile
 
-__all__ = ["CACHE_ENV", "DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "DraftTimings",
+__all__ = ["CACHE_ENV", "DRAFT_TIMINGS_ENV", "PREFILL_CHUNK", "PROFILE_BUDGET_S", "DraftTimings",
+           "engine_profile",
            "cache_dir", "cached_latency_profile", "checkpoint_identity", "device_name",
            "device_timer",
            "forward_latency",
@@ -364,7 +365,8 @@ def reused_profile_message(profile: LatencyProfile, path: Path) -> str:
 
 
 def cached_latency_profile(key: Mapping[str, Any], measure: Callable[[], Mapping[int, float]],
-                           log: Callable[[str], None], broadcast: Callable[[Any], Any] | None = None,
+                           log: Callable[[str], None],
+                           broadcast: Callable[[Any], Any] | None = None,
                            rank0: bool = True) -> LatencyProfile:
     """The profile cached under ``key`` (:func:`read_cached_profile`), else ``measure()``'s
     points, cached (:func:`write_cached_profile`); one line to ``log`` either way (what it
@@ -385,3 +387,23 @@ def cached_latency_profile(key: Mapping[str, Any], measure: Callable[[], Mapping
     if rank0:
         log(write_cached_profile(key, measured, time.perf_counter() - start))
     return LatencyProfile(share(measured if rank0 else None))
+
+
+PROFILE_BUDGET_S = 20.0  # most seconds an engine's start-up profile spends timing forwards
+
+
+def engine_profile(key: Mapping[str, Any], forward: Callable[[int], Any], grid: Sequence[int],
+                   device: Any, tp: Any, log: Callable[[str], None]) -> LatencyProfile:
+    """An engine worker's start-up latency profile: ``forward(T)`` timed over ``grid``
+    (:func:`time_forwards`, within about :data:`PROFILE_BUDGET_S` seconds, on ``device``'s
+    timer), cached under ``key`` (:func:`cached_latency_profile`). ``tp``: the engine's
+    tensor-parallel group (``world_size``, ``rank_in_group``, ``broadcast_object``): the ranks
+    run the forwards together and take rank 0's profile and cache decision."""
+    broadcast = None if tp.world_size == 1 else tp.broadcast_object
+
+    def measure() -> dict[int, float]:
+        return time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
+                             timer=device_timer(str(device)), agree=broadcast)
+
+    return cached_latency_profile(key, measure, log, broadcast=broadcast,
+                                  rank0=tp.rank_in_group == 0)

@@ -42,7 +42,6 @@ from diffspec.assets import SYNTH_NLD_DIR, SYNTH_ORTHRUS_DIR, SYNTH_TIDAR_DIR
 from tests.engine.common import (
     load_self_spec_reference,
     reference_steps,
-    report_bf16_match,
     v2_steps_compared,
 )
 
@@ -219,6 +218,8 @@ def test_adaptive_steps_with_and_without_drafts(engine) -> None:
 def test_bf16_match_rate_report(engine, family: str, record_property, capsys) -> None:
     """bf16 on TRITON_ATTN's kernels: each method beside AR in bf16 on the same backend,
     match rate reported (:func:`~tests.engine.common.report_bf16_match`)."""
+    from tests.engine.common import report_bf16_match
+
     spec = engine["runs"][f"{family}_spec_bf16"]["greedy"]
     accepted = sum(a for steps in spec["spec_steps"] for a in steps or [])
     with capsys.disabled():

@@ -30,7 +30,7 @@ from diffspec.model_executors.sglang import views
 from diffspec.spec_workers.sglang.policy import adaptive_policy, prompt_lookup
 from diffspec.spec_workers.sglang.requests import refuse_unsupported_requests
 
-__all__ = ["PROFILE_BUDGET_S", "SpecDraftInput", "StepLogits", "TargetModelSpecWorker",
+__all__ = ["SpecDraftInput", "StepLogits", "TargetModelSpecWorker",
            "accept", "adaptive_policy", "choice_metrics", "measure_profile", "prompt_lookup",
            "remaining",
            "request_penalties", "step_logits"]
@@ -368,8 +368,9 @@ def accept(
     resamples from ``p`` without ``d`` at a rejection, so each emitted token follows the
     request's temperature / top-k / top-p / min-p distribution (a greedy row's ``p`` is
     one-hot, so it stays exact match). A logits tensor is modified in place; a
-    :class:`StepLogits` is computed and accepted :data:`~diffspec.model_executors.sglang.views.LOGITS_ROWS`
-    rows (whole requests) at a time."""
+    :class:`StepLogits` is computed and accepted
+    :data:`~diffspec.model_executors.sglang.views.LOGITS_ROWS` rows (whole requests) at a
+    time."""
     from diffspec.core.penalties import apply_penalties_per_row, needs_penalties
 
     if isinstance(logits, StepLogits):  # computed and accepted a chunk of requests at a time
@@ -560,7 +561,6 @@ def _accept_in_chunks(drafts: torch.Tensor, logits: StepLogits, batch,
 
 # ------------------------------------------------------------------- start-up profile
 
-PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
 PROFILE_CONTEXT = 256  # context tokens each row of a profile forward attends over
 
 
@@ -590,11 +590,12 @@ def measure_profile(runner, server_args, method: str, max_drafts: int,
                     tokens_per_request: int, max_tokens: int | None = None):
     """The latency profile of ``runner``'s own forwards: a DECODE forward of ``T`` rows
     (each over :data:`PROFILE_CONTEXT` keys, or the model's length) with the argmax of the
-    logits of all ``T`` (:func:`step_logits`, ``LOGITS_ROWS`` rows at a time), for the widths of :func:`~diffspec.profiling.profile_grid` up to the widest step
-    the policy can choose (every running request at ``tokens_per_request``; on a backend
-    other than the torch-native one, at most one row per request slot, the backend's decode
-    buffers: the profile extrapolates past it; never past ``max_tokens``, the most a step
-    of the worker runs), within about :data:`PROFILE_BUDGET_S`
+    logits of all ``T`` (:func:`step_logits`, ``LOGITS_ROWS`` rows at a time), for the
+    widths of :func:`~diffspec.profiling.profile_grid` up to the widest step the policy can
+    choose (every running request at ``tokens_per_request``; on a backend other than the
+    torch-native one, at most one row per request slot, the backend's decode buffers: the
+    profile extrapolates past it; never past ``max_tokens``, the most a step of the worker
+    runs), within about ``profiling.PROFILE_BUDGET_S``
     seconds. On the torch-native backend (SGLang's CPU path) the two-pass draft and verify
     run exactly such rows. Cached per checkpoint, SGLang and torch versions, dtype,
     quantization, device, threads, tensor parallelism, attention backend, method, drafts
@@ -607,14 +608,7 @@ def measure_profile(runner, server_args, method: str, max_drafts: int,
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    from diffspec.profiling import (
-        cached_latency_profile,
-        checkpoint_identity,
-        device_name,
-        device_timer,
-        profile_grid,
-        time_forwards,
-    )
+    from diffspec.profiling import checkpoint_identity, device_name, engine_profile, profile_grid
 
     model_config = runner.model_config
     backend = runner.attn_backend
@@ -649,11 +643,4 @@ def measure_profile(runner, server_args, method: str, max_drafts: int,
         rows = torch.arange(tokens, device=device)[:, None]
         logits.argmax(rows, torch.zeros_like(rows))
 
-    def measure() -> dict[int, float]:
-        return time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
-                             timer=device_timer(str(device)),
-                             agree=None if tp.world_size == 1 else tp.broadcast_object)
-
-    return cached_latency_profile(
-        key, measure, lambda line: logger.info("%s", line),
-        broadcast=None if tp.world_size == 1 else tp.broadcast_object, rank0=tp.rank_in_group == 0)
+    return engine_profile(key, forward, grid, device, tp, lambda line: logger.info("%s", line))

@@ -17,12 +17,11 @@ import torch
 
 logger = logging.getLogger("vllm.diffspec")  # under vLLM's logger: its handlers and level
 
-__all__ = ["DRAFT_LOGITS_ROWS", "PROFILE_BUDGET_S", "NonCausalBlocks", "adaptive_policy",
+__all__ = ["DRAFT_LOGITS_ROWS", "NonCausalBlocks", "adaptive_policy",
            "draft_argmax", "logger", "measure_profile", "non_causal_blocks",
            "non_causal_metadata", "on_device", "one_kv_cache_group", "prompt_lookup",
            "seeded_requests"]
 
-PROFILE_BUDGET_S = 20.0  # most seconds a start-up profile spends timing forwards (about)
 PROFILE_CONTEXT = 256  # context tokens per request in the start-up profile's forwards
 
 # Rows of draft logits a proposer materialises at once. vLLM's memory profile (a dummy
@@ -214,20 +213,14 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
     """Give ``policy`` (an :class:`~diffspec.core.adaptive.AdaptiveDrafts` without a
     profile; anything else: nothing to do) the latency profile of ``runner``'s own
     forwards: ``runner._dummy_run(T)`` plus the logits of all ``T`` tokens (a verify
-    computes them all; here :data:`DRAFT_LOGITS_ROWS` at a time), for the widths of :func:`~diffspec.profiling.profile_grid` up to
-    ``max_tokens`` (what the policy can choose, at most the runner's token budget; past
-    the widest timed the profile extrapolates), within about :data:`PROFILE_BUDGET_S`
-    seconds. Cached per checkpoint, vLLM version, dtype, device, threads, method, drafts and
-    grid (:func:`~diffspec.profiling.cached_latency_profile`). Tensor-parallel ranks run the
+    computes them all; here :data:`DRAFT_LOGITS_ROWS` at a time), for the widths of
+    :func:`~diffspec.profiling.profile_grid` up to ``max_tokens`` (what the policy can
+    choose, at most the runner's token budget; past the widest timed the profile
+    extrapolates), within about ``profiling.PROFILE_BUDGET_S`` seconds. Cached per
+    checkpoint, vLLM version, dtype, device, threads, method, drafts and grid
+    (:func:`~diffspec.profiling.cached_latency_profile`). Tensor-parallel ranks run the
     forwards together and take rank 0's profile (and its cache decision)."""
-    from diffspec.profiling import (
-        cached_latency_profile,
-        checkpoint_identity,
-        device_name,
-        device_timer,
-        profile_grid,
-        time_forwards,
-    )
+    from diffspec.profiling import checkpoint_identity, device_name, engine_profile, profile_grid
 
     if policy is None or policy.profile is not None:
         return
@@ -264,14 +257,8 @@ def measure_profile(runner, policy, method: str, max_tokens: int) -> None:
         # widest T would be the largest allocation of start-up, outside vLLM's accounting
         draft_argmax(model, hidden, torch.arange(tokens, device=hidden.device))
 
-    def measure() -> dict[int, float]:
-        return time_forwards(forward, grid, budget_s=PROFILE_BUDGET_S,
-                             timer=device_timer(str(device)),
-                             agree=None if tp.world_size == 1 else tp.broadcast_object)
-
-    policy.set_profile(cached_latency_profile(
-        key, measure, lambda line: logger.info("%s", line),
-        broadcast=None if tp.world_size == 1 else tp.broadcast_object, rank0=tp.rank_in_group == 0))
+    policy.set_profile(engine_profile(key, forward, grid, device, tp,
+                                      lambda line: logger.info("%s", line)))
 
 
 def profile_settings(vllm_config, runner=None) -> dict:
