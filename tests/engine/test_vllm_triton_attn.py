@@ -24,6 +24,10 @@ a request near its end drafts fewer, none on its last token). The checks:
   draft less as the batch grows: steps with drafts and whole steps without (zero-draft
   steps, sampled plainly), output equal to AR's;
 * the kernels that ran (launches counted in the worker): TRITON_ATTN's;
+* bf16 (six engines more): each method beside AR in bf16, match rates reported, not
+  asserted; AR against the reference decoder's bf16 AR; TRITON_ATTN's kernel in bf16
+  against attention (the harness emulates bf16 arithmetic, which Triton's interpreter runs
+  on bit patterns);
 * the same three methods as speculators of vLLM's V2 runner (a second subprocess, three
   engines) on TRITON_ATTN: AR's tokens, each verify step the reference decoder's while it
   drafts whole blocks.
