@@ -143,22 +143,29 @@ def lookup_drafts(contexts: Sequence[Sequence[int]], num_drafts: Sequence[int],
 @dataclass
 class LookupStats:
     """What a proposer drafted from: draft blocks (one request's drafts in one step) by
-    lookup and by the diffusion view, and steps that drafted with no diffusion forward."""
+    lookup, by the diffusion view and carried over from the diffusion view's last block
+    (:mod:`diffspec.core.carry`), and steps that drafted with no diffusion forward."""
 
     lookup_blocks: int = 0  # request-steps drafted by prompt lookup
     lookup_tokens: int = 0  # their draft tokens
     diffusion_blocks: int = 0  # request-steps drafted by the diffusion view
+    carried_blocks: int = 0  # request-steps drafted by carried drafts
+    carried_tokens: int = 0  # their draft tokens
     steps: int = 0  # steps that drafted at all
     forwards_skipped: int = 0  # of those, steps with lookup drafts only (no draft forward)
 
-    def record(self, lookup: Sequence[int], diffusion: int) -> bool:
+    def record(self, lookup: Sequence[int], diffusion: int,
+               carried: Sequence[int] = ()) -> bool:
         """One step: ``lookup`` the lookup draft count of each request that drafted by
-        lookup, ``diffusion`` the number of requests the diffusion view drafted for. True
+        lookup, ``diffusion`` the number of requests the diffusion view drafted for,
+        ``carried`` the carried draft count of each request that took carried drafts. True
         when a log line of the totals is due: drafting steps 1, 2, 4, 8, ..., then every
         1000th (a few lines, not one per step)."""
-        if not lookup and not diffusion:
+        if not lookup and not diffusion and not carried:
             return False
         self.steps += 1
+        self.carried_blocks += len(carried)
+        self.carried_tokens += sum(carried)
         self.lookup_blocks += len(lookup)
         self.lookup_tokens += sum(lookup)
         self.diffusion_blocks += diffusion
@@ -166,7 +173,9 @@ class LookupStats:
         return self.steps & (self.steps - 1) == 0 or self.steps % 1000 == 0
 
     def summary(self) -> str:
+        carried = (f", carried drafts {self.carried_blocks} ({self.carried_tokens} tokens)"
+                   if self.carried_blocks else "")
         return (f"prompt lookup drafted {self.lookup_blocks} of "
-                f"{self.lookup_blocks + self.diffusion_blocks} draft blocks "
-                f"({self.lookup_tokens} tokens); {self.forwards_skipped} of {self.steps} "
-                f"drafting steps ran no draft forward")
+                f"{self.lookup_blocks + self.diffusion_blocks + self.carried_blocks} draft "
+                f"blocks ({self.lookup_tokens} tokens){carried}; {self.forwards_skipped} of "
+                f"{self.steps} drafting steps ran no draft forward")

@@ -197,6 +197,17 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     compute.write_text(json.dumps({"points": COMPUTE_BOUND}))
     adaptive_compute = {**SPEC, "json_model_override_args": json.dumps({"diffspec": {
         "adaptive": True, "latency_profile": str(compute)}})}
+    # a verify of more than 4 tokens per request costs 5x, a draft pass of any width 1 ms:
+    # over-drafting pays, carried drafts come often (issue 47 item 4)
+    narrow = tmp / "profile_narrow.json"
+    narrow.write_text(json.dumps({"points": {"1": 0.010, "4": 0.0101, "5": 0.05,
+                                             "4096": 40.0},
+                                  "draft_points": {"1": 0.001, "4096": 0.001}}))
+
+    def carry(setting: str) -> dict:
+        return {**SPEC, "json_model_override_args": json.dumps({"diffspec": {
+            "adaptive": True, "latency_profile": str(narrow), "prompt_lookup": False,
+            "carry": setting}})}
     job = {
         "runs": [
             # AR without overlap scheduling, as the speculative runs: SGLang's overlap
@@ -208,7 +219,11 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": lookup_batches},
             {"name": "synth_ar", "model": str(SYNTH_ORTHRUS),
              "batches": {"near_context_end": _near_context_end_requests(),
-                         "greedy": _synth_requests()}},
+                         "greedy": _synth_requests(), "one": _synth_requests()[:1]}},
+            *({"name": f"synth_carry_{c}", "model": str(SYNTH_ORTHRUS), "prometheus": True,
+               "engine": carry(c), "batches": {"one": _synth_requests()[:1],
+                                               "greedy": _synth_requests()}}
+              for c in ("always", "off")),
             {"name": "synth_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
              "batches": {"greedy": _synth_requests()}, "logits_rows": WIDTH},
             {"name": "synth_near_end_spec", "model": str(SYNTH_ORTHRUS), "engine": SPEC,
@@ -428,6 +443,26 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
     # mostly the block (narrower only where every request is near its max_new_tokens)
     assert max(steps["free"], key=steps["free"].get) == full
     assert metrics["free"]["diffspec:adaptive_draft_tokens_total"] > 0
+
+
+def test_carried_drafts_are_lossless_and_taken(engine) -> None:
+    """Over-drafting (``"carry": "always"``) on a profile where a step verifies at most 3
+    drafts per request of the 31-draft block: fully accepted steps hand the rest of the
+    block to the next step, which verifies it without a draft pass. Greedy output equals
+    AR token for token, alone and in the mixed batch (max_new_tokens mid-block); carried
+    drafts were taken (the Prometheus counters) and steps ran no draft forward; with
+    ``"carry": "off"`` none were."""
+    ar = engine["runs"]["synth_ar"]
+    for c in ("always", "off"):
+        for batch in ("one", "greedy"):
+            assert_equals_ar(ar[batch], engine["runs"][f"synth_carry_{c}"][batch])
+    on, off = (engine["server_info"][f"synth_carry_{c}"]["diffspec_metrics"]
+               for c in ("always", "off"))
+    assert on["diffspec:carried_blocks_total"] > 0, on
+    assert on["diffspec:carried_draft_tokens_total"] >= on["diffspec:carried_blocks_total"]
+    assert off["diffspec:carried_blocks_total"] == 0, off
+    assert on["diffspec:draft_blocks_total"] < off["diffspec:draft_blocks_total"], (on, off)
+    assert on["diffspec:draft_forwards_skipped_total"] > 0, on
 
 
 def test_prompt_lookup_equals_ar_and_the_reference_decoder(engine, ckpts) -> None:

@@ -93,6 +93,17 @@ def _synth_requests() -> list[dict]:
     return [{"prompt_token_ids": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]
 
 
+def _carry_batches() -> dict[str, list[dict]]:
+    """Batches for carried drafts: two synthetic prompts each alone (one request verifies
+    at most 3 drafts on the ``narrow`` profile, of a 31-draft block: the rest is carried
+    when all pass), the mixed batch (max_tokens mid-block, several requests carrying at
+    once) and a seeded request twice (a seeded request carries nothing: its drafts follow
+    its own history)."""
+    greedy = _synth_requests()
+    return {"carry_one": greedy[:1], "carry_two": greedy[2:3], "carry_mixed": greedy,
+            "carry_seeded": _synth_seeded(), "carry_seeded_again": _synth_seeded()}
+
+
 def _option_requests(path: Path) -> list[dict]:
     """Greedy requests of :func:`_greedy_requests` (same prompts and budgets), each with one
     per-request option vLLM's rejection sampler applies to the verify logits (repetition /
@@ -172,10 +183,16 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
     for name, points in (("free", {"1": 0.01, "4096": 0.01}),  # extra tokens cost nothing
                          ("compute", {"1": 0.001, "1000": 1.0})):  # every token costs the same
         (profiles / f"{name}.json").write_text(json.dumps({"points": points}))
+    # a verify of more than 4 tokens costs 5x (one request verifies at most 3 drafts) and
+    # a draft pass of any width 1 ms: over-drafting pays, carried drafts come often
+    (profiles / "narrow.json").write_text(json.dumps({
+        "points": {"1": 0.010, "4": 0.0101, "5": 0.05, "4096": 40.0},
+        "draft_points": {"1": 0.001, "4096": 0.001}}))
 
-    def adaptive(profile: str | None) -> dict:
+    def adaptive(profile: str | None, **options) -> dict:
         spec_ = spec("orthrus")
-        spec_["speculative_config"] = {**spec_["speculative_config"], "adaptive": True}
+        spec_["speculative_config"] = {**spec_["speculative_config"], "adaptive": True,
+                                       **options}
         if profile is not None:
             spec_["speculative_config"]["latency_profile"] = str(profiles / f"{profile}.json")
         return spec_
@@ -221,12 +238,17 @@ def engine(ckpts, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "batches": {"greedy": _synth_requests()}},
             *({"name": f"synth_adaptive_{p}", "model": str(SYNTH_ORTHRUS_DIR), "llm": adaptive(p),
                "batches": {"greedy": _synth_requests()}} for p in ("free", "compute")),
+            # carried drafts (issue 47 item 4), over-drafting every drafter block, and off
+            *({"name": f"synth_carry_{c}", "model": str(SYNTH_ORTHRUS_DIR),
+               "llm": {**adaptive("narrow", carry=c, prompt_lookup=False), "lookup_stats": True},
+               "batches": _carry_batches()} for c in ("always", "off")),
             # the default (adaptive, on a profile the engine measures), twice: the second
             # start takes the profile from the cache; AR on the same model to compare; a
             # seeded request twice in each, after the greedy batch moved the estimates
             *({"name": name, "model": str(SYNTH_ORTHRUS_DIR), "llm": llm,
                "batches": {"greedy": _synth_requests(), "seeded": _synth_seeded(),
-                           "seeded_again": _synth_seeded()}}
+                           "seeded_again": _synth_seeded(),
+                           **(_carry_batches() if name == "synth_ar" else {})}}
               for name, llm in (("synth_ar", LLM_KWARGS), ("synth_default", default),
                                 ("synth_default_again", default))),
         ],
@@ -652,6 +674,31 @@ def test_adaptive_drafts_follow_the_latency_profile(engine) -> None:
     assert drafts_per_step("synth_adaptive_free") >= 0.9 * drafts_per_step("synth_spec")
     accepted = {run: metrics[run]["vllm:spec_decode_num_accepted_tokens"] for run in metrics}
     assert accepted["synth_adaptive_free"] >= 0.95 * accepted["synth_spec"]
+
+
+def test_carried_drafts_are_lossless_and_taken(engine) -> None:
+    """Over-drafting (``"carry": "always"``) on a profile where one request verifies at most
+    3 drafts of its 31-draft block: fully accepted steps hand the rest of the block to the
+    next step, which verifies them without a draft pass. Greedy output equals AR token for
+    token, alone and in the mixed batch (max_tokens mid-block), with carried drafts taken
+    (and fewer draft passes run); with ``"carry": "off"`` none are. A seeded request is the
+    same on every call and carries nothing."""
+    ar = engine["runs"]["synth_ar"]
+    runs = {c: engine["runs"][f"synth_carry_{c}"] for c in ("always", "off")}
+    for batch in ("carry_one", "carry_two", "carry_mixed"):
+        for carry, run in runs.items():
+            assert run[batch]["outputs"] == ar[batch]["outputs"], (carry, batch)
+        assert runs["always"][batch]["lookup"]["carried_blocks"] > 0, batch
+        assert runs["off"][batch]["lookup"]["carried_blocks"] == 0
+    assert ar["carry_one"]["outputs"] == ar["greedy"]["outputs"][:1]
+    # fewer draft passes for as many tokens: steps of carried drafts run none
+    always, off = (runs[c]["carry_one"]["lookup"] for c in ("always", "off"))
+    assert always["diffusion_blocks"] < off["diffusion_blocks"], (always, off)
+    assert always["forwards_skipped"] > 0 == off["forwards_skipped"], (always, off)
+    assert any(a for s in runs["always"]["carry_one"]["spec_steps"] if s for a in s)
+    for run in runs.values():
+        assert run["carry_seeded"]["outputs"] == run["carry_seeded_again"]["outputs"]
+        assert run["carry_seeded"]["lookup"]["carried_blocks"] == 0
 
 
 def test_default_is_adaptive_measured_at_start_and_reused(engine) -> None:

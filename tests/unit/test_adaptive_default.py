@@ -35,19 +35,26 @@ ROOFLINE_MS = LatencyProfile({1: 0.010, 64: 0.010, 1024: 0.160})  # flat to 64 t
 
 def test_adaptive_is_the_default(tmp_path: Path) -> None:
     lookup = {"min": 2, "max": 4}
-    assert diffspec_options({"method": "orthrus"}) == {"adaptive": True, "prompt_lookup": lookup}
+    assert diffspec_options({"method": "orthrus"}) == {"adaptive": True, "prompt_lookup": lookup,
+                                                      "carry": "auto"}
     assert diffspec_options({"method": "orthrus", "adaptive": False}) == {
-        "adaptive": False, "prompt_lookup": None}  # a fixed count: the heads alone
+        "adaptive": False, "prompt_lookup": None, "carry": "auto"}  # a fixed count: heads alone
     assert diffspec_options({"method": "linear_self_spec", "adaptive": False,
                              "prompt_lookup": {"max": 3}}) == {
-        "adaptive": False, "prompt_lookup": {"min": 2, "max": 3}}
-    assert diffspec_options({"method": "orthrus", "prompt_lookup": False}) == {
-        "adaptive": True, "prompt_lookup": None}
+        "adaptive": False, "prompt_lookup": {"min": 2, "max": 3}, "carry": "auto"}
+    assert diffspec_options({"method": "orthrus", "prompt_lookup": False, "carry": False}) == {
+        "adaptive": True, "prompt_lookup": None, "carry": "off"}
+    assert diffspec_options({"method": "orthrus", "carry": "always"})["carry"] == "always"
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({"points": {"1": 0.01}}))
     options = diffspec_options({"method": "tidar", "latency_profile": str(profile)})
     assert options == {"adaptive": True, "latency_profile": str(profile.resolve()),
-                       "prompt_lookup": None}  # tidar: its drafts cost no forward anyway
+                       "prompt_lookup": None, "carry": "auto"}  # tidar: drafts cost no forward
+    # carried drafts are the adaptive two-pass drafter's
+    with pytest.raises(CheckpointError, match=r'^remove "carry": .*tidar pre-drafts'):
+        diffspec_options({"method": "tidar", "carry": "always"})
+    with pytest.raises(CheckpointError, match=r'^remove "carry": .*"adaptive": false drafts'):
+        diffspec_options({"method": "orthrus", "adaptive": False, "carry": "off"})
     with pytest.raises(CheckpointError, match=r"^remove \"prompt_lookup\" .*'tidar'"):
         diffspec_options({"method": "tidar", "prompt_lookup": True})
     with pytest.raises(CheckpointError, match=r"^set prompt_lookup min <= max"):
@@ -82,7 +89,8 @@ def test_sglang_options_are_vllms(tmp_path: Path) -> None:
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({"points": {"1": 0.01}}))
     for options in (None, {}, {"adaptive": False}, {"adaptive": True},
-                    {"latency_profile": str(profile)}, {"adaptive": False, "prompt_lookup": True}):
+                    {"latency_profile": str(profile)}, {"adaptive": False, "prompt_lookup": True},
+                    {"carry": "always"}, {"carry": False}):
         check(options)
         spec = {"method": "orthrus", **(options or {})}
         diffspec_options(spec)  # vLLM takes the same
@@ -94,11 +102,14 @@ def test_sglang_options_are_vllms(tmp_path: Path) -> None:
         ({"latency_profile": str(tmp_path / "none")},
          r"^point \"latency_profile\" at .*leave it out"),
         ({"adaptiv": False}, r"^remove 'adaptiv' from --json-model-override-args"),
+        ({"carry": "sometimes"}, r"^set \"carry\" to \"auto\""),
+        ({"adaptive": False, "carry": "always"}, r"^remove \"carry\""),
     ]
     for options, message in refused:
         with pytest.raises(CheckpointError, match=message):
             check(options)
-        if "latency_profile" in options:  # (vLLM checks the others' keys and values first)
+        if "latency_profile" in options or "carry" in options:  # (vLLM checks the others'
+            # keys and values first)
             with pytest.raises(CheckpointError, match=message):
                 diffspec_options({"method": "orthrus", **options})
 

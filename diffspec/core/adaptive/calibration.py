@@ -100,8 +100,9 @@ class _FittedCost:
         return self.cost.padded
 
     def latency(self, profile: LatencyProfile, counts: Sequence[int],
-                free: Sequence[bool] | None = None) -> float:
-        return self.fit.price(self.cost.latency(profile, counts, free))
+                free: Sequence[bool] | None = None,
+                widths: Sequence[int] | None = None) -> float:
+        return self.fit.price(self.cost.latency(profile, counts, free, widths))
 
 
 class RateGuard:

@@ -10,7 +10,9 @@ from diffspec.core.adaptive.profile import LatencyProfile, StepCost
 
 __all__ = ["SOURCES", "seeded_draft_count"]
 
-SOURCES = ("draft", "lookup")  # where a request's drafts come from: its drafter, prompt lookup
+# where a request's drafts come from: its drafter, prompt lookup, or the tail of its last
+# draft block (diffspec.core.carry)
+SOURCES = ("draft", "lookup", "carry")
 
 
 def _draft_pass(counts: Sequence[int], lookup: Sequence[bool]) -> bool:

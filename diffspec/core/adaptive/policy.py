@@ -31,7 +31,9 @@ class AdaptiveDrafts:
     choices checked by a :class:`RateGuard` of the measured tokens per second.
     ``profile`` may be ``None`` until the engine has measured it (:meth:`set_profile`).
     ``draft_prior``: the drafter's acceptance per position to start from
-    (:func:`measured_prior`; default 0.8 at every position).
+    (:func:`measured_prior`; default 0.8 at every position). ``carry``: whether a two-pass
+    drafter over-drafts for carried drafts (:meth:`draft_widths`): ``"auto"`` where the
+    profile says it pays, ``"always"``, or ``"off"``.
 
     Seeded requests (``seeded``): a seeded sample must come out the same on every call,
     and the rejection sampler's draws depend on how many drafts a step verifies, so a
@@ -44,12 +46,17 @@ class AdaptiveDrafts:
     def __init__(self, max_drafts: int, profile: LatencyProfile | None, cost: StepCost,
                  log_every: int = 100, track_step_times: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
-                 draft_prior: Sequence[float] | None = None) -> None:
+                 draft_prior: Sequence[float] | None = None, carry: str = "auto") -> None:
         # one acceptance estimate per draft source: the method's drafter ("draft"), from
-        # the checkpoint's measured acceptance where it has one (draft_prior), and prompt
-        # lookup ("lookup", all matches; per matched n-gram length in lookup_by_n), whose
-        # drafts cost no draft pass
+        # the checkpoint's measured acceptance where it has one (draft_prior), prompt
+        # lookup ("lookup", all matches; per matched n-gram length in lookup_by_n), and
+        # drafts carried over from a wider block ("carry", starting from the drafter's
+        # prior); lookup and carried drafts cost no draft pass
+        if carry not in ("auto", "always", "off"):
+            raise ValueError(f"carry is \"auto\", \"always\" or \"off\", not {carry!r}")
+        self.carry = carry
         self.priors = {"draft": list(draft_prior) if draft_prior else 0.8, "lookup": 0.8}
+        self.priors["carry"] = self.priors["draft"]
         self.estimates = {source: AcceptanceEstimate(max_drafts, prior=self.priors[source])
                           for source in SOURCES}
         self.estimate = self.estimates["draft"]
@@ -119,17 +126,19 @@ class AdaptiveDrafts:
         self._start = now
 
     def _priced(self, req_ids: Sequence[str], counts: Sequence[int],
-                free: Sequence[bool]) -> None:
+                free: Sequence[bool], widths: Sequence[int] | None = None) -> None:
         """Remember the step just chosen: every request of the batch, those not drafting
-        with 0 drafts."""
+        with 0 drafts (``widths``: its draft blocks, :meth:`draft_widths`)."""
         if not self.track_step_times or self.profile is None or not self._batch:
             return
-        chosen = dict(zip(req_ids, zip(counts, free)))
+        widths = counts if widths is None else widths
+        chosen = dict(zip(req_ids, zip(counts, free, widths)))
         if set(chosen) - set(self._batch):
             return
-        all_counts = [chosen.get(r, (0, False)) for r in self._batch]
-        price = self.cost.latency(self.profile, [k for k, _ in all_counts],
-                                  [f for _, f in all_counts])
+        all_counts = [chosen.get(r, (0, False, 0)) for r in self._batch]
+        price = self.cost.latency(self.profile, [k for k, _, _ in all_counts],
+                                  [f for _, f, _ in all_counts],
+                                  [w for _, _, w in all_counts])
         self._step = (self._start, self._batch, price, _draft_pass(counts, free))
 
     def _require_profile(self) -> LatencyProfile:
@@ -148,7 +157,7 @@ class AdaptiveDrafts:
         if proposed > 0 and num_emitted > 0:
             accepted = min(num_emitted - 1, proposed)
             self.estimates[source].update(proposed, accepted)
-            if source == "lookup":
+            if source != "draft":  # not the drafter's this step: left out of the guard
                 self._lookup_accepted += accepted
             if source == "lookup" and ngram > 0:
                 self._lookup_estimate(ngram).update(proposed, accepted)
@@ -170,10 +179,14 @@ class AdaptiveDrafts:
 
     def choose_hybrid(self, req_ids: Sequence[str], max_drafts: Sequence[int],
                       lookup_drafts: Sequence[int], lookup_ngram: Sequence[int] | None = None,
-                      seeded: Sequence[bool] | None = None) -> tuple[list[int], list[bool]]:
+                      seeded: Sequence[bool] | None = None,
+                      free_source: Sequence[str] | None = None,
+                      ) -> tuple[list[int], list[bool]]:
         """Drafts for each of ``req_ids`` this step, and whether they are its lookup drafts
         (``lookup_drafts[r]``: how many prompt lookup found for it, 0: no match; it then
-        takes at most that many; ``lookup_ngram[r]``: the length of the n-gram it matched)
+        takes at most that many; ``lookup_ngram[r]``: the length of the n-gram it matched;
+        ``free_source[r]``: ``"carry"`` where they are drafts carried over from its last
+        block, :mod:`diffspec.core.carry`, default ``"lookup"``)
         rather than the drafter's (at most ``max_drafts[r]``). The sources and counts are
         searched together, the draft pass priced once for every request that runs the
         drafter (:meth:`_search`); ``seeded[r]``: request ``r``'s source and count are its
@@ -183,14 +196,86 @@ class AdaptiveDrafts:
         n = len(req_ids)
         ngram = list(lookup_ngram) if lookup_ngram is not None else [0] * n
         pinned = self._pinned(req_ids, max_drafts, lookup_drafts, seeded)
-        counts, lookup = self._search(profile, max_drafts, lookup_drafts, ngram, pinned)
+        lookups = self._free_acceptance(ngram, free_source)
+        counts, lookup = self._search(profile, max_drafts, lookup_drafts, lookups, pinned)
         if _draft_pass(counts, lookup) and not self._guard_allows():
             # the guard measured the draft pass not paying here: the best step without the
             # drafter (lookup drafts, which cost none, where there are some; plain steps for
             # the rest), the seeded requests' own choices kept
-            counts, lookup = self._search(profile, [0] * n, lookup_drafts, ngram, pinned)
-        self._record(req_ids, counts, lookup, ngram)
+            counts, lookup = self._search(profile, [0] * n, lookup_drafts, lookups, pinned)
+        self._record(req_ids, counts, lookup, ngram, free_source)
         return counts, lookup
+
+    def _free_acceptance(self, ngram: Sequence[int],
+                         free_source: Sequence[str] | None) -> list[list[float]]:
+        """Per request, the acceptance of its free drafts: carried drafts', or lookup
+        drafts' by the n-gram length they matched (all lookup drafts' without one)."""
+        free_source = free_source or ["lookup"] * len(ngram)
+        return [self.estimates["carry"].conditional if s == "carry" else
+                self._lookup_estimate(g).conditional if g > 0 else
+                self.estimates["lookup"].conditional for g, s in zip(ngram, free_source,
+                                                                     strict=True)]
+
+    def free_drafts(self, found: Sequence[Sequence[int]], ngram: Sequence[int],
+                    carried: Sequence[Sequence[int]],
+                    ) -> tuple[list[list[int]], list[int], list[str]]:
+        """Per request, the free drafts it is offered (``found[r]``: its lookup drafts,
+        matched on ``ngram[r]`` tokens; ``carried[r]``: its carried drafts; either may be
+        empty): the one promising more tokens by its source's estimate (lookup on a tie).
+        Returns the drafts, their n-gram (0 for carried drafts) and their
+        ``free_source`` for :meth:`choose_hybrid`."""
+        drafts, ngrams, sources = [], [], []
+        for f, g, c in zip(found, ngram, carried, strict=True):
+            carry = bool(c) and (not f or expected_tokens(
+                self.estimates["carry"].conditional, len(c)) > expected_tokens(
+                self._free_acceptance([g], None)[0], len(f)))
+            drafts.append(list(c) if carry else list(f))
+            ngrams.append(0 if carry else g)
+            sources.append("carry" if carry else "lookup")
+        return drafts, ngrams, sources
+
+    def draft_widths(self, req_ids: Sequence[str], counts: Sequence[int],
+                     free: Sequence[bool], limits: Sequence[int],
+                     seeded: Sequence[bool] | None = None) -> list[int]:
+        """How many tokens each request's draft block drafts this step (two-pass
+        drafters): its count, or, over-drafting, its limit ``limits[r]``, the drafts past
+        the count kept for the next step (:mod:`diffspec.core.carry`). Over-drafting widens
+        the draft pass now for a chance to skip it next step: with ``carry="auto"`` the
+        drafter's blocks are widened when the draft-pass seconds each widened block is
+        expected to save next step (the chance that its verified drafts and the token after
+        them all match the block, times what its block adds to a draft pass, counted only
+        where carried drafts beat the drafter for it, as :meth:`_sources` weighs them)
+        outweigh the seconds the wider pass adds now. Never for requests drafting from
+        lookup, carried drafts, or a seed (whose drafts follow their own history alone)."""
+        widths = list(counts)
+        seeded = seeded or [False] * len(counts)
+        wide = [r for r, (k, f, m, s) in enumerate(zip(counts, free, limits, seeded,
+                                                       strict=True))
+                if k > 0 and not f and not s and m > k + 1]
+        if self.carry == "off" or not wide or self.profile is None:
+            return widths
+        full = list(widths)
+        for r in wide:
+            full[r] = limits[r]
+        if self.carry == "auto":
+            profile, pricing = self.profile, self.pricing
+            wider = pricing.latency(profile, counts, free, full)
+            added = wider - pricing.latency(profile, counts, free, widths)
+            draft, carried = self.estimates["draft"].conditional, self.estimates["carry"]
+            saved = 0.0
+            for r in wide:
+                k, m = counts[r], limits[r]
+                if not self._sources([m], [m - k - 1], [carried.conditional])[0]:
+                    continue
+                chance = 1.0
+                for a in draft[:k + 1]:
+                    chance *= a
+                freed = [f or i == r for i, f in enumerate(free)]
+                saved += chance * (wider - pricing.latency(profile, counts, freed, full))
+            if saved <= added:
+                return widths
+        self._priced(req_ids, counts, free, full)
+        return full
 
     def _pinned(self, req_ids, max_drafts, lookup_drafts,
                 seeded) -> list[tuple[int, bool] | None]:
@@ -216,7 +301,7 @@ class AdaptiveDrafts:
         return pinned
 
     def _search(self, profile: LatencyProfile, max_drafts: Sequence[int],
-                lookup_drafts: Sequence[int], ngram: Sequence[int],
+                lookup_drafts: Sequence[int], lookups: Sequence[Sequence[float]],
                 pinned: Sequence[tuple[int, bool] | None]) -> tuple[list[int], list[bool]]:
         """The best (counts, sources) of a few source assignments, each scanned by
         :func:`choose_draft_counts` with the same pricing: each request's better source
@@ -226,8 +311,6 @@ class AdaptiveDrafts:
         drafts alone with no draft pass."""
         pricing = self.pricing
         draft = self.estimates["draft"].conditional
-        lookups = [self._lookup_estimate(g).conditional if g > 0 else
-                   self.estimates["lookup"].conditional for g in ngram]
         joint = [m > 0 and expected_tokens(acc, m) >= expected_tokens(draft, k)
                  for k, m, acc in zip(max_drafts, lookup_drafts, lookups)]
         best: tuple[float, list[int], list[bool]] | None = None
@@ -255,6 +338,7 @@ class AdaptiveDrafts:
                              lookup_drafts: Sequence[int],
                              lookup_ngram: Sequence[int] | None = None,
                              seeded: Sequence[bool] | None = None,
+                             free_source: Sequence[str] | None = None,
                              ) -> tuple[int, list[bool], list[int]]:
         """:meth:`choose_shared` with prompt lookup (as :meth:`choose_hybrid`): the step's
         draft count ``k``, each request's source and its count: ``min(k, its limit)``, its
@@ -268,8 +352,7 @@ class AdaptiveDrafts:
         self._settle_guard()
         n = len(req_ids)
         ngram = list(lookup_ngram) if lookup_ngram is not None else [0] * n
-        lookups = [self._lookup_estimate(g).conditional if g > 0 else
-                   self.estimates["lookup"].conditional for g in ngram]
+        lookups = self._free_acceptance(ngram, free_source)
         lookup = self._sources(max_drafts, lookup_drafts, lookups)
         limits = [m if f else k for k, m, f in zip(max_drafts, lookup_drafts, lookup)]
         if seeded and any(seeded):
@@ -286,7 +369,7 @@ class AdaptiveDrafts:
                 self.pricing, lookup)
             if _draft_pass(counts, lookup) and not self._guard_allows():
                 k, counts = 0, [0] * n  # one count for all: the lookup drafts go too
-        self._record(req_ids, counts, lookup, ngram)
+        self._record(req_ids, counts, lookup, ngram, free_source)
         return k, lookup, counts
 
     def _settle_guard(self) -> None:
@@ -327,11 +410,15 @@ class AdaptiveDrafts:
                 for k, m, acc in zip(max_drafts, lookup_drafts, lookups, strict=True)]
 
     def _record(self, req_ids: Sequence[str], counts: list[int], lookup: list[bool],
-                ngram: Sequence[int] | None = None) -> None:
+                ngram: Sequence[int] | None = None,
+                free_source: Sequence[str] | None = None) -> None:
         ngram = ngram if ngram is not None else [0] * len(req_ids)
+        free_source = free_source or ["lookup"] * len(req_ids)
         self.proposed.update(zip(req_ids, counts))
-        self.sources.update((r, "lookup" if f else "draft") for r, f in zip(req_ids, lookup))
-        self.ngrams.update((r, g if f else 0) for r, f, g in zip(req_ids, lookup, ngram))
+        self.sources.update((r, s if f else "draft")
+                            for r, f, s in zip(req_ids, lookup, free_source))
+        self.ngrams.update((r, g if f and s == "lookup" else 0)
+                           for r, f, g, s in zip(req_ids, lookup, ngram, free_source))
         self.steps += 1
         self.last_counts = counts
         self.last_lookup = lookup

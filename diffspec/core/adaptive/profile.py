@@ -109,18 +109,25 @@ class StepCost:
     padded: bool = False
 
     def latency(self, profile: LatencyProfile, counts: Sequence[int],
-                free: Sequence[bool] | None = None) -> float:
+                free: Sequence[bool] | None = None,
+                widths: Sequence[int] | None = None) -> float:
         """Seconds for one step of requests drafting ``counts`` tokens each; ``free[r]``:
-        request ``r``'s drafts cost no draft pass (prompt lookup), only their verify."""
+        request ``r``'s drafts cost no draft pass (prompt lookup, carried drafts), only
+        their verify; ``widths[r]`` (two-pass): request ``r``'s draft block drafts that
+        many tokens (at least its count: over-drafting, the rest carried to the next
+        step), default its count."""
         verify = sum(1 + k for k in counts)
         if self.kind == "linear":  # e.g. a drafter whose own cost is negligible
             return profile(verify)
         if self.kind == "two_pass":  # Orthrus / NLD linear: draft forward + verify forward
             free = free or [False] * len(counts)
-            drafted = sum(1 + k for k, f in zip(counts, free, strict=True) if k > 0 and not f)
+            widths = counts if widths is None else [max(k, w) for k, w in zip(counts, widths,
+                                                                                strict=True)]
+            drafted = sum(1 + w for k, w, f in zip(counts, widths, free, strict=True)
+                          if k > 0 and not f)
             if self.padded and counts:
                 verify = len(counts) * (1 + max(counts))
-                drafted = verify if drafted else 0
+                drafted = len(counts) * (1 + max(widths)) if drafted else 0
             if drafted:
                 return profile.draft(drafted) + profile.verify(verify)
             return profile.verify(verify) if any(counts) else profile(verify)

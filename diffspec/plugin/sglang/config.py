@@ -128,12 +128,12 @@ def diffspec_options(server_args) -> dict[str, Any]:
     options = overrides.get("diffspec") if isinstance(overrides, dict) else None
     if options is not None and not isinstance(options, dict):
         raise CheckpointError(f"make \"diffspec\" in --json-model-override-args an object "
-                              f"(keys: adaptive, latency_profile, prompt_lookup), got "
+                              f"(keys: adaptive, latency_profile, prompt_lookup, carry), got "
                               f"{options!r}")
     return options or {}
 
 
-DIFFSPEC_OPTIONS = ("adaptive", "latency_profile", "prompt_lookup")  # as vLLM's config keys
+DIFFSPEC_OPTIONS = ("adaptive", "latency_profile", "prompt_lookup", "carry")  # as vLLM's
 _OVERRIDE = "--json-model-override-args '{\"diffspec\": {...}}'"
 
 
@@ -143,9 +143,11 @@ def _validate_diffspec_options(server_args, method: str) -> None:
     same keys (:func:`diffspec.plugin.vllm.config.diffspec_options`): ``adaptive`` true
     (the default) or false; ``latency_profile`` a readable profile, and only with
     adaptive drafting; ``prompt_lookup`` (:func:`~diffspec.core.lookup.
-    prompt_lookup_settings`: on by default unless ``"adaptive": false``, never for TIDAR)."""
+    prompt_lookup_settings`: on by default unless ``"adaptive": false``, never for TIDAR);
+    ``carry`` (:func:`~diffspec.core.carry.carry_setting`)."""
     from pathlib import Path
 
+    from diffspec.core.carry import carry_setting
     from diffspec.core.lookup import prompt_lookup_settings
 
     options = diffspec_options(server_args)
@@ -161,6 +163,10 @@ def _validate_diffspec_options(server_args, method: str) -> None:
     try:
         prompt_lookup_settings(options.get("prompt_lookup"), method,
                                default=adaptive is not False)
+    except ValueError as exc:
+        raise CheckpointError(f"{exc} ({_OVERRIDE})") from None
+    try:
+        carry_setting(options.get("carry"), method, adaptive is not False)
     except ValueError as exc:
         raise CheckpointError(f"{exc} ({_OVERRIDE})") from None
     path = options.get("latency_profile")

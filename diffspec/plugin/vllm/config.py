@@ -65,8 +65,11 @@ _ALLOWED_OPTIONS: dict[str, tuple[Any, ...] | None] = {
     # prompt-lookup drafts where the context holds an n-gram match: false, true or
     # {"min": 2, "max": 4} (default on unless "adaptive": false; never for tidar)
     "prompt_lookup": None,
+    # over-draft and carry a fully accepted block's rest to the next step (two-pass methods):
+    # "auto" (default: where the latency profile says it pays), "always", "off" (or false)
+    "carry": None,  # checked by diffspec_options
 }
-DIFFSPEC_OPTIONS = ("adaptive", "latency_profile", "prompt_lookup")
+DIFFSPEC_OPTIONS = ("adaptive", "latency_profile", "prompt_lookup", "carry")
 
 def is_self_spec_proposer(speculative_config: Any) -> bool:
     """True when a vLLM ``SpeculativeConfig`` is one :func:`translate_speculative_config` made."""
@@ -436,8 +439,12 @@ def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
     profile that replaces the one the engine measures at start-up), and
     ``prompt_lookup`` (``{"min": 2, "max": 4}`` or ``None``: off; on unless the config
     says ``"adaptive": false``, the heads alone at a fixed count, or ``"prompt_lookup":
-    false``; never for tidar: :func:`~diffspec.core.lookup.prompt_lookup_settings`). The
+    false``; never for tidar: :func:`~diffspec.core.lookup.prompt_lookup_settings`), and
+    ``carry`` (``"auto"``, ``"always"`` or ``"off"``: over-drafting for carried drafts,
+    :meth:`~diffspec.core.adaptive.AdaptiveDrafts.draft_widths`; two-pass methods with
+    adaptive drafts only). The
     proposer reads them from ``vllm_config.additional_config["diffspec"]``."""
+    from diffspec.core.carry import carry_setting
     from diffspec.core.lookup import prompt_lookup_settings
 
     options = {"adaptive": spec.get("adaptive", True)}
@@ -449,6 +456,11 @@ def diffspec_options(spec: Mapping[str, Any]) -> dict[str, Any]:
     except ValueError as exc:
         raise CheckpointError(f"{exc} (speculative_config)") from None
     options["prompt_lookup"] = None if lookup is None else lookup.as_dict()
+    try:
+        options["carry"] = carry_setting(spec.get("carry"), str(spec.get("method")),
+                                         bool(options["adaptive"]))
+    except ValueError as exc:
+        raise CheckpointError(f"{exc} (speculative_config)") from None
     path = spec.get("latency_profile")
     if path and not options["adaptive"]:
         raise CheckpointError(

@@ -28,7 +28,8 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
     the whole batch cannot follow a seeded request's own history, and a count that moved
     with the clock or the other requests would change its samples.
     SGLang's verify has one width per step, so steps are priced padded
-    (:attr:`~diffspec.core.adaptive.StepCost.padded`)."""
+    (:attr:`~diffspec.core.adaptive.StepCost.padded`). ``"carry"``: over-drafting for
+    carried drafts (:func:`~diffspec.core.carry.carry_setting`)."""
     import json
     from pathlib import Path
 
@@ -56,6 +57,9 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
                     "drafts every step, so that a seeded request's samples do not depend on "
                     "timing or on the other requests", max_drafts)
         return None
+    from diffspec.core.carry import carry_setting
+
+    carry = carry_setting(options.get("carry"), method, True)
     prior = checkpoint_prior(hf_config)
     cost = StepCost(cost, padded=cost == "two_pass")
     if prior:
@@ -63,7 +67,7 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
                     "(drafts 1-4: %s)", ", ".join(f"{a:.2f}" for a in prior[:4]))
     if not path:  # measured by the worker once SGLang has built its pools and backends
         return AdaptiveDrafts(max_drafts, None, cost, draft_prior=prior,
-                              track_step_times=track_step_times)
+                              track_step_times=track_step_times, carry=carry)
     try:
         profile = load_latency_profile(json.loads(Path(path).expanduser().read_text()))
     except (OSError, ValueError) as exc:
@@ -74,7 +78,7 @@ def adaptive_policy(hf_config, max_drafts: int, cost: str, method: str = "orthru
                          f"one: {exc}") from exc
     logger.info("diffspec: adaptive draft counts (at most %d per step) from the latency "
                 "profile %s", max_drafts, path)
-    return AdaptiveDrafts(max_drafts, profile, cost, draft_prior=prior)
+    return AdaptiveDrafts(max_drafts, profile, cost, draft_prior=prior, carry=carry)
 
 
 def prompt_lookup(hf_config, method: str):

@@ -282,8 +282,10 @@ class ChoiceMetrics:
     the server's width, whatever a step drafted.) With prompt lookup:
     ``diffspec:prompt_lookup_blocks_total`` (a request's drafts in one step that came from
     lookup), ``diffspec:prompt_lookup_draft_tokens_total``, ``diffspec:draft_blocks_total``
-    (those the diffusion view drafted) and ``diffspec:draft_forwards_skipped_total`` (steps
-    that drafted by lookup alone, with no draft forward)."""
+    (those the diffusion view drafted), ``diffspec:carried_blocks_total`` and
+    ``diffspec:carried_draft_tokens_total`` (drafts carried over from an over-drafted
+    block, :mod:`diffspec.core.carry`) and ``diffspec:draft_forwards_skipped_total`` (steps
+    that drafted by lookup or carried drafts alone, with no draft forward)."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter
@@ -300,17 +302,24 @@ class ChoiceMetrics:
         self.draft_blocks = Counter("diffspec:draft_blocks", "Requests' per-step drafts the "
                                     "diffusion view drafted")
         self.skipped = Counter("diffspec:draft_forwards_skipped", "Drafting steps with no "
-                               "draft forward (every draft from prompt lookup)")
+                               "draft forward (every draft from prompt lookup or carried)")
+        self.carried_blocks = Counter("diffspec:carried_blocks", "Requests' per-step drafts "
+                                      "carried over from their last over-drafted block")
+        self.carried_tokens = Counter("diffspec:carried_draft_tokens", "Carried draft tokens")
 
     def record(self, drafts: int, batch_size: int) -> None:
         self.steps.labels(drafts=str(drafts)).inc()
         self.draft_tokens.inc(drafts * batch_size)
 
-    def record_sources(self, lookup: list[int], diffusion: int) -> None:
+    def record_sources(self, lookup: list[int], diffusion: int,
+                       carried: list[int] | tuple = ()) -> None:
         """One drafting step: ``lookup`` each lookup-drafting request's draft count,
-        ``diffusion`` the requests the diffusion view drafted for."""
+        ``diffusion`` the requests the diffusion view drafted for, ``carried`` each
+        request's carried draft count."""
         self.lookup_blocks.inc(len(lookup))
         self.lookup_tokens.inc(sum(lookup))
+        self.carried_blocks.inc(len(carried))
+        self.carried_tokens.inc(sum(carried))
         self.draft_blocks.inc(diffusion)
         if not diffusion:
             self.skipped.inc()

@@ -13,6 +13,7 @@ import torch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
+from diffspec.core.carry import CarriedDrafts
 from diffspec.core.lookup import LookupStats, lookup_drafts
 from diffspec.model_executors.sglang.views import DraftBlocks
 from diffspec.profiling import DraftTimings
@@ -49,6 +50,11 @@ class TwoPassWorker(TargetModelSpecWorker):
         self.prompt_lookup = prompt_lookup(self.model_runner.model_config.hf_config,
                                            self.method)
         self.lookup_stats = LookupStats()
+        # the rest of over-drafted blocks (adaptive drafts only; off with tensor
+        # parallelism: the drafts' argmax is on the first rank alone)
+        self.carried = (CarriedDrafts() if self.adaptive is not None
+                        and self.adaptive.carry != "off" and self.server_args.tp_size == 1
+                        else None)
         self.timings = DraftTimings(self.device)
 
     def _prefill(self, batch, on_publish) -> GenerationBatchResult:
@@ -69,43 +75,59 @@ class TwoPassWorker(TargetModelSpecWorker):
         caps = [max(0, min(self.width - 1, remaining(req) - 1, self._max_position - c))
                 for req, c in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True)]
         found, ngram = self._lookup(batch, caps)  # [bs] lookup drafts ([]: no match), n
+        widths = caps  # drafts of each request's draft block (>= its count: carried)
+        sources = ["lookup"] * bs
         if self.adaptive is not None:  # one width per step: W = the policy's k + 1
             self.measure_latency_profile()  # done at start-up, unless SGLang skipped the hook
             self.adaptive.forget(set(rids))
+            limits = caps
+            if self.carried is not None:
+                self.carried.forget(rids)
+                carried = [self.carried.take(rid, c, cap) for rid, c, cap in zip(
+                    rids, batch.seq_lens_cpu.tolist(), caps, strict=True)]
+                found, ngram, sources = self.adaptive.free_drafts(found, ngram, carried)
             k, lookup, caps = self.adaptive.choose_shared_hybrid(
-                rids, caps, [len(f) for f in found], ngram)
+                rids, caps, [len(f) for f in found], ngram, free_source=sources)
+            widths = self.adaptive.draft_widths(rids, caps, lookup, limits)
             choice_metrics().record(k, bs)
             if self.adaptive.steps % self.adaptive.log_every == 1:
                 logger.info("diffspec: %s", self.adaptive.summary())
             # a lookup row takes its first count drafts; a drafter row drafts count (0: a
             # step of the lookup drafts alone, no draft pass)
-            found = [f[:c] if use else [] for f, use, c in zip(found, lookup, caps,
-                                                                strict=True)]
+            kept = [f if use else [] for f, use in zip(found, lookup, strict=True)]
+            found = [f[:c] for f, c in zip(kept, caps, strict=True)]
         else:  # a fixed count: a match's continuation wherever there is one
-            caps = [len(f) if f else cap for f, cap in zip(found, caps, strict=True)]
+            caps = widths = [len(f) if f else cap for f, cap in zip(found, caps, strict=True)]
+            kept = found
         w = 1 + max(caps)  # one width per step (SGLang's verify); narrower blocks padded
+        wd = 1 + max(widths)  # the draft pass's (wider where blocks are over-drafted)
         num_drafts = torch.tensor(caps, dtype=torch.int64, device=self.device)  # [bs]
         anchors = state.bonus_tokens.reshape(-1).to(torch.int64)  # [bs]
         diffusion = sum(1 for f, n in zip(found, caps) if n > 0 and not f)  # rows it drafts
-        if self.prompt_lookup is not None:
-            self._record([len(f) for f in found if f], diffusion)
-        columns = committed[:, None] + self._offsets[None, :w]  # [bs, W]
+        if self.prompt_lookup is not None or self.adaptive is not None:
+            self._record([len(f) for f, s in zip(found, sources) if f and s == "lookup"],
+                         diffusion, [len(f) for f, s in zip(found, sources) if f and s == "carry"])
+        columns = committed[:, None] + self._offsets[None, :wd]  # [bs, W_d]
         rows = batch.req_pool_indices.to(torch.int64)  # [bs]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token  # [reqs, ctx]
         slots = req_to_token[rows[:, None], columns].to(torch.int64)  # [bs, W]
         # a padded row may sit past the model's last position (never committed); RoPE
         # needs positions it has
-        positions = columns.clamp(max=self._max_position)  # [bs, W]
+        positions = columns.clamp(max=self._max_position)  # [bs, W_d]
 
         # draft: the diffusion view over each request's [anchor, <mask> x n] (n = its
-        # draft count; the block's padding rows are invisible to it), unless every
-        # drafting request has lookup drafts (W = 1: nothing is drafted this step, a plain
-        # AR step); lookup rows take their lookup drafts
+        # block's width: its draft count, or more where over-drafted; the block's padding
+        # rows are invisible to it), unless every drafting request has free drafts (W = 1:
+        # nothing is drafted this step, a plain AR step); lookup and carry rows take those
+        block = None
         if diffusion:
-            drafts = self.timings.time(bs * w, lambda: self._draft(
-                batch, anchors, positions, slots, num_drafts))  # [bs, W - 1]
+            block = self.timings.time(bs * wd, lambda: self._draft(
+                batch, anchors, positions, slots, torch.tensor(
+                    widths, dtype=torch.int64, device=self.device)))  # [bs, W_d - 1]
+            drafts = block[:, :w - 1].clone()
         else:
             drafts = anchors.new_zeros((bs, w - 1))
+        positions, slots = positions[:, :w], slots[:, :w]  # [bs, W]: the verify's
         for b, tokens in enumerate(found):
             if tokens:
                 drafts[b, :len(tokens)] = torch.tensor(tokens, dtype=drafts.dtype)
@@ -127,8 +149,27 @@ class TwoPassWorker(TargetModelSpecWorker):
         if self.adaptive is not None:
             for rid, emitted in zip(rids, accept_lens.tolist(), strict=True):
                 self.adaptive.observe(rid, emitted)
+        if self.carried is not None:
+            self._carry(rids, committed.tolist(), caps, widths,
+                        [f if src == "carry" else [] for f, src in zip(kept, sources)], block,
+                        out, accept_lens.tolist())
         return self._decoded(out, accept_lens, new_seq_lens, SpecDraftInput(
             bonus_tokens=bonus, new_seq_lens=new_seq_lens), w, on_publish)
+
+    def _carry(self, rids: list[str], committed: list[int], counts: list[int],
+               widths: list[int], free: list[list[int]], block: torch.Tensor | None,
+               out: torch.Tensor, emitted: list[int]) -> None:
+        """Keep each request's carried drafts for its next step
+        (:class:`~diffspec.core.carry.CarriedDrafts`): the rest of its over-drafted block
+        (``block[b, :widths[b]]``) or of its carried drafts (``free[b]``, untrimmed), when
+        the step verified ``counts[b]`` of them, all passed and the verify's token matched
+        (lookup rows: ``free[b]`` empty and not drafted, nothing kept)."""
+        rows = out.tolist()  # [bs][W]: emitted tokens, then -1
+        for b, rid in enumerate(rids):
+            tokens = (free[b] if free[b] else [] if block is None or widths[b] <= counts[b]
+                      else block[b, :widths[b]].tolist())
+            self.carried.keep(rid, committed[b], counts[b], tokens)
+            self.carried.settle(rid, rows[b][:emitted[b]])
 
     def _lookup(self, batch, caps: list[int]) -> tuple[list[list[int]], list[int]]:
         """Each request's prompt-lookup drafts (at most its cap; ``[]``: no match or
@@ -139,12 +180,12 @@ class TwoPassWorker(TargetModelSpecWorker):
         contexts = [[*req.origin_input_ids, *req.output_ids] for req in batch.reqs]
         return lookup_drafts(contexts, caps, self.prompt_lookup, with_ngram=True)
 
-    def _record(self, lookup: list[int], diffusion: int) -> None:
+    def _record(self, lookup: list[int], diffusion: int, carried: list[int]) -> None:
         """Count this step's draft sources (``lookup_stats``, and Prometheus counters), with
         a log line now and then (:meth:`~diffspec.core.lookup.LookupStats.record`)."""
-        if lookup or diffusion:
-            choice_metrics().record_sources(lookup, diffusion)
-        if self.lookup_stats.record(lookup, diffusion):
+        if lookup or diffusion or carried:
+            choice_metrics().record_sources(lookup, diffusion, carried)
+        if self.lookup_stats.record(lookup, diffusion, carried):
             logger.info("diffspec: %s", self.lookup_stats.summary())
 
     def _draft(

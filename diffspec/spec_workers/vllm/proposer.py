@@ -149,8 +149,9 @@ def adaptive_policy(vllm_config, max_drafts: int, cost):
     (:func:`measure_profile`) and step times are tracked online (one tensor-parallel rank
     alone: wall times differ between ranks, which must choose alike). Its acceptance
     estimate starts from the checkpoint's measured acceptance where config.json has one
-    (:func:`~diffspec.core.adaptive.checkpoint_prior`). ``cost``: a
-    :class:`~diffspec.core.adaptive.StepCost` or its kind."""
+    (:func:`~diffspec.core.adaptive.checkpoint_prior`); ``"carry"`` (default ``"auto"``;
+    ``"off"`` with tensor parallelism) says whether it over-drafts for carried drafts.
+    ``cost``: a :class:`~diffspec.core.adaptive.StepCost` or its kind."""
     import json
     from pathlib import Path
 
@@ -165,6 +166,13 @@ def adaptive_policy(vllm_config, max_drafts: int, cost):
     if not options.get("adaptive", True):
         return None
     cost = StepCost(cost) if isinstance(cost, str) else cost
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    carry = options.get("carry", "auto")
+    if tp > 1 and carry != "off":
+        # the drafts' argmax is on the first rank alone; every rank must run the same
+        # draft forwards, so no rank may skip one for drafts the others do not hold
+        logger.info("diffspec: carried drafts off with tensor parallelism (%d ranks)", tp)
+        carry = "off"
     prior = checkpoint_prior(vllm_config.model_config.hf_config)
     if prior:
         logger.info("diffspec: adaptive drafts start from the checkpoint's measured acceptance "
@@ -174,9 +182,9 @@ def adaptive_policy(vllm_config, max_drafts: int, cost):
         profile = load_latency_profile(json.loads(Path(path).read_text()))
         logger.info("diffspec: adaptive draft counts (at most %d per request) from the latency "
                     "profile %s", max_drafts, path)
-        return AdaptiveDrafts(max_drafts, profile, cost, draft_prior=prior)
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    return AdaptiveDrafts(max_drafts, None, cost, track_step_times=tp == 1, draft_prior=prior)
+        return AdaptiveDrafts(max_drafts, profile, cost, draft_prior=prior, carry=carry)
+    return AdaptiveDrafts(max_drafts, None, cost, track_step_times=tp == 1, draft_prior=prior,
+                          carry=carry)
 
 
 def seeded_requests(runner, req_ids) -> list[bool]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from diffspec.core.carry import CarriedDrafts
 from diffspec.core.lookup import LookupStats, ngram_lookup
 from diffspec.profiling import DraftTimings
 from diffspec.spec_workers.vllm.proposer import (
@@ -105,6 +106,10 @@ class TwoPassProposer:
         self.adaptive = adaptive_policy(vllm_config, self.num_speculative_tokens, "two_pass")
         self.prompt_lookup = prompt_lookup(vllm_config, self.method)
         self.lookup_stats = LookupStats()
+        # the rest of over-drafted blocks (adaptive drafts only: a fixed count verifies
+        # every draft it drafts)
+        self.carried = (CarriedDrafts() if self.adaptive is not None
+                        and self.adaptive.carry != "off" else None)
         self.timings = DraftTimings(vllm_config.device_config.device)
 
     def load_model(self, model) -> None:
@@ -146,24 +151,52 @@ class TwoPassProposer:
         blocks = plan_blocks(sampled_token_ids, batch.num_tokens_no_spec.tolist(), num_left,
                              num_slots, self.num_speculative_tokens, self.max_model_len)
         found, ngram = self._lookup(batch, blocks)  # [len(blocks)] lookup drafts, matched n
+        verified = [b.num_drafts for b in blocks]  # drafts each block's step verifies
+        sources = ["lookup"] * len(blocks)
         if self.adaptive is not None:
-            seeded = seeded_requests(runner, [batch.req_ids[b.row] for b in blocks])
-            blocks, found = _adapt(self.adaptive, batch.req_ids, sampled_token_ids, blocks,
-                                   found, ngram, seeded)
+            req_ids = [batch.req_ids[b.row] for b in blocks]
+            seeded = seeded_requests(runner, req_ids)
+            carried = self._take_carried(batch.req_ids, sampled_token_ids, blocks, seeded)
+            found, ngram, sources = self.adaptive.free_drafts(found, ngram, carried)
+            blocks, found, verified, sources = _adapt(
+                self.adaptive, batch.req_ids, sampled_token_ids, blocks, found, ngram, seeded,
+                sources)
         else:  # a fixed count: a match's continuation wherever there is one
             blocks = [replace(b, num_drafts=len(f)) if f else b for b, f in zip(blocks, found)]
+            verified = [b.num_drafts for b in blocks]
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for block, tokens in zip(blocks, found):
-            drafts[block.row] = tokens
-        blocks = [b for b, f in zip(blocks, found) if not f]  # the diffusion view's
-        if self.prompt_lookup is not None:
-            self._record([len(f) for f in found if f], len(blocks))
-        for chunk in chunks(blocks, self.max_forward_tokens):
+        for block, tokens, k, source in zip(blocks, found, verified, sources):
+            drafts[block.row] = tokens[:k]
+            if self.carried is not None and source == "carry":
+                self.carried.keep(batch.req_ids[block.row], block.start, k, tokens)
+        if self.prompt_lookup is not None or self.adaptive is not None:
+            self._record([k for f, k, s in zip(found, verified, sources) if f and s == "lookup"],
+                         sum(1 for f in found if not f),
+                         [k for f, k, s in zip(found, verified, sources) if f and s == "carry"])
+        # the diffusion view's blocks, drafting num_drafts (>= the k verified: the rest is
+        # carried to the next step if all k pass)
+        diffusion = [b for b, f in zip(blocks, found) if not f]
+        verify = {b.row: k for b, k in zip(blocks, verified)}
+        for chunk in chunks(diffusion, self.max_forward_tokens):
             chunk_drafts = self.timings.time(sum(b.num_drafts + 1 for b in chunk),
                                              lambda: self._draft(runner, chunk))  # noqa: B023
             for block, tokens in zip(chunk, chunk_drafts):
-                drafts[block.row] = tokens
+                k = verify[block.row]
+                drafts[block.row] = tokens[:k]
+                if self.carried is not None:
+                    self.carried.keep(batch.req_ids[block.row], block.start, k, tokens)
         return drafts
+
+    def _take_carried(self, req_ids: list[str], sampled_token_ids: list[list[int]],
+                      blocks: list[DraftBlock], seeded: list[bool]) -> list[list[int]]:
+        """Each block's carried drafts (:class:`~diffspec.core.carry.CarriedDrafts`; ``[]``:
+        none, carrying off, or a seeded request: its drafts follow its own history)."""
+        if self.carried is None:
+            return [[] for _ in blocks]
+        self.carried.forget(req_ids)
+        return [[] if s else self.carried.take(req_ids[b.row], b.start, b.num_drafts,
+                                               emitted=sampled_token_ids[b.row])
+                for b, s in zip(blocks, seeded)]
 
     def _lookup(self, batch, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[int]]:
         """Each block's prompt-lookup drafts (at most its ``num_drafts``; ``[]``: no match
@@ -181,10 +214,10 @@ class TwoPassProposer:
         return ([row[:n].tolist() for row, n in zip(drafts, counts.tolist())],
                 ngram.tolist())
 
-    def _record(self, lookup: list[int], diffusion: int) -> None:
+    def _record(self, lookup: list[int], diffusion: int, carried: list[int]) -> None:
         """Count this step's draft sources (``lookup_stats``), with a log line now and
         then (:meth:`~diffspec.core.lookup.LookupStats.record`)."""
-        if self.lookup_stats.record(lookup, diffusion):
+        if self.lookup_stats.record(lookup, diffusion, carried):
             logger.info("diffspec: %s", self.lookup_stats.summary())
 
     def _draft(self, runner, blocks: list[DraftBlock]) -> list[list[int]]:
@@ -213,23 +246,32 @@ class TwoPassProposer:
 
 def _adapt(policy, req_ids: list[str], sampled_token_ids: list[list[int]],
            blocks: list[DraftBlock], found: list[list[int]], ngram: list[int] | None = None,
-           seeded: list[bool] | None = None) -> tuple[list[DraftBlock], list[list[int]]]:
+           seeded: list[bool] | None = None, free_source: list[str] | None = None,
+           ) -> tuple[list[DraftBlock], list[list[int]], list[int], list[str]]:
     """Feed this step's outcomes to ``policy``, let it pick each block's source (its
-    lookup drafts ``found``, where there are some, matched on ``ngram`` tokens, or the
-    diffusion view) and count (``seeded`` blocks: from their own history), and cut the
-    blocks to that count (a block cut to 0 drafts is dropped: a plain AR step for that
-    request); the blocks and their lookup drafts (``[]``: the diffusion view's)."""
+    free drafts ``found``, where there are some: lookup drafts matched on ``ngram`` tokens
+    or carried drafts, as ``free_source`` says; or the diffusion view) and count
+    (``seeded`` blocks: from their own history), and the diffusion view's draft widths
+    (:meth:`~diffspec.core.adaptive.AdaptiveDrafts.draft_widths`); blocks cut to 0 drafts
+    are dropped (a plain AR step for that request). Returns the blocks (``num_drafts``:
+    what the diffusion view drafts), their free drafts (``[]``: the diffusion view's),
+    the drafts each step verifies and the free drafts' sources."""
     for row, emitted in enumerate(sampled_token_ids):
         policy.observe(req_ids[row], len(emitted))
     policy.forget(set(req_ids))
-    counts, lookup = policy.choose_hybrid([req_ids[b.row] for b in blocks],
-                                          [b.num_drafts for b in blocks],
-                                          [len(f) for f in found], ngram, seeded)
+    block_ids = [req_ids[b.row] for b in blocks]
+    limits = [b.num_drafts for b in blocks]
+    free_source = free_source or ["lookup"] * len(blocks)
+    counts, free = policy.choose_hybrid(block_ids, limits, [len(f) for f in found], ngram,
+                                        seeded, free_source)
+    widths = policy.draft_widths(block_ids, counts, free, limits, seeded)
     if policy.steps % policy.log_every == 1:
         logger.info("diffspec: %s", policy.summary())
-    kept = [(replace(b, num_drafts=k), f[:k] if use else [])
-            for b, k, f, use in zip(blocks, counts, found, lookup) if k > 0]
-    return [b for b, _ in kept], [f for _, f in kept]
+    kept = [(replace(b, num_drafts=w), f if use else [], k, s)
+            for b, k, w, f, use, s in zip(blocks, counts, widths, found, free, free_source)
+            if k > 0]
+    return ([b for b, *_ in kept], [f for _, f, *_ in kept], [k for *_, k, _ in kept],
+            [s for *_, s in kept])
 
 
 def chunks(blocks: list[DraftBlock], max_tokens: int) -> list[list[DraftBlock]]:
