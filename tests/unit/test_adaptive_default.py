@@ -400,8 +400,37 @@ def test_the_rate_guard_turns_down_the_draft_pass_not_the_lookup_drafts() -> Non
         clock.now += 0.040 if passes else 0.010
     last = history[-40:]
     assert 1 <= sum(p for _, p in last) <= 2  # the draft pass: the guard's exploration only
-    assert all(k > 0 for k, _ in last)  # "a" drafts every step: lookup drafts without a pass
+    # "a" drafts every step (lookup drafts without a pass, measured faster than plain
+    # steps), but the free-draft guard's exploration of plain steps (1 in 32)
+    assert sum(k > 0 for k, _ in last) >= 38
     assert policy.guard.rate(4, False) > policy.guard.rate(4, True)
+    assert policy.free_guard.rate(4, True) > policy.free_guard.rate(4, False)
+
+
+def test_free_drafts_that_measure_slower_than_plain_steps_are_turned_down() -> None:
+    """Issue 47 (the default below AR at 16 requests): the profile prices a lookup draft's
+    verify tokens as nearly free, but the batch's steps with lookup drafts take 2x a plain
+    step for 25% more tokens. The drafter's guard never sees them (no draft pass); the
+    free-draft guard measures them against plain steps at the batch size and turns them
+    down, exploring 1 step in 32; a batch where they pay keeps them."""
+    def run(lookup_seconds: float) -> list[bool]:
+        clock = Clock()
+        flat = LatencyProfile({1: 0.010, 64: 0.011})
+        policy = AdaptiveDrafts(7, flat, TWO_PASS, track_step_times=True, clock=clock)
+        batch, emitted, drafted = ["a", "b", "c", "d"], None, []
+        for _ in range(240):
+            policy.step_started(batch, emitted)
+            ks, lookup = policy.choose_hybrid(batch, [0] * 4, [4] * 4)  # lookup drafts only
+            emitted = sum(1 + min(k, 1) for k in ks)  # one lookup draft accepted each
+            for req, k in zip(batch, ks):
+                policy.observe(req, 1 + min(k, 1))
+            clock.now += lookup_seconds if any(ks) else 0.010
+            drafted.append(any(ks))
+        return drafted[-64:]
+
+    slow = run(0.020)  # 8 tokens in 20 ms against 4 in 10: slower
+    assert 1 <= sum(slow) <= 3
+    assert sum(run(0.012)) >= 61  # 8 tokens in 12 ms: faster, kept
 
 
 def test_vllm_policy_starts_from_the_checkpoints_measured_acceptance() -> None:

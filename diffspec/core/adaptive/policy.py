@@ -76,12 +76,16 @@ class AdaptiveDrafts:
         self.clock = clock
         self.fit: StepTimeFit | None = None
         self.guard = RateGuard() if track_step_times else None
+        # the same check for the steps without a draft pass: those with free drafts
+        # (lookup, carried; their tokens counted) against plain ones, per batch size
+        self.free_guard = RateGuard() if track_step_times else None
         # the step in flight: (its start, the whole batch's request ids, its price, whether
-        # it runs the drafter)
-        self._step: tuple[float, tuple[str, ...], float, bool] | None = None
-        # the last measured step for the guard, (batch, drafted, tokens, seconds), and the
-        # lookup drafts accepted since the last choice (not counted for the guard)
-        self._guard_step: tuple[int, bool, int, float] | None = None
+        # it runs the drafter, whether it verifies free drafts)
+        self._step: tuple[float, tuple[str, ...], float, bool, bool] | None = None
+        # the last measured step for the guards, (batch, drafted, free drafts, tokens,
+        # seconds), and the free drafts accepted since the last choice (not counted for
+        # the drafter's guard)
+        self._guard_step: tuple[int, bool, bool, int, float] | None = None
         self._lookup_accepted = 0
         self._batch: tuple[str, ...] = ()
         self._start = 0.0
@@ -114,13 +118,13 @@ class AdaptiveDrafts:
         now = self.clock()
         batch = tuple(batch_req_ids)
         if self._step is not None and self.fit is not None:
-            start, requests, predicted, drafted = self._step
+            start, requests, predicted, drafted, free = self._step
             if batch and requests == batch:
                 self.fit.observe(predicted, now - start)
                 if self.guard is not None and emitted is not None:
                     # learned at the next choice, once the step's outcomes are observed
                     # (engines observe them before or after this call)
-                    self._guard_step = (len(batch), drafted, emitted, now - start)
+                    self._guard_step = (len(batch), drafted, free, emitted, now - start)
         self._step = None
         self._batch = batch
         self._start = now
@@ -139,7 +143,8 @@ class AdaptiveDrafts:
         price = self.cost.latency(self.profile, [k for k, _, _ in all_counts],
                                   [f for _, f, _ in all_counts],
                                   [w for _, _, w in all_counts])
-        self._step = (self._start, self._batch, price, _draft_pass(counts, free))
+        self._step = (self._start, self._batch, price, _draft_pass(counts, free),
+                      any(k > 0 and f for k, f in zip(counts, free)))
 
     def _require_profile(self) -> LatencyProfile:
         if self.profile is None:
@@ -203,6 +208,11 @@ class AdaptiveDrafts:
             # drafter (lookup drafts, which cost none, where there are some; plain steps for
             # the rest), the seeded requests' own choices kept
             counts, lookup = self._search(profile, [0] * n, lookup_drafts, lookups, pinned)
+        if (not _draft_pass(counts, lookup) and any(counts)
+                and not self._guard_allows(self.free_guard)):
+            # free drafts measured not paying at this batch size: a plain step, the seeded
+            # requests' own choices kept
+            counts = [p[0] if p is not None else 0 for p in pinned]
         self._record(req_ids, counts, lookup, ngram, free_source)
         return counts, lookup
 
@@ -369,21 +379,29 @@ class AdaptiveDrafts:
                 self.pricing, lookup)
             if _draft_pass(counts, lookup) and not self._guard_allows():
                 k, counts = 0, [0] * n  # one count for all: the lookup drafts go too
+            elif (not _draft_pass(counts, lookup) and any(counts)
+                  and not self._guard_allows(self.free_guard)):
+                k, counts = 0, [0] * n  # free drafts measured not paying here
         self._record(req_ids, counts, lookup, ngram, free_source)
         return k, lookup, counts
 
     def _settle_guard(self) -> None:
-        """Give the guard the last measured step, less the lookup drafts it accepted."""
+        """Give the guards the last measured step: the drafter's, less the free drafts it
+        accepted; the free drafts', a step without a draft pass, every token counted."""
         if self._guard_step is not None and self.guard is not None:
-            batch, drafted, emitted, seconds = self._guard_step
+            batch, drafted, free, emitted, seconds = self._guard_step
             self.guard.observe(batch, drafted, emitted - self._lookup_accepted, seconds)
+            if not drafted and self.free_guard is not None:
+                self.free_guard.observe(batch, free, emitted, seconds)
         self._guard_step = None
         self._lookup_accepted = 0
 
-    def _guard_allows(self) -> bool:
-        """The :class:`RateGuard`'s word on a step the policy chose to draft in (always
-        yes without step times, or in a step that is not measured)."""
-        return self.guard is None or not self._batch or self.guard.allows(len(self._batch))
+    def _guard_allows(self, guard: RateGuard | None = None) -> bool:
+        """A :class:`RateGuard`'s word (default the drafter's; :attr:`free_guard` for a
+        step of free drafts alone) on a step the policy chose to draft in (always yes
+        without step times, or in a step that is not measured)."""
+        guard = self.guard if guard is None else guard
+        return guard is None or not self._batch or guard.allows(len(self._batch))
 
     def _sources(self, max_drafts: Sequence[int], lookup_drafts: Sequence[int],
                  lookups: Sequence[Sequence[float]] | None = None) -> list[bool]:
@@ -445,6 +463,10 @@ class AdaptiveDrafts:
         if rates:
             fit += (f"; tokens/s drafting vs plain, {rates} ({self.guard.vetoed} drafting "
                     f"steps run plain)")
+        free = "" if self.free_guard is None else self.free_guard.summary()
+        if free:
+            fit += (f"; tokens/s of free drafts alone vs plain, {free} "
+                    f"({self.free_guard.vetoed} steps run plain)")
         return (f"adaptive drafts: batch {len(counts)}, drafts per request mean "
                 f"{sum(counts) / len(counts):.1f} (min {min(counts)}, max {max(counts)}); "
                 f"acceptance of drafts 1-4 {head}{fit}")
