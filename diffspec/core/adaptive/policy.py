@@ -3,6 +3,7 @@ sources and draft counts (:class:`AdaptiveDrafts`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -15,6 +16,7 @@ from diffspec.core.adaptive.calibration import RateGuard, StepTimeFit, _FittedCo
 from diffspec.core.adaptive.hybrid import SOURCES, _draft_pass, seeded_draft_count
 from diffspec.core.adaptive.profile import LatencyProfile, StepCost
 from diffspec.core.adaptive.search import _choose_counts, choose_shared_draft_counts
+from diffspec.core.carry import CARRY_SETTINGS
 
 __all__ = ["AdaptiveDrafts"]
 
@@ -52,7 +54,7 @@ class AdaptiveDrafts:
         # lookup ("lookup", all matches; per matched n-gram length in lookup_by_n), and
         # drafts carried over from a wider block ("carry", starting from the drafter's
         # prior); lookup and carried drafts cost no draft pass
-        if carry not in ("auto", "always", "off"):
+        if carry not in CARRY_SETTINGS:
             raise ValueError(f"carry is \"auto\", \"always\" or \"off\", not {carry!r}")
         self.carry = carry
         self.priors = {"draft": list(draft_prior) if draft_prior else 0.8, "lookup": 0.8}
@@ -277,9 +279,7 @@ class AdaptiveDrafts:
                 k, m = counts[r], limits[r]
                 if not self._sources([m], [m - k - 1], [carried.conditional])[0]:
                     continue
-                chance = 1.0
-                for a in draft[:k + 1]:
-                    chance *= a
+                chance = math.prod(draft[:k + 1])
                 freed = [f or i == r for i, f in enumerate(free)]
                 saved += chance * (wider - pricing.latency(profile, counts, freed, full))
             if saved <= added:

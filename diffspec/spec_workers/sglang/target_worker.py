@@ -272,6 +272,23 @@ def remaining(req) -> int:
     return int(req.sampling_params.max_new_tokens) - len(req.output_ids)
 
 
+# ChoiceMetrics' unlabelled counters: (attribute, Prometheus name, help)
+_CHOICE_COUNTERS = (
+    ("draft_tokens", "diffspec:adaptive_draft_tokens",
+     "Draft tokens diffspec's adaptive policy chose (over requests and steps)"),
+    ("lookup_blocks", "diffspec:prompt_lookup_blocks",
+     "Requests' per-step drafts that came from prompt lookup"),
+    ("lookup_tokens", "diffspec:prompt_lookup_draft_tokens", "Draft tokens from prompt lookup"),
+    ("draft_blocks", "diffspec:draft_blocks",
+     "Requests' per-step drafts the diffusion view drafted"),
+    ("skipped", "diffspec:draft_forwards_skipped",
+     "Drafting steps with no draft forward (every draft from prompt lookup or carried)"),
+    ("carried_blocks", "diffspec:carried_blocks",
+     "Requests' per-step drafts carried over from their last over-drafted block"),
+    ("carried_tokens", "diffspec:carried_draft_tokens", "Carried draft tokens"),
+)
+
+
 class ChoiceMetrics:
     """The adaptive policy's choices as Prometheus counters (``prometheus_client``, which
     SGLang uses): ``diffspec:adaptive_steps_total{drafts="k"}``, decode steps by the draft
@@ -293,19 +310,8 @@ class ChoiceMetrics:
         self.steps = Counter("diffspec:adaptive_steps", "Decode steps of diffspec's adaptive "
                              "self-speculation, by the draft count chosen for the step",
                              ["drafts"])
-        self.draft_tokens = Counter("diffspec:adaptive_draft_tokens", "Draft tokens "
-                                    "diffspec's adaptive policy chose (over requests and steps)")
-        self.lookup_blocks = Counter("diffspec:prompt_lookup_blocks", "Requests' per-step "
-                                     "drafts that came from prompt lookup")
-        self.lookup_tokens = Counter("diffspec:prompt_lookup_draft_tokens", "Draft tokens "
-                                     "from prompt lookup")
-        self.draft_blocks = Counter("diffspec:draft_blocks", "Requests' per-step drafts the "
-                                    "diffusion view drafted")
-        self.skipped = Counter("diffspec:draft_forwards_skipped", "Drafting steps with no "
-                               "draft forward (every draft from prompt lookup or carried)")
-        self.carried_blocks = Counter("diffspec:carried_blocks", "Requests' per-step drafts "
-                                      "carried over from their last over-drafted block")
-        self.carried_tokens = Counter("diffspec:carried_draft_tokens", "Carried draft tokens")
+        for attr, name, doc in _CHOICE_COUNTERS:
+            setattr(self, attr, Counter(name, doc))
 
     def record(self, drafts: int, batch_size: int) -> None:
         self.steps.labels(drafts=str(drafts)).inc()

@@ -69,11 +69,12 @@ class TwoPassWorker(TargetModelSpecWorker):
         bs = len(batch.reqs)
         rids = [req.rid for req in batch.reqs]
         committed = batch.seq_lens.to(torch.int64)  # [bs] C
+        lengths = batch.seq_lens_cpu.tolist()  # [bs] C, on the host
         # drafts per request, as the reference decoder: never past the request's budget
         # (accepted + 1 <= remaining; SGLang caps max_new_tokens at the context end) or
         # the model's positions (the anchor is at C)
         caps = [max(0, min(self.width - 1, remaining(req) - 1, self._max_position - c))
-                for req, c in zip(batch.reqs, batch.seq_lens_cpu.tolist(), strict=True)]
+                for req, c in zip(batch.reqs, lengths, strict=True)]
         found, ngram = self._lookup(batch, caps)  # [bs] lookup drafts ([]: no match), n
         widths = caps  # drafts of each request's draft block (>= its count: carried)
         sources = ["lookup"] * bs
@@ -84,7 +85,7 @@ class TwoPassWorker(TargetModelSpecWorker):
             if self.carried is not None:
                 self.carried.forget(rids)
                 carried = [self.carried.take(rid, c, cap) for rid, c, cap in zip(
-                    rids, batch.seq_lens_cpu.tolist(), caps, strict=True)]
+                    rids, lengths, caps, strict=True)]
                 found, ngram, sources = self.adaptive.free_drafts(found, ngram, carried)
             k, lookup, caps = self.adaptive.choose_shared_hybrid(
                 rids, caps, [len(f) for f in found], ngram, free_source=sources)
@@ -124,7 +125,9 @@ class TwoPassWorker(TargetModelSpecWorker):
             block = self.timings.time(bs * wd, lambda: self._draft(
                 batch, anchors, positions, slots, torch.tensor(
                     widths, dtype=torch.int64, device=self.device)))  # [bs, W_d - 1]
-            drafts = block[:, :w - 1].clone()
+            # the verify's drafts (lookup rows are written in): the block itself unless
+            # over-drafted, then a copy, the block's rest kept for _carry
+            drafts = block if wd == w else block[:, :w - 1].clone()
         else:
             drafts = anchors.new_zeros((bs, w - 1))
         positions, slots = positions[:, :w], slots[:, :w]  # [bs, W]: the verify's
@@ -150,7 +153,7 @@ class TwoPassWorker(TargetModelSpecWorker):
             for rid, emitted in zip(rids, accept_lens.tolist(), strict=True):
                 self.adaptive.observe(rid, emitted)
         if self.carried is not None:
-            self._carry(rids, committed.tolist(), caps, widths,
+            self._carry(rids, lengths, caps, widths,
                         [f if src == "carry" else [] for f, src in zip(kept, sources)], block,
                         out, accept_lens.tolist())
         return self._decoded(out, accept_lens, new_seq_lens, SpecDraftInput(
@@ -164,10 +167,14 @@ class TwoPassWorker(TargetModelSpecWorker):
         (``block[b, :widths[b]]``) or of its carried drafts (``free[b]``, untrimmed), when
         the step verified ``counts[b]`` of them, all passed and the verify's token matched
         (lookup rows: ``free[b]`` empty and not drafted, nothing kept)."""
-        rows = out.tolist()  # [bs][W]: emitted tokens, then -1
+        wide = block is not None and any(w > k for w, k in zip(widths, counts))
+        if not wide and not any(free):
+            return  # nothing to keep (take() consumed what was kept for these requests)
+        rows = out.tolist()  # [bs][W]: emitted tokens, then -1 (one copy to the host)
+        blocks = block.tolist() if wide else None  # [bs][W_d - 1]
         for b, rid in enumerate(rids):
-            tokens = (free[b] if free[b] else [] if block is None or widths[b] <= counts[b]
-                      else block[b, :widths[b]].tolist())
+            tokens = (free[b] if free[b] else [] if blocks is None or widths[b] <= counts[b]
+                      else blocks[b][:widths[b]])
             self.carried.keep(rid, committed[b], counts[b], tokens)
             self.carried.settle(rid, rows[b][:emitted[b]])
 

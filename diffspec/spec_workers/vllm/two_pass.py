@@ -151,8 +151,7 @@ class TwoPassProposer:
         blocks = plan_blocks(sampled_token_ids, batch.num_tokens_no_spec.tolist(), num_left,
                              num_slots, self.num_speculative_tokens, self.max_model_len)
         found, ngram = self._lookup(batch, blocks)  # [len(blocks)] lookup drafts, matched n
-        verified = [b.num_drafts for b in blocks]  # drafts each block's step verifies
-        sources = ["lookup"] * len(blocks)
+        sources = ["lookup"] * len(blocks)  # where each block's free drafts come from
         if self.adaptive is not None:
             req_ids = [batch.req_ids[b.row] for b in blocks]
             seeded = seeded_requests(runner, req_ids)
@@ -163,7 +162,7 @@ class TwoPassProposer:
                 sources)
         else:  # a fixed count: a match's continuation wherever there is one
             blocks = [replace(b, num_drafts=len(f)) if f else b for b, f in zip(blocks, found)]
-            verified = [b.num_drafts for b in blocks]
+            verified = [b.num_drafts for b in blocks]  # drafts each block's step verifies
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for block, tokens, k, source in zip(blocks, found, verified, sources):
             drafts[block.row] = tokens[:k]
