@@ -173,9 +173,13 @@ class LookupStats:
         return self.steps & (self.steps - 1) == 0 or self.steps % 1000 == 0
 
     def summary(self) -> str:
-        carried = (f", carried drafts {self.carried_blocks} ({self.carried_tokens} tokens)"
-                   if self.carried_blocks else "")
-        return (f"prompt lookup drafted {self.lookup_blocks} of "
-                f"{self.lookup_blocks + self.diffusion_blocks + self.carried_blocks} draft "
-                f"blocks ({self.lookup_tokens} tokens){carried}; {self.forwards_skipped} of "
-                f"{self.steps} drafting steps ran no draft forward")
+        """Where the draft blocks came from; a source that drafted nothing is left out."""
+        total = self.lookup_blocks + self.diffusion_blocks + self.carried_blocks
+        sources = [f"{n} {name}" + (f" ({tokens} tokens)" if tokens is not None else "")
+                   for n, name, tokens in ((self.diffusion_blocks, "by the draft pass", None),
+                                           (self.lookup_blocks, "by prompt lookup",
+                                            self.lookup_tokens),
+                                           (self.carried_blocks, "carried", self.carried_tokens))
+                   if n]
+        return (f"{total} draft blocks ({', '.join(sources) or 'none'}); "
+                f"{self.forwards_skipped} of {self.steps} drafting steps ran no draft forward")

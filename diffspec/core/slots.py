@@ -20,6 +20,7 @@ __all__ = [
     "reorder_for_kv_reuse",
     "score_slots",
     "select_slots",
+    "longest_layout",
     "slot_layout",
     "verify_slot_drafts",
 ]
@@ -34,6 +35,14 @@ def slot_layout(max_tokens: int, slot_size: int, num_blocks: int) -> tuple[int, 
     if gen_len % num_blocks or (gen_len // num_blocks) % slot_size:
         return gen_len, None
     return gen_len, gen_len // num_blocks
+
+
+def longest_layout(width: int, slot_size: int, num_blocks: int) -> int:
+    """The most tokens a request may ask for within ``width`` generated positions that
+    :func:`slot_layout` splits (a multiple of ``slot_size * num_blocks``; 0 when none fits):
+    a request's default ``max_tokens`` when the client sends none."""
+    step = slot_size * num_blocks
+    return width // step * step
 
 
 def score_slots(

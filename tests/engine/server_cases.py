@@ -171,6 +171,16 @@ class ServerCases:
             assert tokens == served.oracle(_prompt_tokens(body), MAX_TOKENS)
         served.alive()
 
+    def test_chat_with_messages_only(self, served: Served) -> None:
+        """``{"model", "messages"}``: the OpenAI SDK's chat call with nothing else (no
+        max_tokens: the engine's default length, ReFusion's canvas); answered, not refused."""
+        status, body = served.call("/v1/chat/completions", {"messages": CHAT,
+                                                            "return_token_ids": True})
+        assert status == 200, body
+        assert body["choices"][0]["finish_reason"] in ("stop", "length"), body
+        assert _choice_tokens(body), body
+        served.alive()
+
     def test_greedy_completion_equals_oracle(self, served: Served) -> None:
         status, body = served.call("/v1/completions", {"prompt": PROMPTS[1],
                                                        "max_tokens": MAX_TOKENS,

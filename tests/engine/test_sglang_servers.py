@@ -121,3 +121,16 @@ def test_launch_says_once_what_the_dllm_algorithms_serve(served: Served) -> None
     self-speculative launch keeps the model's defaults (it samples as AR does)."""
     log = served.server.log_path.read_text(errors="replace")
     assert log.count("--sampling-defaults openai") == (0 if served.lossless else 1), log[-3000:]
+
+
+@pytest.mark.parametrize("served", ["refusion"], indirect=True)
+def test_refusion_chat_without_max_tokens_gets_the_block(served: Served) -> None:
+    """A chat request with messages only: SGLang would give it what is left of the context,
+    which no KV block holds; ReFusion makes its block (the most tokens a request may
+    generate) the default max_new_tokens, decoded as the reference decodes it."""
+    from tests.engine.server_cases import CHAT, _choice_tokens, _prompt_tokens
+
+    status, body = served.call("/v1/chat/completions", {"messages": CHAT,
+                                                        "return_token_ids": True})
+    assert status == 200, body
+    assert _choice_tokens(body) == served.oracle(_prompt_tokens(body), REFUSION["block_size"])

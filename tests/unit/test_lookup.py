@@ -156,7 +156,12 @@ def test_stats() -> None:
     stats.record([4], 0)
     assert (stats.lookup_blocks, stats.lookup_tokens, stats.diffusion_blocks, stats.steps,
             stats.forwards_skipped) == (3, 9, 1, 2, 1)
-    assert "3 of 4 draft blocks" in stats.summary()
+    assert stats.summary() == ("4 draft blocks (1 by the draft pass, 3 by prompt lookup (9 "
+                               "tokens)); 1 of 2 drafting steps ran no draft forward")
+    off = LookupStats()  # lookup off: the line names only the sources that drafted
+    off.record([], 2)
+    assert off.summary() == ("2 draft blocks (2 by the draft pass); 0 of 1 drafting steps ran "
+                             "no draft forward")
 
 
 # ------------------------------------------------------------------ with the adaptive policy

@@ -37,6 +37,8 @@ def test_settings_are_read() -> None:
     ({"block_size": 48}, "set block_size in cfg.yaml to a multiple of slot_size 32"),
     ({"slot_size": 8, "block_size": 4}, "set block_size"),
     ({"block_size": True}, "set block_size"),
+    ({"slot_size": 8, "num_blocks": 4, "block_size": 24},
+     "raise block_size in cfg.yaml to at least slot_size x num_blocks = 32"),
 ])
 def test_bad_settings_say_what_to_do(options: dict, first_words: str) -> None:
     with pytest.raises(CheckpointError) as info:

@@ -8,6 +8,7 @@ import torch
 from diffspec.core.slots import (
     committed_slot_lengths,
     first_stop_in_slots,
+    longest_layout,
     reorder_for_kv_reuse,
     score_slots,
     select_slots,
@@ -36,6 +37,20 @@ def first_logits(probs: list[tuple[int, float]]) -> torch.Tensor:
 ])
 def test_slot_layout(max_tokens: int, slot: int, blocks: int, expected: tuple) -> None:
     assert slot_layout(max_tokens, slot, blocks) == expected
+
+
+@pytest.mark.parametrize(("width", "slot", "blocks", "expected"), [
+    (64, 8, 2, 64), (72, 8, 2, 64), (256, 32, 4, 256), (40, 8, 3, 24), (24, 8, 4, 0)])
+def test_longest_layout_is_the_longest_that_splits(width: int, slot: int, blocks: int,
+                                                   expected: int) -> None:
+    """A request's default max_tokens: the longest within ``width`` that slot_layout splits,
+    and no longer one does."""
+    got = longest_layout(width, slot, blocks)
+    assert got == expected
+    if got:
+        assert slot_layout(got, slot, blocks)[1] is not None
+    assert all(slot_layout(n, slot, blocks)[1] is None or slot_layout(n, slot, blocks)[0] > width
+               for n in range(got + 1, width + 1))
 
 
 # ---------------------------------------------------------------- plan: score and select

@@ -36,6 +36,8 @@ def test_defaults_are_the_registry_s() -> None:
     ({"diffspec": {"refusion": [1]}}, None, "make diffspec.refusion a JSON object"),
     (_extra(), 48, "set --diffusion-config's canvas_length to a multiple of slot_size 32"),
     (_extra(slot_size=8), 4, "set --diffusion-config's canvas_length"),
+    (_extra(slot_size=8, num_blocks=4), 24, "raise --diffusion-config's canvas_length to at "
+                                            "least slot_size x num_blocks = 32"),
 ])
 def test_bad_settings_say_what_to_do(extra: dict, canvas: int | None, first_words: str) -> None:
     with pytest.raises(CheckpointError) as err:

@@ -70,6 +70,7 @@ def refusion_backend_error(named: str | None) -> str | None:
 def refusion_settings(additional_config: Any, canvas: int | None) -> dict[str, Any]:
     """The resolved settings (registry defaults filled in, checked); a
     :class:`CheckpointError` whose first words say what to do otherwise."""
+    from diffspec.core.slots import longest_layout
     from diffspec.spec_workers.reference.refusion import ReFusionConfig
 
     options = method_options(additional_config, "refusion", _FLAG, "ReFusion", _KNOBS,
@@ -86,6 +87,11 @@ def refusion_settings(additional_config: Any, canvas: int | None) -> dict[str, A
         raise CheckpointError(f"set --diffusion-config's canvas_length to a multiple of "
                               f"slot_size {config.slot_size} (the most tokens a request may "
                               f"generate), got {canvas}")
+    if not longest_layout(canvas, config.slot_size, config.num_blocks):
+        raise CheckpointError(f"raise --diffusion-config's canvas_length to at least "
+                              f"slot_size x num_blocks = {config.slot_size * config.num_blocks}"
+                              f" (or lower num_blocks): a request's generation is that many "
+                              f"serial blocks of whole slots, got canvas_length {canvas}")
     return {"slot_size": config.slot_size, "slot_threshold": float(config.slot_threshold),
             "token_threshold": float(config.token_threshold), "num_blocks": config.num_blocks,
             "canvas_length": canvas}
@@ -154,6 +160,8 @@ def verify_and_update_config(vllm_config: Any) -> None:
 
     from vllm.config.diffusion import DiffusionConfig
 
+    from diffspec.core.slots import longest_layout
+
     vllm_config.diffusion_config = DiffusionConfig(canvas_length=canvas)
     hf_config = model_config.hf_config
     hf_config.canvas_length = canvas
@@ -161,9 +169,10 @@ def verify_and_update_config(vllm_config: Any) -> None:
     model_config.__dict__.pop("is_diffusion", None)  # a cached_property read before the hook
     setattr(hf_config, METHOD_ATTRIBUTE, "ReFusion")
     neutral_sampling_defaults(model_config, "ReFusion")
-    # a chat request with no max_tokens gets the canvas (vLLM: what is left of
+    # a chat request with no max_tokens gets the canvas's longest layout (vLLM: what is left of
     # max_model_len, which no canvas holds): the server's default, a user's own kept
-    model_config.override_generation_config.setdefault("max_new_tokens", canvas)
+    model_config.override_generation_config.setdefault(
+        "max_new_tokens", longest_layout(canvas, settings["slot_size"], settings["num_blocks"]))
     settings["mask_token_id"] = int(info.mask_token_id)
     setattr(hf_config, ATTRIBUTE, settings)
     # the checkpoint's EOS ids are vLLM's stops (patch generation_stops), as the reference's

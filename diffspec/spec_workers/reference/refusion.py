@@ -5,7 +5,6 @@ Design notes: docs/design/reference.md (section ``diffspec/spec_workers/referenc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +12,7 @@ from torch import Tensor
 
 from diffspec.core.kv import rollback_kv
 from diffspec.core.refusion import LogitsForwards, SlotRule, SlotRun, refusion_decode, slot_output
+from diffspec.core.slots import slot_layout
 from diffspec.methods import get_method
 from diffspec.spec_workers.reference.decoder import Request, RequestOutput
 
@@ -48,9 +48,8 @@ class ReFusionConfig:
     def layout(self, max_tokens: int) -> tuple[int, int]:
         """``(gen_len, block_len)``: ``max_tokens`` rounded up to whole slots, split into
         ``num_blocks`` blocks of whole slots; raises ``ValueError`` if it does not split."""
-        gen_len = math.ceil(max_tokens / self.slot_size) * self.slot_size
-        block_len = gen_len // self.num_blocks
-        if gen_len % self.num_blocks or block_len % self.slot_size:
+        gen_len, block_len = slot_layout(max_tokens, self.slot_size, self.num_blocks)
+        if block_len is None:
             raise ValueError(
                 f"ReFusion cannot split max_tokens={max_tokens} (rounded up to "
                 f"{gen_len // self.slot_size} slots of {self.slot_size} = {gen_len} tokens) into "

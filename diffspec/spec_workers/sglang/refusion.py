@@ -16,6 +16,7 @@ from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from diffspec.core.refusion import LogitsForwards, SlotRule, SlotRun, refusion_decode, slot_output
+from diffspec.core.slots import longest_layout
 from diffspec.spec_workers.sglang.fast_dllm import batch_requests, request_stop_ids
 from diffspec.spec_workers.sglang.requests import refusion_request_error
 
@@ -73,8 +74,13 @@ class ReFusion(DllmAlgorithm):
     @classmethod
     def validate_request(cls, req) -> str | None:
         cfg = req.dllm_config
-        return refusion_request_error(req, cfg.block_size, int(cfg.algorithm_config["slot_size"]),
-                                   int(cfg.algorithm_config["num_blocks"]))
+        slot = int(cfg.algorithm_config["slot_size"])
+        blocks = int(cfg.algorithm_config["num_blocks"])
+        if req.sampling_params.max_new_tokens is None:
+            # no max_tokens (an OpenAI chat call's default): SGLang would give the request what
+            # is left of the context, which no block holds; it gets the block, as vLLM's canvas
+            req.sampling_params.max_new_tokens = longest_layout(cfg.block_size, slot, blocks)
+        return refusion_request_error(req, cfg.block_size, slot, blocks)
 
     def run(self, model_runner, forward_batch: ForwardBatch, algo_states=None):
         if not forward_batch.forward_mode.is_dllm_extend():  # the prompt's causal prefill
