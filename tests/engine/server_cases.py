@@ -12,6 +12,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+
 from tests.engine.server_clients import abort_stream, post, stream
 
 __all__ = ["CHAT", "MAX_TOKENS", "PROMPTS", "Served", "ServerCases", "ar_oracle",
@@ -179,6 +181,40 @@ class ServerCases:
         assert status == 200, body
         assert body["choices"][0]["finish_reason"] in ("stop", "length"), body
         assert _choice_tokens(body), body
+        served.alive()
+
+    @pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True, "top_logprobs": 2},
+                                       {"stop": ["zeka", "pagi"]}, {"stream": True, "n": 2},
+                                       {"presence_penalty": 0.5}, {"logit_bias": {"5": 2}}],
+                             ids=["n", "logprobs", "stop", "stream-n", "penalty", "logit-bias"])
+    def test_other_client_options_are_answered_or_refused(self, served: Served,
+                                                          extra: dict) -> None:
+        """Chat options clients send besides the defaults: each is served (200) or refused
+        with a 4xx that says what to do; never a 500, a hang or a dead engine."""
+        body = {"messages": CHAT, "max_tokens": MAX_TOKENS, **extra}
+        if extra.get("stream"):
+            status, events = stream(served.url + "/v1/chat/completions",
+                                    {"model": served.model, **body})
+            errors = [e["error"] for e in events if "error" in e]
+            assert status == 200 or 400 <= status < 500, (status, events)
+            # an error inside a 200 stream: a 4xx's, with its message
+            assert all(isinstance(e, str) or 400 <= int(e.get("code") or 400) < 500
+                       for e in errors), events
+            if status == 200 and not errors:
+                finished = {c["index"] for e in events for c in e.get("choices", ())
+                            if c.get("finish_reason") in ("stop", "length")}
+                assert finished == set(range(extra.get("n", 1))), events
+        else:
+            status, answer = served.call("/v1/chat/completions", body)
+            assert status == 200 or 400 <= status < 500, (status, answer)
+            if status == 200:
+                assert len(answer["choices"]) == extra.get("n", 1), answer
+                assert all(c["finish_reason"] in ("stop", "length") for c in answer["choices"])
+            else:
+                assert _message(answer), answer
+            print(f"{extra}: {status}", "" if status == 200 else _message(answer))  # -rA
+            if not served.lossless and {"presence_penalty", "logit_bias"} & set(extra):
+                assert status == 400, answer  # greedy dLLMs would ignore them: refused
         served.alive()
 
     def test_greedy_completion_equals_oracle(self, served: Served) -> None:

@@ -46,12 +46,13 @@ def test_bad_settings_say_what_to_do(options: dict, first_words: str) -> None:
     assert str(info.value).startswith(first_words), str(info.value)
 
 
-def _req(max_new_tokens: int, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0):
+def _req(max_new_tokens: int, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
+         **fields: object):
     """SGLang stores greedy requests as temperature 1 with top_k 1, and a request that
     sets no sampling field as temperature 1 with top_k ``1 << 30`` (the whole vocabulary)."""
     return SimpleNamespace(sampling_params=SimpleNamespace(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=0.0))
+        min_p=0.0, **fields))
 
 
 @pytest.mark.parametrize(("req", "num_blocks", "first_words"), [
@@ -63,6 +64,12 @@ def _req(max_new_tokens: int, temperature: float = 1.0, top_k: int = 1, top_p: f
     (_req(20, temperature=0.7, top_k=1 << 30), 1, "set temperature 0"),
     (_req(20, top_k=1 << 30), 1, None),  # no sampling field set: served greedily
     (_req(20, top_k=1 << 30, top_p=0.9), 1, "set temperature 0"),
+    (_req(0), 1, "set n to 1 and max_tokens >= 1"),  # SGLang's prompt-only request for n > 1
+    (_req(16, presence_penalty=0.5), 1, "remove presence_penalty: ReFusion"),  # ignored
+    (_req(16, temperature=0.7, top_k=1 << 30, logit_bias={5: 2.0}), 1,
+     "set temperature 0 (or leave the sampling fields out) and remove logit_bias"),
+    (SimpleNamespace(return_logprob=True, sampling_params=_req(16).sampling_params), 1,
+     "leave logprobs out of the request"),
 ])
 def test_requests_refused_with_what_to_do(req, num_blocks: int, first_words: str | None
                                           ) -> None:

@@ -80,7 +80,7 @@ def _sampling(**fields: object):
     base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "min_tokens": 0, "logit_bias": None, "bad_words": None, "allowed_token_ids": None,
-            "seed": None}
+            "seed": None, "logprobs": None, "prompt_logprobs": None}
     return SimpleNamespace(**{**base, **fields})
 
 
@@ -92,6 +92,9 @@ DIFFUSION_SAMPLING_CASES = {
                                    "leave temperature, top_p, top_k out of the request"),
     "penalty": (_sampling(repetition_penalty=1.1), "leave repetition_penalty out"),
     "logit_bias": (_sampling(logit_bias={3: 1.0}), "leave logit_bias out"),
+    "logprobs": (_sampling(logprobs=2), "leave logprobs out of the request: ReFusion"),
+    "prompt_logprobs": (_sampling(temperature=0.0, logprobs=0, prompt_logprobs=1),
+                        "leave logprobs and prompt_logprobs out"),
 }
 
 
@@ -108,7 +111,7 @@ def test_diffusion_sampling_is_served_or_refused_with_what_to_do(case: str) -> N
         assert message is None
     else:
         assert message is not None and message.startswith(first_words), message
-        assert "ReFusion on vLLM's diffusion path decodes greedily" in message
+        assert "ReFusion on vLLM's diffusion path" in message
 
 
 @pytest.mark.parametrize(("generation_config", "want"), [

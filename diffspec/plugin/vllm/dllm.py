@@ -203,7 +203,12 @@ def diffusion_request_error(params: Any, method: str) -> str | None:
     asked += [k for k in ("logit_bias", "bad_words", "allowed_token_ids")
               if getattr(params, k, None)]
     if not asked:
-        return None
+        scored = [k for k in ("logprobs", "prompt_logprobs") if getattr(params, k, None)
+                  is not None]
+        return None if not scored else (
+            f"leave {' and '.join(scored)} out of the request: {method} on vLLM's diffusion "
+            f"path commits several tokens a step by its own rules and reports no "
+            f"log-probabilities for them")
     return (f"leave {', '.join(a.split()[0] for a in asked)} out of the request (temperature "
             f"may be 0 or 1): {method} on vLLM's diffusion path decodes greedily by its own "
             f"rules and would ignore {', '.join(asked)}")

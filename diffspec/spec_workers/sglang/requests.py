@@ -12,7 +12,8 @@ from typing import Any
 from diffspec.methods import get_method
 
 __all__ = ["FAST_DLLM", "REFUSION", "fast_dllm_request_error", "refuse_unsupported_requests",
-           "refusion_request_error", "sampling_asked", "unsupported_request_option"]
+           "ignored_fields", "refusion_request_error", "sampling_asked",
+           "unsupported_request_option"]
 
 logger = logging.getLogger("diffspec")
 
@@ -66,7 +67,8 @@ def refuse_unsupported_requests(batch, method: str) -> list:
     return refused
 
 
-# sampling fields FastDLLM would ignore: (name, value that means "not asked for")
+# sampling fields the dLLMs (FastDLLM, ReFusion) would ignore: (name, value that means "not
+# asked for")
 _IGNORED_FIELDS = (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                    ("repetition_penalty", 1.0), ("min_new_tokens", 0), ("logit_bias", None),
                    ("json_schema", None), ("regex", None), ("ebnf", None),
@@ -99,9 +101,7 @@ def fast_dllm_request_error(params: Any) -> str | None:
     does, so sampling, penalties, ``min_new_tokens``, logit biases and grammars would be
     silently ignored: the request is refused instead (SGLang aborts that request alone,
     with this message)."""
-    asked = sampling_asked(params)
-    ignored = [name for name, unset in _IGNORED_FIELDS
-               if getattr(params, name, unset) not in (unset, {}, "")]
+    asked, ignored = sampling_asked(params), ignored_fields(params)
     if not asked and not ignored:
         return None
     todo = ([] if not asked else ["set temperature 0 (or top_k 1)"]) + (
@@ -112,17 +112,33 @@ def fast_dllm_request_error(params: Any) -> str | None:
                                                "served, greedily)" if asked else ""))
 
 
+def ignored_fields(params: Any) -> list[str]:
+    """The fields of ``params`` (SGLang's ``SamplingParams``) set that a greedy dLLM
+    would ignore: penalties, ``min_new_tokens``, a logit bias, a grammar."""
+    return [name for name, unset in _IGNORED_FIELDS
+            if getattr(params, name, unset) not in (unset, {}, "")]
+
+
 def refusion_request_error(req: Any, block_size: int, slot_size: int, num_blocks: int
                         ) -> str | None:
     """Why ReFusion cannot serve ``req`` (first words: what to do), or ``None``."""
     from diffspec.core.slots import slot_layout
 
     params = req.sampling_params
-    asked = sampling_asked(params)
-    if asked:
-        return ("set temperature 0 (or leave the sampling fields out): ReFusion in SGLang "
-                f"decodes greedily (its plan and verify rules are greedy), got "
-                f"{', '.join(asked)}")
+    asked, ignored = sampling_asked(params), ignored_fields(params)
+    if asked or ignored:
+        todo = ([] if not asked else ["set temperature 0 (or leave the sampling fields out)"]
+                ) + ([f"remove {', '.join(ignored)}"] if ignored else [])
+        return (f"{' and '.join(todo)}: ReFusion in SGLang decodes greedily (its plan and "
+                f"verify rules are greedy) and would ignore {', '.join(asked + ignored)}")
+    if getattr(req, "return_logprob", False):
+        return ("leave logprobs out of the request: ReFusion in SGLang commits whole slots "
+                "of tokens by its own rules and reports no log-probabilities for them")
+    if not params.max_new_tokens:  # SGLang's n > 1 first sends the prompt alone to cache it
+        return ("set n to 1 and max_tokens >= 1: ReFusion in SGLang decodes a request's "
+                "generation in one KV block and cannot serve a prompt-only request "
+                "(max_new_tokens 0), which SGLang sends before n > 1 samples; its greedy "
+                "samples would all be the same")
     gen_len, block_len = slot_layout(params.max_new_tokens, slot_size, num_blocks)
     if gen_len > block_size:
         return (f"set max_new_tokens <= {block_size} or raise block_size in "
