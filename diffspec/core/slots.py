@@ -21,6 +21,7 @@ __all__ = [
     "score_slots",
     "select_slots",
     "longest_layout",
+    "width_error",
     "slot_layout",
     "verify_slot_drafts",
 ]
@@ -43,6 +44,21 @@ def longest_layout(width: int, slot_size: int, num_blocks: int) -> int:
     a request's default ``max_tokens`` when the client sends none."""
     step = slot_size * num_blocks
     return width // step * step
+
+
+def width_error(width: object, slot_size: int, num_blocks: int, name: str) -> str | None:
+    """Why ``width`` (a launch's most generated tokens a request may have, called ``name``
+    in the message) cannot hold ReFusion's generations (first words: what to do), or
+    ``None``: it must be whole slots and hold at least one :func:`slot_layout`."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < slot_size \
+            or width % slot_size:
+        return (f"set {name} to a multiple of slot_size {slot_size} (the most tokens a "
+                f"request may generate), got {width!r}")
+    if not longest_layout(width, slot_size, num_blocks):
+        return (f"raise {name} to at least slot_size x num_blocks = {slot_size * num_blocks} "
+                f"(or lower num_blocks): a request's generation is that many serial blocks of "
+                f"whole slots, got {width}")
+    return None
 
 
 def score_slots(

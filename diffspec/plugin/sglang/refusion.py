@@ -39,7 +39,7 @@ def refusion_options(options: dict[str, Any], source: str = "the dLLM settings"
                      ) -> dict[str, Any]:
     """Resolved and checked ReFusion settings (registry defaults filled in);
     :class:`CheckpointError` whose first words say what to fix."""
-    from diffspec.core.slots import longest_layout
+    from diffspec.core.slots import width_error
     from diffspec.spec_workers.reference.refusion import ReFusionConfig
 
     unknown = sorted(set(options) - set(_OPTIONS))
@@ -53,15 +53,9 @@ def refusion_options(options: dict[str, Any], source: str = "the dLLM settings"
     except ValueError as exc:
         raise CheckpointError(f"fix {source}: {exc}") from None
     block = options.get("block_size", DEFAULT_BLOCK_SIZE)
-    if isinstance(block, bool) or not isinstance(block, int) or block < config.slot_size \
-            or block % config.slot_size:
-        raise CheckpointError(f"set block_size in {source} to a multiple of slot_size "
-                              f"{config.slot_size}, got {block!r}")
-    if not longest_layout(block, config.slot_size, config.num_blocks):
-        raise CheckpointError(f"raise block_size in {source} to at least slot_size x num_blocks"
-                              f" = {config.slot_size * config.num_blocks} (or lower num_blocks):"
-                              f" a request's generation is that many serial blocks of whole "
-                              f"slots, got block_size {block}")
+    why = width_error(block, config.slot_size, config.num_blocks, f"block_size in {source}")
+    if why:
+        raise CheckpointError(why)
     return {"slot_size": config.slot_size, "slot_threshold": float(config.slot_threshold),
             "token_threshold": float(config.token_threshold), "num_blocks": config.num_blocks,
             "block_size": block}

@@ -70,7 +70,7 @@ def refusion_backend_error(named: str | None) -> str | None:
 def refusion_settings(additional_config: Any, canvas: int | None) -> dict[str, Any]:
     """The resolved settings (registry defaults filled in, checked); a
     :class:`CheckpointError` whose first words say what to do otherwise."""
-    from diffspec.core.slots import longest_layout
+    from diffspec.core.slots import width_error
     from diffspec.spec_workers.reference.refusion import ReFusionConfig
 
     options = method_options(additional_config, "refusion", _FLAG, "ReFusion", _KNOBS,
@@ -83,15 +83,10 @@ def refusion_settings(additional_config: Any, canvas: int | None) -> dict[str, A
     except ValueError as exc:
         raise CheckpointError(f"fix diffspec.refusion in {_FLAG}: {exc}") from None
     canvas = DEFAULT_CANVAS if canvas is None else canvas
-    if canvas < config.slot_size or canvas % config.slot_size:
-        raise CheckpointError(f"set --diffusion-config's canvas_length to a multiple of "
-                              f"slot_size {config.slot_size} (the most tokens a request may "
-                              f"generate), got {canvas}")
-    if not longest_layout(canvas, config.slot_size, config.num_blocks):
-        raise CheckpointError(f"raise --diffusion-config's canvas_length to at least "
-                              f"slot_size x num_blocks = {config.slot_size * config.num_blocks}"
-                              f" (or lower num_blocks): a request's generation is that many "
-                              f"serial blocks of whole slots, got canvas_length {canvas}")
+    why = width_error(canvas, config.slot_size, config.num_blocks,
+                      "--diffusion-config's canvas_length")
+    if why:
+        raise CheckpointError(why)
     return {"slot_size": config.slot_size, "slot_threshold": float(config.slot_threshold),
             "token_threshold": float(config.token_threshold), "num_blocks": config.num_blocks,
             "canvas_length": canvas}
