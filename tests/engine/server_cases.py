@@ -213,8 +213,8 @@ class ServerCases:
             else:
                 assert _message(answer), answer
             print(f"{extra}: {status}", "" if status == 200 else _message(answer))  # -rA
-            if not served.lossless and {"presence_penalty", "logit_bias"} & set(extra):
-                assert status == 400, answer  # greedy dLLMs would ignore them: refused
+            if not served.lossless and {"presence_penalty", "logit_bias", "logprobs"} & set(extra):
+                assert status == 400, answer  # the dLLMs would ignore them: refused
         served.alive()
 
     def test_greedy_completion_equals_oracle(self, served: Served) -> None:

@@ -113,3 +113,17 @@ def test_sampling_fastdllm_would_ignore_is_refused(case: str) -> None:
         assert message is not None and message.startswith(first_words), message
         if "temperature" in first_words and params.temperature != 1.0:
             assert f"would ignore temperature {params.temperature:g}" in message
+
+
+def test_logprobs_are_refused_by_the_dllms() -> None:
+    """SGLang's dLLM path answers a logprobs request with an empty list: refused instead,
+    what to do first; a request without them passes."""
+    from types import SimpleNamespace
+
+    from diffspec.spec_workers.sglang.requests import logprobs_error
+
+    how = "--dllm-algorithm FastDLLM unmasks several tokens a step by confidence"
+    message = logprobs_error(SimpleNamespace(return_logprob=True), how)
+    assert message is not None and message.startswith("leave logprobs out of the request: "
+                                                      + how), message
+    assert logprobs_error(SimpleNamespace(return_logprob=False), how) is None

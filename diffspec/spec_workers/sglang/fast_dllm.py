@@ -16,7 +16,11 @@ from sglang.srt.dllm.config import DllmConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from diffspec.core.unmask import sub_block_start, unmask_block
-from diffspec.spec_workers.sglang.requests import fast_dllm_request_error
+from diffspec.spec_workers.sglang.requests import (
+    FAST_DLLM,
+    fast_dllm_request_error,
+    logprobs_error,
+)
 
 __all__ = ["FastDLLM", "RowState", "batch_requests", "request_stop_ids"]
 
@@ -55,8 +59,10 @@ class FastDLLM(DllmAlgorithm):
 
     @classmethod
     def validate_request(cls, req: Any) -> str | None:
-        """Refuse a request whose sampling FastDLLM would ignore (SGLang aborts it alone)."""
-        return fast_dllm_request_error(req.sampling_params)
+        """Refuse a request whose sampling FastDLLM would ignore, or that asks for logprobs
+        (SGLang aborts it alone)."""
+        return fast_dllm_request_error(req.sampling_params) or logprobs_error(
+            req, f"--dllm-algorithm {FAST_DLLM} unmasks several tokens a step by confidence")
 
     def max_steps(self, block_size: int) -> int:
         """Forwards after a block's first one (synchronous mode): one token per step, then

@@ -12,7 +12,7 @@ from typing import Any
 from diffspec.methods import get_method
 
 __all__ = ["FAST_DLLM", "REFUSION", "fast_dllm_request_error", "refuse_unsupported_requests",
-           "ignored_fields", "refusion_request_error", "sampling_asked",
+           "ignored_fields", "logprobs_error", "refusion_request_error", "sampling_asked",
            "unsupported_request_option"]
 
 logger = logging.getLogger("diffspec")
@@ -112,6 +112,14 @@ def fast_dllm_request_error(params: Any) -> str | None:
                                                "served, greedily)" if asked else ""))
 
 
+def logprobs_error(req: Any, how: str) -> str | None:
+    """Why a dLLM (``how`` it commits tokens) refuses ``req`` (an SGLang ``Req``) asking
+    for logprobs, or ``None``: SGLang's dLLM path would answer with an empty list."""
+    if not getattr(req, "return_logprob", False):
+        return None
+    return f"leave logprobs out of the request: {how} and reports no log-probabilities for them"
+
+
 def ignored_fields(params: Any) -> list[str]:
     """The fields of ``params`` (SGLang's ``SamplingParams``) set that a greedy dLLM
     would ignore: penalties, ``min_new_tokens``, a logit bias, a grammar."""
@@ -131,9 +139,10 @@ def refusion_request_error(req: Any, block_size: int, slot_size: int, num_blocks
                 ) + ([f"remove {', '.join(ignored)}"] if ignored else [])
         return (f"{' and '.join(todo)}: ReFusion in SGLang decodes greedily (its plan and "
                 f"verify rules are greedy) and would ignore {', '.join(asked + ignored)}")
-    if getattr(req, "return_logprob", False):
-        return ("leave logprobs out of the request: ReFusion in SGLang commits whole slots "
-                "of tokens by its own rules and reports no log-probabilities for them")
+    logprobs = logprobs_error(req, f"--dllm-algorithm {REFUSION} commits whole slots of "
+                                   f"tokens by its own rules")
+    if logprobs:
+        return logprobs
     if not params.max_new_tokens:  # SGLang's n > 1 first sends the prompt alone to cache it
         return ("set n to 1 and max_tokens >= 1: ReFusion in SGLang decodes a request's "
                 "generation in one KV block and cannot serve a prompt-only request "
