@@ -17,13 +17,13 @@ __all__ = [
     "SlotOrder",
     "committed_slot_lengths",
     "first_stop_in_slots",
+    "longest_layout",
     "reorder_for_kv_reuse",
     "score_slots",
     "select_slots",
-    "longest_layout",
-    "width_error",
     "slot_layout",
     "verify_slot_drafts",
+    "width_error",
 ]
 
 
